@@ -1,0 +1,1 @@
+"""The rdmatensor micro-benchmark CLI."""

@@ -1,0 +1,132 @@
+"""What RDMA hardware (or SoftRoCE) this machine has, read from sysfs and verbs."""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+SYSFS = Path("/sys/class/infiniband")
+_MTU_BYTES = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}
+
+
+@dataclass
+class Gid:
+    index: int
+    gid: str
+    type: str          # "RoCE v2", "IB/RoCE v1" or "" (InfiniBand)
+    netdev: str
+
+
+@dataclass
+class Port:
+    number: int
+    state: str         # ACTIVE, DOWN, INIT, ...
+    link_layer: str    # Ethernet or InfiniBand
+    active_mtu: int | None
+    gids: list[Gid] = field(default_factory=list)
+
+    @property
+    def active(self) -> bool:
+        return self.state == "ACTIVE"
+
+    def roce_v2_gid(self) -> Gid | None:
+        """The GID to use for RoCE v2 traffic: IPv4-mapped first, like perftest's -x."""
+        v2 = [g for g in self.gids if g.type == "RoCE v2"]
+        ipv4 = [g for g in v2 if g.gid.startswith("0000:0000:0000:0000:0000:ffff:")]
+        return (ipv4 or v2 or [None])[0]
+
+
+@dataclass
+class Device:
+    name: str
+    driver: str
+    ports: list[Port]
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
+
+
+def _active_mtus(name: str) -> dict[int, int]:
+    """Active MTU per port from verbs; sysfs does not expose it."""
+    try:
+        from pyverbs.device import Context
+    except ImportError:
+        return {}
+    try:
+        with Context(name=name) as ctx:
+            nports = ctx.query_device().phys_port_cnt
+            return {p: _MTU_BYTES.get(ctx.query_port(p).active_mtu) for p in range(1, nports + 1)}
+    except Exception:  # noqa: BLE001 - a device we cannot open is still listed
+        return {}
+
+
+def list_devices() -> list[Device]:
+    if not SYSFS.is_dir():
+        return []
+    devices = []
+    for dev in sorted(SYSFS.iterdir()):
+        if (dev / "device" / "driver").exists():
+            driver = os.path.basename(os.path.realpath(dev / "device" / "driver"))
+        else:  # software devices (rxe, siw) sit on a netdev instead of a bus
+            driver = f"software on {_read(dev / 'parent') or '?'}"
+        mtus = _active_mtus(dev.name)
+        ports = []
+        for pdir in sorted((dev / "ports").iterdir(), key=lambda p: int(p.name)):
+            num = int(pdir.name)
+            gids = []
+            for gfile in sorted((pdir / "gids").iterdir(), key=lambda p: int(p.name)):
+                gid = _read(gfile)
+                if not gid or gid == "0000:0000:0000:0000:0000:0000:0000:0000":
+                    continue
+                idx = int(gfile.name)
+                gids.append(Gid(idx, gid, _read(pdir / "gid_attrs" / "types" / gfile.name),
+                                _read(pdir / "gid_attrs" / "ndevs" / gfile.name)))
+            state = _read(pdir / "state").split(":")[-1].strip()
+            ports.append(Port(num, state, _read(pdir / "link_layer"), mtus.get(num), gids))
+        devices.append(Device(dev.name, driver, ports))
+    return devices
+
+
+def active_port() -> tuple[Device, Port] | None:
+    """The first ACTIVE port of any device, or None."""
+    for dev in list_devices():
+        for port in dev.ports:
+            if port.active:
+                return dev, port
+    return None
+
+
+def provider_viability() -> dict[str, tuple[bool, str]]:
+    """Which data providers can run here, and why not where not."""
+    result = {}
+    try:
+        import pyverbs  # noqa: F401
+        found = active_port()
+        if found:
+            dev, port = found
+            result["verbs"] = (True, f"{dev.name} port {port.number} ACTIVE ({port.link_layer})")
+        elif list_devices():
+            result["verbs"] = (False, "RDMA devices present but no port is ACTIVE")
+        else:
+            result["verbs"] = (False, "no RDMA device (run inside `rdmatensor softroce vm`, "
+                                      "or `rdmatensor softroce up` where the kernel has rdma_rxe)")
+    except ImportError:
+        result["verbs"] = (False, "pyverbs is not importable (install python3-pyverbs and use a "
+                                  "virtualenv made with --system-site-packages)")
+    shm_ok = os.access("/dev/shm", os.W_OK)
+    result["shm"] = (shm_ok, "peers on this host share /dev/shm" if shm_ok else "/dev/shm is not writable")
+    result["tcp"] = (True, "sockets are always available")
+    try:
+        import grpc  # noqa: F401
+        result["grpc"] = (True, "grpcio installed (baseline)")
+    except ImportError:
+        result["grpc"] = (False, "grpcio is not installed")
+    return result
+
+
+def as_dict(devices: list[Device]) -> list[dict]:
+    return [asdict(d) for d in devices]

@@ -1,0 +1,41 @@
+#!/bin/sh
+# Stage 2 inside a SoftRoCE VM: bring up the network and an rxe device, run
+# the job's command with the caller's environment, record its exit status and
+# power off. $rdt_job and $rdt_index come from the kernel command line; the
+# rest from $rdt_job/vm-$rdt_index.env, written by the host.
+set -u
+export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+job="$rdt_job"
+. "$job/vm-$rdt_index.env"   # RDT_INDEX, RDT_ADDR, RDT_MTU, RDT_IFNAME, RDMATENSOR_VM_*
+idx="$RDT_INDEX"
+
+say() { echo "guest$idx: $*" >> "$job/guest-$idx.log"; }
+fail() { say "setup failed: $*"; echo 125 > "$job/rc-$idx"; sync; poweroff -f; }
+
+mkdir -p /dev/pts /dev/shm /run
+mount -t devpts devpts /dev/pts
+mount -t tmpfs -o mode=1777 tmpfs /dev/shm
+mount -t tmpfs -o mode=0755 tmpfs /run
+hostname "rdt-host$idx"
+ip link set lo up
+ip link set "$RDT_IFNAME" mtu "$RDT_MTU" up || fail "cannot set $RDT_IFNAME up with mtu $RDT_MTU"
+ip addr add "$RDT_ADDR/24" dev "$RDT_IFNAME" || fail "cannot address $RDT_IFNAME"
+modprobe rdma_rxe || fail "modprobe rdma_rxe"
+rdma link add rxe0 type rxe netdev "$RDT_IFNAME" || fail "rdma link add rxe0"
+i=0
+until grep -q ACTIVE /sys/class/infiniband/rxe0/ports/1/state 2>/dev/null; do
+  i=$((i + 1)); [ $i -gt 100 ] && fail "rxe0 port 1 not ACTIVE after 10 s"
+  sleep 0.1
+done
+ulimit -l unlimited
+say "rxe0 ACTIVE on $RDT_IFNAME $RDT_ADDR mtu $RDT_MTU"
+: > "$job/ready-$idx"
+
+# The caller's environment and working directory, then the command itself.
+. "$job/cmd.env"
+. "$job/vm-$idx.env"
+cd "$RDT_CWD" 2>/dev/null || cd /
+sh "$job/cmd.sh" > "$job/out-$idx" 2> "$job/err-$idx" < /dev/null
+echo $? > "$job/rc-$idx"
+sync
+poweroff -f

@@ -1,0 +1,266 @@
+"""Run a command on real SoftRoCE inside one or two qemu VMs.
+
+Where the host kernel has no rdma_rxe, the distribution's stock kernel is
+booted under qemu (TCG: the stock kernel does not boot under KVM on every
+host) with the host's root filesystem mounted read-only, so the guest runs
+the same interpreter, virtualenv, pyverbs and project tree as the host.
+
+- hosts=1: one VM, one rxe device shared by every process in it (loopback).
+- hosts=2: two VMs whose NICs are joined by a qemu socket netdev on the
+  host's loopback, one rxe device each: a two-host RDMA cluster.
+
+The job directory (a host temp dir shared writable over 9p at the same path)
+carries the command, the environment, the output and the exit status.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO, Sequence
+
+from ..errors import SoftRoceError, VmTimeout
+from .initramfs import find_kernel, initramfs_for
+
+GUEST_INIT = Path(__file__).with_name("guest_init.sh")
+# TEST-NET-1 (RFC 5737): documentation addresses, only ever used on the
+# VMs' private link inside qemu.
+GUEST_ADDRS = ("192.0.2.1", "192.0.2.2")
+DEFAULT_TIMEOUT = 600.0
+DEFAULT_MTU = 9000
+BOOT_TIMEOUT = 180.0
+
+# Host variables that describe the host's session rather than the command.
+_ENV_SKIP = {"PWD", "OLDPWD", "SHLVL", "_", "HOSTNAME", "DISPLAY", "TMUX", "TMUX_PANE",
+             "SSH_AUTH_SOCK", "SSH_CONNECTION", "SSH_CLIENT", "SSH_TTY", "PS1", "PROMPT_COMMAND"}
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass
+class VmResult:
+    returncode: int
+    returncodes: list[int]
+    boot_seconds: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def qemu_binary() -> str:
+    path = shutil.which("qemu-system-x86_64")
+    if not path:
+        raise SoftRoceError("qemu-system-x86_64 not found: install qemu-system-x86 (make setup does)")
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _listening(port: int) -> bool:
+    # Probing with connect() would be taken by qemu as its peer: read the
+    # kernel's socket table instead.
+    needle = f":{port:04X} "
+    try:
+        with open("/proc/net/tcp") as f:
+            return any(needle in line and line.split()[3] == "0A" for line in f)
+    except OSError:
+        return False
+
+
+def _write_env(path: Path, cwd: str, extra: dict[str, str] | None) -> None:
+    env = {k: v for k, v in os.environ.items() if _ENV_NAME.match(k) and k not in _ENV_SKIP}
+    # Make the interpreter that launched us (typically the project venv) the
+    # first python on PATH inside the guest.
+    bindir = os.path.dirname(sys.executable)
+    env["PATH"] = bindir + os.pathsep + env.get("PATH", "/usr/local/bin:/usr/bin:/bin")
+    if sys.prefix != sys.base_prefix:
+        env["VIRTUAL_ENV"] = sys.prefix
+    env.update(extra or {})
+    env["RDT_CWD"] = cwd
+    path.write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted(env.items())))
+
+
+class _Tail(threading.Thread):
+    """Copy what a guest appends to a job file onto a host stream."""
+
+    def __init__(self, path: Path, out: BinaryIO, prefix: bytes):
+        super().__init__(daemon=True)
+        self.path, self.out, self.prefix = path, out, prefix
+        self.stopping = threading.Event()
+        self.pos = 0
+        self.partial = b""
+
+    def pump(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.pos)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        if not data:
+            return
+        self.pos += len(data)
+        if self.prefix:
+            data = self.partial + data
+            lines = data.split(b"\n")
+            self.partial = lines.pop()
+            data = b"".join(self.prefix + line + b"\n" for line in lines)
+        self.out.write(data)
+        self.out.flush()
+
+    def run(self) -> None:
+        while not self.stopping.wait(0.2):
+            self.pump()
+
+    def finish(self) -> None:
+        self.stopping.set()
+        self.join()
+        self.pump()
+        if self.partial:
+            self.out.write(self.prefix + self.partial + b"\n")
+            self.out.flush()
+
+
+def _tail_text(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(nothing)"
+
+
+def run(command: Sequence[str], hosts: int = 1, timeout: float = DEFAULT_TIMEOUT,
+        cpus: int | None = None, memory_mb: int | None = None, mtu: int = DEFAULT_MTU,
+        env: dict[str, str] | None = None, cwd: str | None = None,
+        stdout: BinaryIO | None = None, stderr: BinaryIO | None = None,
+        log=None) -> VmResult:
+    """Run `command` in `hosts` SoftRoCE VMs; return its exit status(es).
+
+    With two hosts the command runs on both; it learns its side from
+    RDMATENSOR_VM_INDEX (0 or 1), RDMATENSOR_VM_ROLE (server on 0, client
+    on 1), RDMATENSOR_VM_ADDR and RDMATENSOR_VM_PEER_ADDR.
+    """
+    if hosts not in (1, 2):
+        raise SoftRoceError(f"hosts must be 1 or 2, not {hosts!r}")
+    if not command:
+        raise SoftRoceError("no command given to run in the VM")
+    if not 1280 <= mtu <= 9000:
+        raise SoftRoceError(f"mtu must be between 1280 and 9000, not {mtu}")
+    stdout = stdout or sys.stdout.buffer
+    stderr = stderr or sys.stderr.buffer
+    log = log or (lambda msg: print(f"softroce vm: {msg}", file=sys.stderr, flush=True))
+    ncpu = os.cpu_count() or 1
+    cpus = cpus or (min(2, ncpu) if hosts == 1 else 1)
+    memory_mb = memory_mb or (4096 if hosts == 1 else 3072)
+
+    kernel = find_kernel()
+    initrd = initramfs_for(kernel)
+    qemu = qemu_binary()
+    job = Path(tempfile.mkdtemp(prefix="rdmatensor-vm-"))
+    procs: list[subprocess.Popen] = []
+    tails: list[_Tail] = []
+    started = time.monotonic()
+    try:
+        (job / "cmd.sh").write_text("exec " + shlex.join(command) + "\n")
+        _write_env(job / "cmd.env", cwd or os.getcwd(), env)
+        port = _free_port()
+        for i in range(hosts):
+            peer = GUEST_ADDRS[1 - i] if hosts == 2 else GUEST_ADDRS[0]
+            role = "server" if i == 0 else "client"
+            (job / f"vm-{i}.env").write_text(
+                f"RDT_INDEX={i}\nRDT_ADDR={GUEST_ADDRS[i]}\nRDT_MTU={mtu}\nRDT_IFNAME=eth0\n"
+                f"export RDMATENSOR_VM_INDEX={i} RDMATENSOR_VM_HOSTS={hosts} RDMATENSOR_VM_ROLE={role}\n"
+                f"export RDMATENSOR_VM_ADDR={GUEST_ADDRS[i]} RDMATENSOR_VM_PEER_ADDR={peer}\n"
+                f"export RDMATENSOR_VM_ADDRS='{' '.join(GUEST_ADDRS[:hosts])}'\n")
+        for i in range(hosts):
+            if hosts == 1:
+                netdev = "hubport,id=net0,hubid=0"  # a link to nowhere: rxe loops back locally
+            elif i == 0:
+                netdev = f"socket,id=net0,listen=127.0.0.1:{port}"
+            else:
+                netdev = f"socket,id=net0,connect=127.0.0.1:{port}"
+            argv = [
+                qemu, "-accel", "tcg", "-cpu", "max", "-smp", str(cpus), "-m", str(memory_mb),
+                "-nodefaults", "-no-reboot", "-display", "none",
+                "-kernel", str(kernel.image), "-initrd", str(initrd),
+                "-append", (f"console=ttyS0 quiet panic=-1 rdt_job={job} "
+                            f"rdt_index={i} rdt_stage2={GUEST_INIT}"),
+                "-serial", f"file:{job}/console-{i}.log",
+                "-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap",
+                "-virtfs", f"local,path={job},mount_tag=job,security_model=none,multidevs=remap",
+                "-netdev", netdev,
+                "-device", f"virtio-net-pci,netdev=net0,mac=52:54:00:0d:72:{i + 1:02x}",
+            ]
+            procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+            if hosts == 2 and i == 0:
+                deadline = time.monotonic() + 30
+                while not _listening(port):
+                    if procs[0].poll() is not None or time.monotonic() > deadline:
+                        raise SoftRoceError("first VM did not start listening for its peer: "
+                                            + procs[0].stdout.read().decode(errors="replace"))
+                    time.sleep(0.05)
+        for i in range(hosts):
+            prefix = f"[host{i}] ".encode() if hosts == 2 else b""
+            tails += [_Tail(job / f"out-{i}", stdout, prefix), _Tail(job / f"err-{i}", stderr, prefix)]
+        for t in tails:
+            t.start()
+
+        boot = [0.0] * hosts
+        deadline = started + timeout
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            for i in range(hosts):
+                if not boot[i] and (job / f"ready-{i}").exists():
+                    boot[i] = now - started
+                    log(f"host{i} up, rxe0 ACTIVE, in {boot[i]:.1f} s "
+                        f"(kernel {kernel.release}, {cpus} vCPU, {memory_mb} MiB)")
+                if not boot[i] and now - started > min(BOOT_TIMEOUT, timeout):
+                    raise VmTimeout(f"host{i} did not boot within {min(BOOT_TIMEOUT, timeout):.0f} s; "
+                                    f"console:\n{_tail_text(job / f'console-{i}.log')}\n"
+                                    f"{_tail_text(job / f'guest-{i}.log')}")
+            if now > deadline:
+                raise VmTimeout(f"command still running after the {timeout:.0f} s timeout: "
+                                f"VM{'s' if hosts > 1 else ''} killed")
+            time.sleep(0.1)
+        for t in tails:
+            t.finish()
+        tails = []
+
+        codes = []
+        for i in range(hosts):
+            rc_file = job / f"rc-{i}"
+            if rc_file.exists():
+                codes.append(int(rc_file.read_text().strip() or 125))
+            else:
+                qemu_out = procs[i].stdout.read().decode(errors="replace").strip()
+                log(f"host{i} exited without running the command (qemu status {procs[i].returncode}).\n"
+                    f"qemu: {qemu_out or '(nothing)'}\nconsole:\n{_tail_text(job / f'console-{i}.log')}\n"
+                    f"guest: {_tail_text(job / f'guest-{i}.log')}")
+                codes.append(125)
+            if codes[-1] == 125 and (job / f"guest-{i}.log").exists():
+                log(_tail_text(job / f"guest-{i}.log"))
+        rc = next((c for c in codes if c != 0), 0)
+        seconds = time.monotonic() - started
+        log(f"finished in {seconds:.1f} s, exit status {codes if hosts > 1 else rc}")
+        return VmResult(rc, codes, boot, seconds)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+            if p.stdout:
+                p.stdout.close()
+        for t in tails:
+            t.finish()
+        shutil.rmtree(job, ignore_errors=True)

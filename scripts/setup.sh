@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Install everything rdmatensor needs on Debian (bookworm), as root, and the
+# project itself into a virtualenv. Idempotent: seconds when nothing is missing.
+#
+#   scripts/setup.sh [VENV]      (default: .venv next to this repository)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv="${1:-.venv}"
+
+# rdma-core userspace, Debian's pyverbs (for /usr/bin/python3), perftest, and
+# what the SoftRoCE VM needs: qemu, the stock kernel (with rdma_rxe), busybox.
+packages=(rdma-core ibverbs-providers ibverbs-utils perftest python3-pyverbs
+          python3-venv python3-dev qemu-system-x86 linux-image-amd64 busybox-static
+          iproute2 kmod cpio gzip procps)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing Debian packages: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# The virtualenv must see Debian's pyverbs, which is built for /usr/bin/python3.
+if [ ! -x "$venv/bin/python" ]; then
+  echo "setup: creating $venv from /usr/bin/python3 with system site packages"
+  /usr/bin/python3 -m venv --system-site-packages "$venv"
+fi
+
+# Reinstall the project only when its metadata changed.
+stamp="$venv/.rdmatensor-installed"
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "setup: installing rdmatensor and its Python dependencies into $venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip setuptools wheel
+  "$venv/bin/python" -m pip install -q -e ".[tf,dev]"
+  echo "$want" > "$stamp"
+fi
+"$venv/bin/python" -c "import pyverbs, numpy, grpc" \
+  || { echo "setup: the virtualenv cannot import pyverbs/numpy/grpc" >&2; exit 1; }

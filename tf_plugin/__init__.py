@@ -1,0 +1,1 @@
+"""TensorFlow distributed-training plugin built on rdmatensor."""
