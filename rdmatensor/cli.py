@@ -49,7 +49,7 @@ def _softroce(args: argparse.Namespace) -> int:
                                   "`rdmatensor softroce vm -- ibv_devices`")
         try:
             return softroce.run(command, hosts=args.hosts, timeout=args.timeout, cpus=args.cpus,
-                                memory_mb=args.memory, mtu=args.mtu).returncode
+                                memory_mb=args.memory, mtu=args.mtu, shares=args.share).returncode
         except VmTimeout as exc:
             print(f"rdmatensor: {exc}", file=sys.stderr)
             return 124
@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     vm.add_argument("--memory", type=int, help="MiB per VM (default 4096 for one host, 3072 each)")
     vm.add_argument("--mtu", type=int, default=softroce.vm.DEFAULT_MTU,
                     help="netdev MTU (default %(default)s, giving RoCE MTU 4096)")
+    vm.add_argument("--share", action="append", default=[], metavar="DIR",
+                    help="host directory to mount writable at the same path (repeatable)")
     vm.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
     return parser
 

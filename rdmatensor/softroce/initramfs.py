@@ -46,6 +46,14 @@ mount -t overlay overlay -o lowerdir=/lower,upperdir=/rw/upper,workdir=/rw/work 
 mkdir -p "/newroot$rdt_job"
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=524288,cache=none job "/newroot$rdt_job" \
   || { echo "stage1: cannot mount job directory"; poweroff -f; }
+# Extra host directories shared writable at the same path: rdt_shares=a,b
+n=0
+for d in $(echo "${rdt_shares:-}" | tr ',' ' '); do
+  mkdir -p "/newroot$d"
+  mount -t 9p -o trans=virtio,version=9p2000.L,msize=524288,cache=none "share$n" "/newroot$d" \
+    || echo "stage1: cannot mount shared directory $d"
+  n=$((n + 1))
+done
 mount --move /proc /newroot/proc
 mount --move /sys /newroot/sys
 mount --move /dev /newroot/dev

@@ -141,14 +141,15 @@ def _tail_text(path: Path, lines: int = 25) -> str:
 
 def run(command: Sequence[str], hosts: int = 1, timeout: float = DEFAULT_TIMEOUT,
         cpus: int | None = None, memory_mb: int | None = None, mtu: int = DEFAULT_MTU,
-        env: dict[str, str] | None = None, cwd: str | None = None,
+        env: dict[str, str] | None = None, cwd: str | None = None, shares: Sequence[str] = (),
         stdout: BinaryIO | None = None, stderr: BinaryIO | None = None,
         log=None) -> VmResult:
     """Run `command` in `hosts` SoftRoCE VMs; return its exit status(es).
 
     With two hosts the command runs on both; it learns its side from
     RDMATENSOR_VM_INDEX (0 or 1), RDMATENSOR_VM_ROLE (server on 0, client
-    on 1), RDMATENSOR_VM_ADDR and RDMATENSOR_VM_PEER_ADDR.
+    on 1), RDMATENSOR_VM_ADDR and RDMATENSOR_VM_PEER_ADDR. `shares` are host
+    directories mounted writable at the same path, for results to come back.
     """
     if hosts not in (1, 2):
         raise SoftRoceError(f"hosts must be 1 or 2, not {hosts!r}")
@@ -156,6 +157,11 @@ def run(command: Sequence[str], hosts: int = 1, timeout: float = DEFAULT_TIMEOUT
         raise SoftRoceError("no command given to run in the VM")
     if not 1280 <= mtu <= 9000:
         raise SoftRoceError(f"mtu must be between 1280 and 9000, not {mtu}")
+    shares = [os.path.abspath(d) for d in shares]
+    for d in shares:
+        if not os.path.isdir(d) or "," in d or " " in d:
+            raise SoftRoceError(f"cannot share {d!r}: it must be a directory whose path has "
+                                "no spaces or commas")
     stdout = stdout or sys.stdout.buffer
     stderr = stderr or sys.stderr.buffer
     log = log or (lambda msg: print(f"softroce vm: {msg}", file=sys.stderr, flush=True))
@@ -194,10 +200,13 @@ def run(command: Sequence[str], hosts: int = 1, timeout: float = DEFAULT_TIMEOUT
                 "-nodefaults", "-no-reboot", "-display", "none",
                 "-kernel", str(kernel.image), "-initrd", str(initrd),
                 "-append", (f"console=ttyS0 quiet panic=-1 rdt_job={job} "
-                            f"rdt_index={i} rdt_stage2={GUEST_INIT}"),
+                            f"rdt_index={i} rdt_stage2={GUEST_INIT}"
+                            + (f" rdt_shares={','.join(shares)}" if shares else "")),
                 "-serial", f"file:{job}/console-{i}.log",
                 "-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap",
                 "-virtfs", f"local,path={job},mount_tag=job,security_model=none,multidevs=remap",
+                *[arg for n, d in enumerate(shares) for arg in (
+                    "-virtfs", f"local,path={d},mount_tag=share{n},security_model=none,multidevs=remap")],
                 "-netdev", netdev,
                 "-device", f"virtio-net-pci,netdev=net0,mac=52:54:00:0d:72:{i + 1:02x}",
             ]

@@ -1,0 +1,26 @@
+# rdmatensor: `make demo` and `make test` set up everything they need first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup demo test test-host test-rdma clean
+
+setup:
+	@bash scripts/setup.sh $(VENV)
+
+# Two SoftRoCE hosts (VMs where this kernel has no rdma_rxe), one RDMA write
+# of 64 MiB between them, checked byte for byte.
+demo: setup
+	$(PY) -m rdmatensor devices
+	$(PY) -m rdmatensor softroce vm --hosts 2 -- $(PY) examples/rdma_write.py vm --size 67108864
+
+test: setup
+	$(PY) scripts/run_tests.py
+
+test-host: setup
+	$(PY) scripts/run_tests.py --only host
+
+test-rdma: setup
+	$(PY) scripts/run_tests.py --only rdma
+
+clean:
+	rm -rf $(VENV) test-results .pytest_cache

@@ -1,0 +1,92 @@
+"""Run the whole test suite and report it as one.
+
+1. host:  every test not marked `rdma`, natively (including the `vm` tests,
+          which boot SoftRoCE VMs themselves);
+2. rdma:  the tests marked `rdma`, natively where this host has an ACTIVE
+          RDMA port, else inside a SoftRoCE VM (`rdmatensor softroce vm`).
+
+Arguments after `--` go to every pytest run (e.g. `-- -k write -x`).
+Ends with one line: `total: N passed, N failed, N skipped`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from rdmatensor.devices import active_port  # noqa: E402
+
+
+def counts(junit: Path) -> dict[str, int]:
+    total = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    if not junit.exists():
+        return total
+    root = ET.parse(junit).getroot()
+    for suite in ([root] if root.tag == "testsuite" else root.iter("testsuite")):
+        for key in total:
+            total[key] += int(suite.get(key, 0))
+    return total
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", choices=("host", "rdma"))
+    parser.add_argument("pytest_args", nargs=argparse.REMAINDER)
+    args = parser.parse_args()
+    extra = [a for a in args.pytest_args if a != "--"]
+    results = ROOT / "test-results"
+    results.mkdir(exist_ok=True)
+    py = sys.executable
+
+    suites = []
+    if args.only in (None, "host"):
+        suites.append(("host", [py, "-m", "pytest", "-m", "not rdma", "-rs",
+                                f"--junitxml={results}/host.xml", *extra], "natively"))
+    if args.only in (None, "rdma"):
+        pytest_rdma = [py, "-m", "pytest", "-m", "rdma", "-rs", f"--junitxml={results}/rdma.xml", *extra]
+        found = active_port()
+        if found:
+            suites.append(("rdma", pytest_rdma, f"natively on {found[0].name}"))
+        else:
+            suites.append(("rdma", [py, "-m", "rdmatensor", "softroce", "vm", "--share", str(results),
+                                    "--", *pytest_rdma],
+                           "inside a SoftRoCE VM (this host has no ACTIVE RDMA port)"))
+
+    ok = True
+    summary = []
+    started = time.monotonic()
+    for name, cmd, where in suites:
+        junit = results / f"{name}.xml"
+        junit.unlink(missing_ok=True)
+        print(f"\n=== {name} tests, {where}", flush=True)
+        t0 = time.monotonic()
+        rc = subprocess.run(cmd, cwd=ROOT).returncode
+        c = counts(junit)
+        failed = c["failures"] + c["errors"]
+        passed = c["tests"] - failed - c["skipped"]
+        seconds = time.monotonic() - t0
+        if rc != 0 or c["tests"] == 0:
+            ok = False
+            if c["tests"] == 0:
+                print(f"=== {name}: no test ran (exit status {rc})", flush=True)
+        summary.append((name, passed, failed, c["skipped"], seconds, rc))
+
+    print("\n=== summary")
+    for name, passed, failed, skipped, seconds, rc in summary:
+        print(f"  {name:5} {passed} passed, {failed} failed, {skipped} skipped "
+              f"in {seconds:.0f} s (pytest exit {rc})")
+    tp, tf, ts = (sum(s[i] for s in summary) for i in (1, 2, 3))
+    print(f"  suite duration {time.monotonic() - started:.0f} s")
+    print(f"total: {tp} passed, {tf} failed, {ts} skipped", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
