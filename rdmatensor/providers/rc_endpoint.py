@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ..devices import active_port, list_devices
-from ..errors import DeviceError, RdmaTensorError
+from ..errors import DeviceError, RdmaTensorError, TransportError
 
 try:
     import pyverbs.enums as ev
@@ -38,7 +38,7 @@ MAX_REGION = 4 << 30
 _MTU_ENUM = {256: 1, 512: 2, 1024: 3, 2048: 4, 4096: 5}
 
 
-class VerbsError(RdmaTensorError):
+class VerbsError(TransportError):
     """A verbs call or a work completion failed."""
 
 
@@ -96,7 +96,8 @@ class RcEndpoint:
             # pyverbs wants an SGE on every receive, though a write's immediate
             # never lands in it: all receives share this scratch region.
             self._recv_scratch = MR(self.pd, 64, ev.IBV_ACCESS_LOCAL_WRITE)
-            self._mrs.append(self._recv_scratch)
+            self._send_scratch = MR(self.pd, 64, ev.IBV_ACCESS_LOCAL_WRITE)
+            self._mrs += [self._recv_scratch, self._send_scratch]
         except (PyverbsError, PyverbsRDMAError) as exc:
             self.close()
             raise VerbsError(f"cannot set up a queue pair on {device} port {port}: {exc}") from exc
@@ -115,6 +116,11 @@ class RcEndpoint:
             raise VerbsError(f"registering {array.nbytes} bytes failed: {exc}") from exc
         self._mrs.append(mr)
         return mr
+
+    def deregister(self, mr: MR) -> None:
+        if mr in self._mrs:
+            self._mrs.remove(mr)
+            mr.close()
 
     @staticmethod
     def remote_region(array: np.ndarray, mr: MR) -> RemoteRegion:
@@ -168,14 +174,27 @@ class RcEndpoint:
         except (PyverbsError, PyverbsRDMAError) as exc:
             raise VerbsError(f"posting a {length}-byte write failed: {exc}") from exc
 
-    def poll(self, max_entries: int = 16) -> list:
-        """Completed work; a failed completion raises with its status named."""
+    def poll(self, max_entries: int = 16, check: bool = True) -> list:
+        """Completed work. With `check`, a failed completion raises with its status named;
+        without, the caller inspects each with `completion_error()`."""
         n, wcs = self.cq.poll(num_entries=max_entries)
-        for wc in wcs[:n]:
-            if wc.status != ev.IBV_WC_SUCCESS:
-                raise VerbsError(f"work request {wc.wr_id} failed: "
-                                 f"{_wc_status_name(wc.status)} (status {wc.status})")
-        return wcs[:n]
+        wcs = wcs[:n]
+        if check:
+            for wc in wcs:
+                err = completion_error(wc)
+                if err:
+                    raise VerbsError(err)
+        return wcs
+
+    def post_send_imm(self, imm: int, wr_id: int = 0) -> None:
+        """A one-byte SEND carrying only an immediate (consumes one posted receive)."""
+        sge = SGE(self._send_scratch.buf, 1, self._send_scratch.lkey)
+        wr = SendWR(wr_id=wr_id, opcode=ev.IBV_WR_SEND_WITH_IMM, num_sge=1, sg=[sge],
+                    imm_data=imm, send_flags=ev.IBV_SEND_SIGNALED)
+        try:
+            self.qp.post_send(wr)
+        except (PyverbsError, PyverbsRDMAError) as exc:
+            raise VerbsError(f"posting an immediate failed: {exc}") from exc
 
     # -- lifetime ---------------------------------------------------------
     def close(self) -> None:
@@ -197,6 +216,16 @@ class RcEndpoint:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def completion_error(wc) -> str | None:
+    if wc.status == ev.IBV_WC_SUCCESS:
+        return None
+    return f"work request {wc.wr_id} failed: {_wc_status_name(wc.status)} (status {wc.status})"
+
+
+def is_receive(wc) -> bool:
+    return bool(wc.opcode & ev.IBV_WC_RECV)
 
 
 def _wc_status_name(status: int) -> str:

@@ -1,0 +1,113 @@
+"""Arenas: page-aligned memory, registered once, carved into slots.
+
+An arena is either private anonymous memory (verbs, tcp, grpc) or a POSIX
+shared-memory segment (shm, so a peer on the same host can map it). Either
+way it is page-aligned and handed to a provider to register once; slots are
+views into it, never separate allocations.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+
+import numpy as np
+
+from .errors import UsageError
+from .plan import MAX_ARENA_BYTES, Slot
+
+PAGE = mmap.PAGESIZE
+SHM_DIR = "/dev/shm"
+
+
+def _map_shared(name: str, size: int, create: bool) -> mmap.mmap:
+    path = os.path.join(SHM_DIR, name)
+    # 0600 and O_EXCL: only this user can map it, and never a segment someone planted.
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, size)
+        elif os.fstat(fd).st_size < size:
+            raise UsageError(f"shared segment {name} holds {os.fstat(fd).st_size} bytes, expected {size}")
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(fd)
+
+
+def _unmap(m: mmap.mmap) -> None:
+    try:
+        m.close()
+    except BufferError:
+        pass  # a view is still alive: the mapping goes when the last one does
+
+
+class Arena:
+    def __init__(self, size: int, shared: bool = False):
+        if not 0 < size <= MAX_ARENA_BYTES:
+            raise UsageError(f"an arena holds 1 byte to 4 GiB, not {size}")
+        size = (size + PAGE - 1) // PAGE * PAGE
+        self.size = size
+        self._name = None
+        if shared:
+            # Unguessable name: the segment is only reachable by whoever the
+            # control plane told (an authenticated peer).
+            self._name = f"rdmatensor-{secrets.token_hex(12)}"
+            self._map = _map_shared(self._name, size, create=True)
+        else:
+            self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.buf = np.frombuffer(self._map, dtype=np.uint8, count=size)
+        self._closed = False
+
+    @property
+    def name(self) -> str | None:
+        """The shared-memory segment's name (shared arenas only)."""
+        return self._name
+
+    @property
+    def address(self) -> int:
+        return self.buf.ctypes.data
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
+            raise UsageError(f"view [{offset}, {offset + nbytes}) is outside a {self.size}-byte arena")
+        return self.buf[offset:offset + nbytes]
+
+    def slot_view(self, slot: Slot) -> np.ndarray:
+        return self.view(slot.offset, slot.size)
+
+    def close(self) -> None:
+        """Release the memory. Views must be gone (numpy holds the buffer otherwise)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.buf = None
+        _unmap(self._map)
+        if self._name:
+            try:
+                os.unlink(os.path.join(SHM_DIR, self._name))
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self) -> "Arena":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class MappedArena:
+    """A peer's shared arena, mapped into this process (the shm provider's remote side)."""
+
+    def __init__(self, name: str, size: int):
+        if "/" in name or not name.startswith("rdmatensor-"):
+            raise UsageError(f"{name!r} is not an rdmatensor segment name")
+        self._map = _map_shared(name, size, create=False)
+        self.size = size
+        self.buf = np.frombuffer(self._map, dtype=np.uint8, count=size)
+
+    def close(self) -> None:
+        if self.buf is None:
+            return
+        self.buf = None
+        _unmap(self._map)

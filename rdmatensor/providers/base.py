@@ -1,0 +1,135 @@
+"""The contract every data provider implements: a Channel to one peer.
+
+A channel moves bytes one-sided: the receiver exposes regions of its memory
+(each with a key), tells the sender about them over the authenticated control
+plane, and the sender writes into them at an offset, with a 32-bit immediate
+that the receiver's channel reports when the bytes are in place. A zero-length
+write carries only the immediate (credits). No provider performs a write
+outside an exposed region or with a wrong key: it is refused and reported.
+
+Lifecycle: construct -> expose()/register_source() -> params() -> exchange over
+the control plane -> connect(peer_params) + attach(peer regions) -> write()/notify()
+-> close(). `on_imm(imm)` and `on_lost(error)` are called from the channel's
+own thread; `on_lost` is called at most once.
+"""
+from __future__ import annotations
+
+import secrets
+import struct
+from abc import ABC, abstractmethod
+from typing import Callable
+
+import numpy as np
+
+from ..errors import PeerLost, TransportError
+from ..memory import Arena
+
+
+class Channel(ABC):
+    name = "?"
+    # True when write() can only read from memory given to register_source().
+    needs_registered_source = False
+
+    def __init__(self, rank: int, peer: int, host: str, on_imm: Callable[[int], None],
+                 on_lost: Callable[[Exception], None]):
+        self.rank, self.peer, self.host = rank, peer, host
+        self.on_imm, self._on_lost = on_imm, on_lost
+        self._lost = False
+        self.local: dict[int, tuple[Arena, int]] = {}    # region id -> (arena, key)
+        self.remote: dict[int, dict] = {}                # region id -> descriptor
+
+    @classmethod
+    def viable(cls) -> tuple[bool, str]:
+        return True, ""
+
+    # -- setup ------------------------------------------------------------
+    def expose(self, region_id: int, arena: Arena) -> dict:
+        """Make `arena` writable by the peer; returns the descriptor the peer needs."""
+        key = secrets.randbits(32) or 1
+        self.local[region_id] = (arena, key)
+        return {"region_id": region_id, "size": arena.size, "key": key}
+
+    def unexpose(self, region_id: int) -> None:
+        self.local.pop(region_id, None)
+
+    def register_source(self, arena: Arena) -> None:
+        """Memory this side will write from (verbs registers it)."""
+
+    @abstractmethod
+    def params(self) -> dict:
+        """What the peer needs to connect to this side."""
+
+    @abstractmethod
+    def connect(self, peer_params: dict, initiator: bool, timeout: float) -> None:
+        """Join the peer; return when writes in both directions can flow."""
+
+    def attach(self, descriptor: dict) -> None:
+        """Learn a region of the peer's that this side may write into."""
+        self.remote[int(descriptor["region_id"])] = dict(descriptor)
+
+    # -- data path --------------------------------------------------------
+    @abstractmethod
+    def write(self, region_id: int, offset: int, src: np.ndarray, imm: int) -> None:
+        """Place `src` (uint8, contiguous) at `offset` in the peer's region and
+        deliver `imm`. Returns when `src` may be reused."""
+
+    def notify(self, imm: int) -> None:
+        """Deliver only an immediate (a zero-length write)."""
+        self.write(-1, 0, _EMPTY, imm)
+
+    def peer_said_bye(self) -> None:
+        """The peer closed in order; report it once everything it sent is in."""
+        self.lost(PeerLost(f"peer {self.peer} closed the session"))
+
+    # -- helpers ----------------------------------------------------------
+    def check_remote(self, region_id: int, offset: int, length: int) -> dict:
+        desc = self.remote.get(region_id)
+        if desc is None:
+            raise TransportError(f"peer {self.peer} exposed no region {region_id}")
+        if offset < 0 or length < 0 or offset + length > desc["size"]:
+            raise TransportError(f"write [{offset}, {offset + length}) is outside peer {self.peer}'s "
+                                 f"{desc['size']}-byte region {region_id}")
+        return desc
+
+    def check_local(self, region_id: int, key: int, offset: int, length: int) -> Arena:
+        """What an emulated NIC checks before it lets a write land."""
+        entry = self.local.get(region_id)
+        if entry is None:
+            raise TransportError(f"peer {self.peer} wrote to region {region_id}, which is not exposed")
+        arena, want = entry
+        if key != want:
+            raise TransportError(f"peer {self.peer} wrote to region {region_id} with a wrong key")
+        if offset < 0 or length < 0 or offset + length > arena.size:
+            raise TransportError(f"peer {self.peer} wrote [{offset}, {offset + length}) outside the "
+                                 f"{arena.size}-byte region {region_id}")
+        return arena
+
+    def lost(self, error: Exception) -> None:
+        if not self._lost:
+            self._lost = True
+            self._on_lost(error)
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release everything; idempotent."""
+
+
+_EMPTY = np.zeros(0, dtype=np.uint8)
+
+# Immediates: 2 bits of kind, 30 bits of slot index.
+IMM_DATA, IMM_CREDIT = 0, 1
+MAX_SLOTS = 1 << 30
+
+
+def make_imm(kind: int, index: int) -> int:
+    return (kind << 30) | index
+
+
+def split_imm(imm: int) -> tuple[int, int]:
+    return imm >> 30, imm & (MAX_SLOTS - 1)
+
+
+# The header of an emulated write on a stream (tcp payload follows it; shm has
+# already copied the payload into the mapped region).
+WRITE_HEADER = struct.Struct("<IiIIQQ")   # magic, region, key, imm, offset, length
+WRITE_MAGIC = 0x52445457                  # "RDTW"

@@ -1,0 +1,159 @@
+"""Emulated one-sided writes over a byte stream: the shared core of tcp and shm.
+
+The responder listens, the initiator dials and proves it was told the
+responder's key over the authenticated control plane. Each write is a header
+(region, key, immediate, offset, length), checked against the exposed regions
+exactly as a NIC checks an rkey, and then either the payload itself, received
+straight into the target region (tcp), or nothing because the payload was
+already copied into the peer's mapped region (shm). A refused write closes
+the connection and is reported.
+"""
+from __future__ import annotations
+
+import hmac
+import secrets
+import socket
+import threading
+import time
+
+import numpy as np
+
+from ..errors import PeerLost, TransportError
+from .base import WRITE_HEADER, WRITE_MAGIC, Channel
+
+AUTH_BYTES = 32
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
+    """Fill `view` from the socket; False on a clean EOF before the first byte."""
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            if got == 0:
+                return False
+            raise PeerLost("connection closed in the middle of a message")
+        got += n
+    return True
+
+
+class StreamChannel(Channel):
+    payload_inline = True      # tcp: payload follows the header on the stream
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._key = secrets.token_bytes(AUTH_BYTES)
+        self._listener = self._listen()
+        self._sock: socket.socket | None = None
+        self._send_lock = threading.Lock()
+        self._reader: threading.Thread | None = None
+        self._closing = False
+
+    # transport-specific
+    def _listen(self) -> socket.socket:
+        raise NotImplementedError
+
+    def _dial(self, params: dict, timeout: float) -> socket.socket:
+        raise NotImplementedError
+
+    def _address(self) -> dict:
+        raise NotImplementedError
+
+    def params(self) -> dict:
+        return {**self._address(), "key": self._key.hex()}
+
+    def connect(self, peer_params: dict, initiator: bool, timeout: float) -> None:
+        if initiator:
+            sock = self._dial(peer_params, timeout)
+            sock.sendall(bytes.fromhex(peer_params["key"]))
+        else:
+            sock = self._accept(timeout)
+        sock.settimeout(None)
+        self._sock = sock
+        self._listener.close()
+        self._reader = threading.Thread(target=self._read_loop, daemon=True,
+                                        name=f"rdmatensor-{self.name}-{self.rank}<-{self.peer}")
+        self._reader.start()
+
+    def _accept(self, timeout: float) -> socket.socket:
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise PeerLost(f"peer {self.peer} did not open its {self.name} data connection "
+                               f"within {timeout:.0f} s")
+            self._listener.settimeout(remaining)
+            try:
+                sock, _ = self._listener.accept()
+            except socket.timeout:
+                continue
+            sock.settimeout(min(5.0, max(remaining, 0.1)))
+            token = bytearray(AUTH_BYTES)
+            try:
+                ok = _recv_exact(sock, memoryview(token)) and hmac.compare_digest(bytes(token), self._key)
+            except (OSError, PeerLost):
+                ok = False
+            if ok:
+                return sock
+            sock.close()  # not our peer: keep waiting for the real one
+
+    def _read_loop(self) -> None:
+        header = bytearray(WRITE_HEADER.size)
+        hview = memoryview(header)
+        sock = self._sock
+        try:
+            while True:
+                if not _recv_exact(sock, hview):
+                    raise PeerLost(f"peer {self.peer} closed the connection")
+                magic, region, key, imm, offset, length = WRITE_HEADER.unpack(header)
+                if magic != WRITE_MAGIC:
+                    raise TransportError(f"peer {self.peer} sent a malformed write header")
+                if length:
+                    arena = self.check_local(region, key, offset, length)
+                    if self.payload_inline:
+                        target = memoryview(arena.buf)[offset:offset + length]
+                        if not _recv_exact(sock, target):
+                            raise PeerLost(f"peer {self.peer} closed the connection mid-payload")
+                self.on_imm(imm)
+        except (PeerLost, TransportError) as exc:
+            if not self._closing:
+                self.lost(exc)
+        except OSError as exc:
+            if not self._closing:
+                self.lost(PeerLost(f"connection to peer {self.peer} failed: {exc}"))
+        finally:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def _send(self, header: bytes, payload: np.ndarray | None) -> None:
+        if self._sock is None:
+            raise TransportError(f"{self.name} channel to peer {self.peer} is not connected")
+        try:
+            with self._send_lock:
+                self._sock.sendall(header)
+                if payload is not None and payload.nbytes:
+                    self._sock.sendall(memoryview(payload))
+        except OSError as exc:
+            raise PeerLost(f"sending to peer {self.peer} failed: {exc}") from exc
+
+    def notify(self, imm: int) -> None:
+        self._send(WRITE_HEADER.pack(WRITE_MAGIC, -1, 0, imm, 0, 0), None)
+
+    def peer_said_bye(self) -> None:
+        pass  # the stream's EOF follows everything the peer sent
+
+    def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        for s in (self._sock, self._listener):
+            if s is not None:
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s.close()
+        if self._reader is not None and self._reader is not threading.current_thread():
+            self._reader.join(timeout=5)
