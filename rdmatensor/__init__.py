@@ -1,5 +1,19 @@
-"""rdmatensor: tensors moved by one-sided RDMA writes into preallocated, registered buffers."""
-from .errors import RdmaTensorError
+"""rdmatensor: tensors moved by one-sided RDMA writes into preallocated, registered buffers.
+
+    plan = Plan([TensorSpec("grad/w", (1024, 1024), "float32", src=1, dst=0)])
+    with connect(rank, peers, plan, provider="auto", token=secret) as session:
+        session.send("grad/w", array)                 # on rank 1
+        with session.recv("grad/w") as view: ...      # on rank 0: read-only, zero-copy
+"""
+from .control.service import TlsConfig
+from .errors import (AuthenticationError, PeerLost, PlanError, PlanMismatch, ProviderUnavailable,
+                     RdmaTensorError, RecvTimeout, TensorMismatch, TransportError, UnknownTensor,
+                     UsageError)
+from .plan import Plan, TensorSpec
+from .session import Received, Session, connect
 
 __version__ = "0.1.0"
-__all__ = ["RdmaTensorError", "__version__"]
+__all__ = ["Plan", "TensorSpec", "connect", "Session", "Received", "TlsConfig", "RdmaTensorError",
+           "PlanError", "PlanMismatch", "TensorMismatch", "UnknownTensor", "AuthenticationError",
+           "PeerLost", "TransportError", "UsageError", "RecvTimeout", "ProviderUnavailable",
+           "__version__"]

@@ -1,0 +1,52 @@
+"""Run several ranks of a session in threads of this process (fast, and every
+provider still goes through its real sockets, shared memory or queue pairs)."""
+from __future__ import annotations
+
+import socket
+import threading
+import traceback
+
+from rdmatensor import connect
+
+TOKEN = "test-token"
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def run_ranks(n, plan, provider, body, join_timeout=180.0, token=TOKEN, tokens=None, plans=None, **kw):
+    """Run body(session, rank) on `n` ranks at once; return {rank: result or exception}."""
+    peers = {r: f"127.0.0.1:{p}" for r, p in enumerate(free_ports(n))}
+    results = {}
+
+    def rank(r):
+        try:
+            with connect(r, peers, (plans or {}).get(r, plan), provider=provider,
+                         token=(tokens or {}).get(r, token), **kw) as s:
+                results[r] = body(s, r)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            exc.trace = traceback.format_exc()
+            results[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(join_timeout)
+        assert not t.is_alive(), f"a rank did not finish within {join_timeout} s"
+    return results
+
+
+def check(results):
+    """Raise the first rank's exception, else return the results."""
+    for r, res in sorted(results.items()):
+        if isinstance(res, BaseException):
+            raise AssertionError(f"rank {r} failed:\n{res.trace}") from res
+    return results

@@ -1,0 +1,341 @@
+"""One contract, every provider: verbs (real SoftRoCE, in the VM), shm, tcp, grpc."""
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from rdmatensor import (AuthenticationError, PeerLost, Plan, PlanMismatch, RecvTimeout,
+                        TensorMismatch, TensorSpec, UnknownTensor, UsageError)
+from rdmatensor.plan import SUPPORTED_DTYPES
+
+from .ranks import check, run_ranks
+
+PROVIDERS = [pytest.param("verbs", marks=pytest.mark.rdma), "shm", "tcp", "grpc"]
+
+
+@pytest.fixture(params=PROVIDERS)
+def provider(request):
+    return request.param
+
+
+def random_array(rng, dtype, shape):
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return rng.integers(0, 2, shape).astype(bool)
+    if dtype.kind == "c":
+        return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype)
+    if dtype.kind == "f":
+        return rng.standard_normal(shape).astype(dtype)
+    info = np.iinfo(dtype)
+    return rng.integers(info.min, info.max, shape, dtype=dtype, endpoint=True)
+
+
+def test_every_dtype_arrives_intact(provider):
+    dtypes = sorted(SUPPORTED_DTYPES, key=str)
+    plan = Plan([TensorSpec(f"t/{d}", (3, 37), d, 0, 1) for d in dtypes])
+    rng = np.random.default_rng(1)
+    data = {f"t/{d}": random_array(rng, d, (3, 37)) for d in dtypes}
+
+    def body(s, r):
+        if r == 0:
+            for name, arr in data.items():
+                s.send(name, arr)
+            return None
+        got = {}
+        for name in data:
+            with s.recv(name) as view:
+                assert view.dtype == data[name].dtype and view.shape == (3, 37)
+                assert not view.flags.writeable
+                got[name] = view.copy()
+        return got
+
+    got = check(run_ranks(2, plan, provider, body))[1]
+    for name, arr in data.items():
+        np.testing.assert_array_equal(got[name], arr, err_msg=name)
+
+
+@pytest.mark.parametrize("nbytes", [1, 63, 4096, (1 << 20) + 7, 64 << 20])
+def test_sizes_from_one_byte_to_64_mib(provider, nbytes):
+    plan = Plan([TensorSpec("blob", (nbytes,), np.uint8, 0, 1)])
+    data = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+
+    def body(s, r):
+        if r == 0:
+            s.send("blob", data)
+            return s.stats()
+        with s.recv("blob") as view:
+            return bool(np.array_equal(view, data))
+
+    res = check(run_ranks(2, plan, provider, body))
+    assert res[1] is True
+    assert res[0]["bytes_sent"] == nbytes and res[0]["writes"] == 1
+
+
+def test_a_thousand_small_tensors_for_100_steps(provider):
+    n, steps = 1000, 100 if provider != "verbs" else 20
+    plan = Plan([TensorSpec(f"w{i}", (4,), np.float32, 0, 1) for i in range(n)])
+
+    def body(s, r):
+        if r == 0:
+            for step in range(steps):
+                for i in range(0, n, 97 if step else 1):      # all in step 0, a sample after
+                    s.send(f"w{i}", np.full(4, step * 10000 + i, np.float32))
+            return s.stats()
+        bad = 0
+        for step in range(steps):
+            for i in range(0, n, 97 if step else 1):
+                with s.recv(f"w{i}") as v:
+                    bad += int(v[0] != step * 10000 + i)
+        return bad
+
+    res = check(run_ranks(2, plan, provider, body))
+    assert res[1] == 0
+    assert res[0]["writes"] == n + (steps - 1) * len(range(0, n, 97))
+
+
+def test_many_to_one_and_ring_with_three_ranks(provider):
+    specs = [TensorSpec("g1", (256,), np.float64, 1, 0), TensorSpec("g2", (256,), np.float64, 2, 0),
+             TensorSpec("p1", (256,), np.float64, 0, 1), TensorSpec("p2", (256,), np.float64, 0, 2),
+             TensorSpec("ring12", (16,), np.int32, 1, 2), TensorSpec("ring20", (16,), np.int32, 2, 0)]
+    plan = Plan(specs)
+    steps = 10
+
+    def body(s, r):
+        out = []
+        for step in range(steps):
+            if r == 0:
+                total = 0.0
+                for g in ("g1", "g2"):
+                    with s.recv(g) as v:
+                        total += float(v.sum())
+                for p in ("p1", "p2"):
+                    s.send(p, np.full(256, total, np.float64))
+                with s.recv("ring20") as v:
+                    out.append(int(v[0]))
+            else:
+                s.send(f"g{r}", np.full(256, r + step, np.float64))
+                with s.recv(f"p{r}") as v:
+                    out.append(float(v[0]))
+                if r == 1:
+                    s.send("ring12", np.full(16, step, np.int32))
+                else:
+                    with s.recv("ring12") as v:
+                        s.send("ring20", np.array(v) + 100)
+        return out
+
+    res = check(run_ranks(3, plan, provider, body))
+    expected = [256.0 * ((1 + step) + (2 + step)) for step in range(steps)]
+    assert res[1] == expected and res[2] == expected
+    assert res[0] == [100 + step for step in range(steps)]
+
+
+def test_held_view_blocks_sender_and_is_never_overwritten(provider):
+    plan = Plan([TensorSpec("x", (1024,), np.int64, 0, 1)])
+    events = {"sent_second": threading.Event(), "held": threading.Event()}
+
+    def body(s, r):
+        if r == 0:
+            s.send("x", np.full(1024, 1, np.int64))
+            events["held"].wait(30)
+            with pytest.raises(RecvTimeout):
+                s.send("x", np.full(1024, 2, np.int64), timeout=0.5)
+            s.send("x", np.full(1024, 2, np.int64))     # waits for the release
+            events["sent_second"].set()
+            return s.stats()["waits"]
+        lease = s.recv("x")
+        events["held"].set()
+        time.sleep(1.5)
+        assert not events["sent_second"].is_set(), "a send overtook a held view"
+        intact = bool((lease.array == 1).all())
+        lease.release()
+        with pytest.raises(UsageError):
+            lease.__enter__()
+        with s.recv("x") as v:
+            second = bool((v == 2).all())
+        return intact, second
+
+    res = check(run_ranks(2, plan, provider, body))
+    assert res[1] == (True, True)
+    assert res[0] >= 1
+
+
+def test_views_are_zero_copy_and_staging_sends_copy_nothing(provider):
+    plan = Plan([TensorSpec("a", (64, 64), np.float32, 0, 1)])
+
+    def body(s, r):
+        if r == 0:
+            buf = s.buffer("a")
+            buf[...] = 7.0
+            s.send("a", buf)                              # from staging: no copy
+            no_copy = s.stats()["copies"]
+            s.send("a", np.full((64, 64), 8.0, np.float32))  # a user array: at most one copy
+            return no_copy, s.stats()["copies"]
+        first = s.recv("a")
+        arena = s._recv["a"].memory
+        shares = np.shares_memory(first.array, arena)
+        ok1 = bool((first.array == 7.0).all())
+        first.release()
+        with s.recv("a") as v:
+            ok2 = bool((v == 8.0).all())
+        return shares, ok1, ok2
+
+    res = check(run_ranks(2, plan, provider, body))
+    assert res[1] == (True, True, True)
+    no_copy, copies = res[0]
+    assert no_copy == 0
+    assert copies <= 1
+
+
+def test_dynamic_tensors_grow_and_shrink_intact(provider):
+    plan = Plan([TensorSpec("seq", (None, 5), np.float32, 0, 1, capacity=256),
+                 TensorSpec("ids", (None,), np.int64, 1, 0)])
+    lengths = [1, 3, 100, 2, 5000, 0, 7, 20000, 4]
+    rng = np.random.default_rng(3)
+    seqs = [rng.standard_normal((n, 5)).astype(np.float32) for n in lengths]
+
+    def body(s, r):
+        if r == 0:
+            for a in seqs:
+                s.send("seq", a)
+            with s.recv("ids") as v:
+                ids = v.copy()
+            return s.stats(), ids
+        got = []
+        for _ in seqs:
+            with s.recv("seq") as v:
+                got.append(v.copy())
+        s.send("ids", np.arange(12345, dtype=np.int64))
+        return got
+
+    res = check(run_ranks(2, plan, provider, body))
+    for want, got in zip(seqs, res[1]):
+        assert got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+    stats, ids = res[0]
+    np.testing.assert_array_equal(ids, np.arange(12345))
+    assert stats["dynamic"] == len(seqs) and stats["fallbacks"] == len(seqs)
+    assert stats["grows"] >= 2
+
+
+def test_sends_and_recvs_from_several_threads(provider):
+    names = [f"t{i}" for i in range(8)]
+    plan = Plan([TensorSpec(n, (2048,), np.float32, 0, 1) for n in names])
+    steps = 10
+
+    def body(s, r):
+        errors = []
+
+        def worker(name):
+            try:
+                for step in range(steps):
+                    if r == 0:
+                        s.send(name, np.full(2048, step, np.float32))
+                    else:
+                        with s.recv(name) as v:
+                            assert (v == step).all()
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(n,)) for n in names]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        return errors
+
+    res = check(run_ranks(2, plan, provider, body))
+    assert res[0] == [] and res[1] == []
+
+
+def test_bad_input_gives_typed_errors(provider):
+    plan = Plan([TensorSpec("a", (4, 4), np.float32, 0, 1)])
+
+    def body(s, r):
+        if r == 0:
+            with pytest.raises(TensorMismatch, match="float32"):
+                s.send("a", np.zeros((4, 4), np.float64))
+            with pytest.raises(TensorMismatch, match=r"\(4, 4\)"):
+                s.send("a", np.zeros((4, 5), np.float32))
+            with pytest.raises(TensorMismatch):
+                s.send("a", [[0.0] * 4] * 4)
+            with pytest.raises(UnknownTensor, match="nope"):
+                s.send("nope", np.zeros(1))
+            with pytest.raises(UnknownTensor, match="does not receive"):
+                s.recv("a")
+            s.send("a", np.ones((4, 4), np.float32))    # the session still works
+            return True
+        with pytest.raises(UnknownTensor, match="does not send"):
+            s.send("a", np.zeros((4, 4), np.float32))
+        with s.recv("a") as v:
+            return bool((v == 1).all())
+
+    assert check(run_ranks(2, plan, provider, body)) == {0: True, 1: True}
+
+
+def test_plan_mismatch_fails_both_sides_naming_the_tensor(provider):
+    a = Plan([TensorSpec("same", (2,), np.float32, 0, 1), TensorSpec("w", (3, 3), np.float32, 0, 1)])
+    b = Plan([TensorSpec("same", (2,), np.float32, 0, 1), TensorSpec("w", (3, 4), np.float32, 0, 1)])
+    res = run_ranks(2, a, provider, lambda s, r: None, plans={1: b}, timeout=20.0)
+    for r in (0, 1):
+        assert isinstance(res[r], PlanMismatch), res[r]
+        assert "'w'" in str(res[r])
+
+
+def test_bad_token_is_an_authentication_error(provider):
+    plan = Plan([TensorSpec("a", (2,), np.float32, 0, 1)])
+    res = run_ranks(2, plan, provider, lambda s, r: None, tokens={1: "wrong"}, timeout=5.0)
+    assert isinstance(res[0], AuthenticationError), res[0]
+    assert isinstance(res[1], PeerLost), res[1]      # rank 0 never got through
+
+
+def test_a_peer_that_closes_is_reported_not_waited_on(provider):
+    plan = Plan([TensorSpec("a", (8,), np.float32, 0, 1), TensorSpec("b", (8,), np.float32, 0, 1)])
+
+    def body(s, r):
+        if r == 0:
+            s.send("a", np.ones(8, np.float32))
+            return "closed"
+        with s.recv("a") as v:
+            assert (v == 1).all()
+        t0 = time.monotonic()
+        with pytest.raises(PeerLost):
+            s.recv("b", timeout=30)
+        return time.monotonic() - t0
+
+    res = check(run_ranks(2, plan, provider, body, timeout=30.0))
+    assert res[1] < 10
+
+
+def test_data_sent_before_a_close_is_not_lost(provider):
+    plan = Plan([TensorSpec(f"a{i}", (1000,), np.float32, 0, 1) for i in range(5)])
+
+    def body(s, r):
+        if r == 0:
+            for i in range(5):
+                s.send(f"a{i}", np.full(1000, i, np.float32))
+            return None
+        time.sleep(1.0)       # let rank 0 close first
+        out = []
+        for i in range(5):
+            with s.recv(f"a{i}", timeout=10) as v:
+                out.append(float(v[0]))
+        return out
+
+    assert check(run_ranks(2, plan, provider, body))[1] == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+def test_closed_session_errors_stick_and_close_is_idempotent(provider):
+    plan = Plan([TensorSpec("a", (2,), np.float32, 0, 1)])
+
+    def body(s, r):
+        s.barrier("before-close")
+        s.close()
+        s.close()
+        with pytest.raises(UsageError, match="closed"):
+            s.send("a", np.zeros(2, np.float32)) if r == 0 else s.recv("a")
+        with pytest.raises(UsageError, match="closed"):
+            s.stats() and s.barrier()
+        return True
+
+    assert check(run_ranks(2, plan, provider, body)) == {0: True, 1: True}
