@@ -45,7 +45,11 @@ class _TokenCheck(grpc.ServerInterceptor):
 
 _OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE),
             ("grpc.max_receive_message_length", MAX_MESSAGE),
-            ("grpc.so_reuseport", 0)]
+            ("grpc.so_reuseport", 0),
+            # A peer still starting up is retried quickly, not after gRPC's 1 s default.
+            ("grpc.initial_reconnect_backoff_ms", 50),
+            ("grpc.min_reconnect_backoff_ms", 50),
+            ("grpc.max_reconnect_backoff_ms", 500)]
 
 
 def start_server(address: str, token: str, control, baseline, tls: TlsConfig | None = None,

@@ -56,3 +56,16 @@ def test_two_hosts_carry_an_rdma_write(vm_ready):
     assert server["imm"] == client["imm"] == 0x5EED0001
     assert server["bytes"] == 8 << 20
     print(f"two-VM RDMA write, 8 MiB: {client['MB_per_s']:.1f} MB/s")
+
+
+def test_two_hosts_run_a_session_over_verbs(vm_ready):
+    res = softroce_vm("--hosts", "2", "--", "python", "examples/two_ranks.py", "vm", "--provider", "verbs")
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = dict(re.findall(r"^\[(host\d)\] (\{.*\})$", res.stdout, re.M))
+    r0, r1 = json.loads(lines["host0"]), json.loads(lines["host1"])
+    for r in (r0, r1):
+        assert r["provider"] == "verbs" and r["ok"] and r["bad"] == 0, r
+    assert r1["checked"] == 17
+    assert r0["stats"]["grows"] >= 1 and r0["stats"]["dynamic"] == 4
+    print(f"two-VM session over verbs: 64 MiB at {r0['MB_per_s_64MiB_incl_copy']} MB/s, "
+          f"setup {r0['setup_s']} s")
