@@ -596,9 +596,11 @@ class Session:
     def stats(self) -> dict:
         """Counters: bytes_sent/received, writes, recvs, copies (user array ->
         staging), dynamic (dynamic-shape sends), fallbacks, grows, waits (sends
-        that had to wait for a credit)."""
+        that had to wait for a credit), control_calls (made by this rank: setup,
+        barriers, grows; never one per static tensor)."""
         with self._lock:
-            return dict(self._stats, provider=self.provider)
+            calls = sum(c.calls for c in self._clients.values())
+            return dict(self._stats, control_calls=calls, provider=self.provider)
 
     @property
     def closed(self) -> bool:

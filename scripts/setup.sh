@@ -11,7 +11,7 @@ venv="${1:-.venv}"
 # what the SoftRoCE VM needs: qemu, the stock kernel (with rdma_rxe), busybox.
 packages=(rdma-core ibverbs-providers ibverbs-utils perftest python3-pyverbs
           python3-venv python3-dev qemu-system-x86 linux-image-amd64 busybox-static
-          iproute2 kmod cpio gzip procps)
+          iproute2 kmod cpio gzip procps openssl)
 
 missing=()
 for p in "${packages[@]}"; do

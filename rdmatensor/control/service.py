@@ -84,10 +84,12 @@ class ControlClient:
         else:
             self.channel = grpc.insecure_channel(address, options=_OPTIONS)
         self.metadata = ((TOKEN_KEY, token),)
+        self.calls = 0
         self.control = pb_grpc.ControlStub(self.channel)
         self.baseline = pb_grpc.BaselineStub(self.channel)
 
     def call(self, method, request, timeout: float, wait_for_ready: bool = False):
+        self.calls += 1
         try:
             return method(request, timeout=timeout, metadata=self.metadata, wait_for_ready=wait_for_ready)
         except grpc.RpcError as exc:

@@ -1,0 +1,107 @@
+"""Setup: control calls grow with peers, not tensors; TLS; provider choice."""
+import logging
+import subprocess
+
+import numpy as np
+import pytest
+
+from rdmatensor import Plan, ProviderUnavailable, TensorSpec, TlsConfig
+from rdmatensor.errors import PeerLost
+from rdmatensor.providers import choose, provider_class
+
+from .ranks import check, run_ranks
+
+
+@pytest.mark.parametrize("count", [1, 1000])
+def test_control_calls_do_not_grow_with_tensors(count):
+    plan = Plan([TensorSpec(f"t{i}", (4,), np.float32, 0, 1) for i in range(count)])
+
+    def body(s, r):
+        setup_calls = s.stats()["control_calls"]
+        for step in range(3):
+            for i in range(count):
+                if r == 0:
+                    s.send(f"t{i}", np.full(4, step, np.float32))
+                else:
+                    s.recv(f"t{i}").release()
+        return setup_calls, s.stats()["control_calls"]
+
+    res = check(run_ranks(2, plan, "tcp", body))
+    # rank 0 initiates one Exchange; rank 1 joins rank 0's setup barrier.
+    assert res[0] == (1, 1)
+    assert res[1] == (1, 1)
+
+
+def _make_tls(tmp_path, name):
+    def run(*args):
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=tmp_path)
+    if not (tmp_path / "ca.pem").exists():
+        run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
+            "-days", "1", "-subj", "/CN=rdmatensor-test-ca")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+        "-subj", f"/CN={name}")
+    (tmp_path / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+        "-out", f"{name}.pem", "-days", "1", "-extfile", "san.ext")
+    return TlsConfig((tmp_path / f"{name}.pem").read_bytes(), (tmp_path / f"{name}.key").read_bytes(),
+                     (tmp_path / "ca.pem").read_bytes())
+
+
+def test_tls_control_plane(tmp_path):
+    tls = _make_tls(tmp_path, "node")
+    plan = Plan([TensorSpec("a", (16,), np.float32, 0, 1)])
+
+    def body(s, r):
+        if r == 0:
+            s.send("a", np.arange(16, dtype=np.float32))
+            return None
+        with s.recv("a") as v:
+            return v.tolist()
+
+    assert check(run_ranks(2, plan, "tcp", body, tls=tls))[1] == list(range(16))
+
+
+def test_tls_refuses_a_plaintext_peer(tmp_path):
+    tls = _make_tls(tmp_path, "node")
+    plan = Plan([TensorSpec("a", (16,), np.float32, 0, 1)])
+    results = {}
+    import threading
+    from rdmatensor import connect
+    from .ranks import TOKEN, free_ports
+    peers = {r: f"127.0.0.1:{p}" for r, p in enumerate(free_ports(2))}
+
+    def rank(r, **kw):
+        try:
+            with connect(r, peers, plan, provider="tcp", token=TOKEN, timeout=4, **kw):
+                results[r] = "connected"
+        except Exception as exc:  # noqa: BLE001
+            results[r] = exc
+    threads = [threading.Thread(target=rank, args=(0,)),                 # plaintext client
+               threading.Thread(target=rank, args=(1,), kwargs={"tls": tls})]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert isinstance(results[0], PeerLost) and isinstance(results[1], PeerLost), results
+
+
+def test_explicit_provider_that_cannot_run_says_why():
+    ok, why = provider_class("verbs").viable()
+    if ok:
+        assert choose("verbs", ["127.0.0.1"]).name == "verbs"
+    else:
+        with pytest.raises(ProviderUnavailable, match="verbs.*not viable"):
+            choose("verbs", ["127.0.0.1"])
+    with pytest.raises(ProviderUnavailable, match="unknown provider"):
+        choose("carrier-pigeon", ["127.0.0.1"])
+
+
+def test_auto_logs_its_choice(caplog):
+    caplog.set_level(logging.INFO, logger="rdmatensor")
+    cls = choose("auto", ["127.0.0.1"])
+    expected = "verbs" if provider_class("verbs").viable()[0] else "shm"
+    assert cls.name == expected
+    assert f"provider auto -> {expected}" in caplog.text
+    if expected == "shm":
+        # a peer that is not on this host (TEST-NET-2) rules shm out
+        assert choose("auto", ["198.51.100.7"]).name == "tcp"
