@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-host test-rdma clean
+.PHONY: setup demo test test-host test-rdma clean proto bench
 
 setup:
 	@bash scripts/setup.sh $(VENV)
@@ -24,3 +24,9 @@ test-rdma: setup
 
 clean:
 	rm -rf $(VENV) test-results .pytest_cache
+
+proto: setup
+	PYTHON=$(PY) bash scripts/gen_proto.sh
+
+bench: setup
+	$(PY) -m bench.cli
