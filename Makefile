@@ -7,11 +7,12 @@ PY := $(VENV)/bin/python
 setup:
 	@bash scripts/setup.sh $(VENV)
 
-# Two SoftRoCE hosts (VMs where this kernel has no rdma_rxe), one RDMA write
-# of 64 MiB between them, checked byte for byte.
+# Two SoftRoCE hosts (VMs where this kernel has no rdma_rxe): a Session over
+# verbs moves every dtype, 1 B to 64 MiB and a growing dynamic tensor from
+# one to the other, checked byte for byte.
 demo: setup
 	$(PY) -m rdmatensor devices
-	$(PY) -m rdmatensor softroce vm --hosts 2 -- $(PY) examples/rdma_write.py vm --size 67108864
+	$(PY) -m rdmatensor softroce vm --hosts 2 -- $(PY) examples/two_ranks.py vm --provider verbs
 
 test: setup
 	$(PY) scripts/run_tests.py
