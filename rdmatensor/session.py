@@ -52,6 +52,7 @@ class _SendSlot:
     capacity: int = 0            # bytes the receiver has room for (header + payload)
     staging: np.ndarray | None = None
     staging_arena: Arena | None = None   # own arena once grown
+    pending: object = None               # the last write's handle while it may still read staging
 
 
 @dataclass
@@ -206,8 +207,11 @@ class Session:
     def _prepare(self, peer_ranks: list[int]) -> None:
         shared = getattr(self.provider_class, "shared_arenas", False)
         for peer in peer_ranks:
+            n_in = len(getattr(self.plan.pairs.get((peer, self.rank)), "slots", ()))
+            n_out = len(getattr(self.plan.pairs.get((self.rank, peer)), "slots", ()))
             ch = self.provider_class(self.rank, peer, self._host(self.rank),
-                                     on_imm=partial(self._on_imm, peer), on_lost=partial(self._on_lost, peer))
+                                     on_imm=partial(self._on_imm, peer), on_lost=partial(self._on_lost, peer),
+                                     max_incoming=n_in + n_out)
             if self.provider == "grpc":
                 ch.address, ch.token, ch.tls = self.peers[self.rank], self._token, self._tls
             self._channels[peer] = ch
@@ -422,7 +426,14 @@ class Session:
             raise UnknownTensor(f"rank {self.rank} does not send {name!r} (rank {spec.src} does)")
         if not spec.is_static:
             raise UsageError(f"{name!r} has a dynamic shape: it has no fixed staging buffer")
+        self._source_free(st)
         return st.staging[:spec.nbytes].view(spec.dtype).reshape(spec.shape)
+
+    def _source_free(self, st: _SendSlot) -> None:
+        """Wait until the previous write no longer reads this slot's staging memory."""
+        if st.pending is not None:
+            self._channels[st.peer].wait(st.pending, self.timeout)
+            st.pending = None
 
     def send(self, name: str, array, timeout: float | None = None) -> None:
         """Write `array` into the receiver's slot for `name` (one one-sided write).
@@ -447,11 +458,35 @@ class Session:
                 st.credit.set()   # nothing was written: the slot is still ours
             raise
 
+    def _wait(self, event: threading.Event, peer: int, timeout: float) -> bool:
+        """Wait for `event`; on polling providers, reap completions meanwhile
+        (briefly spinning) so no thread hand-off sits on the fast path."""
+        if event.is_set():
+            return True
+        ch = self._channels[peer]
+        deadline = time.monotonic() + timeout
+        if ch.polls:
+            spin_until = time.monotonic() + 0.005
+            while time.monotonic() < spin_until:
+                if event.is_set() or (not ch.progress() and event.is_set()):
+                    return True
+                time.sleep(0)
+        while not event.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            if ch.polls:
+                ch.progress()
+                event.wait(min(remaining, 0.0005))
+            else:
+                event.wait(remaining)
+        return True
+
     def _take_credit(self, st: _SendSlot, timeout: float | None) -> None:
         if not st.credit.is_set():
             self._count("waits")
             timeout = self.timeout if timeout is None else timeout
-            if not st.credit.wait(timeout):
+            if not self._wait(st.credit, st.peer, timeout):
                 raise RecvTimeout(f"{st.slot.spec.name!r}: rank {st.peer} held the previous value "
                                   f"for more than {timeout:.1f} s")
         self._check()
@@ -467,20 +502,21 @@ class Session:
                 ch.notify(imm)
             else:
                 src = self._source(st, ch, array, nbytes)
-                ch.write(st.region, st.offset, src, imm)
+                st.pending = ch.write(st.region, st.offset, src, imm)
         else:
             nbytes = array.nbytes
             header = spec.header_bytes()
             need = header + nbytes
             if need > st.capacity:
                 self._grow(st, need)
+            self._source_free(st)
             staging = st.staging
             hdr = staging[:header].view(np.int64)
             hdr[0] = array.ndim
             hdr[1:1 + array.ndim] = array.shape
             if nbytes:
                 np.copyto(staging[header:need].view(array.dtype).reshape(array.shape), array)
-            ch.write(st.region, st.offset, staging[:need], imm)
+            st.pending = ch.write(st.region, st.offset, staging[:need], imm)
             self._count("copies", "dynamic", "fallbacks")
         self._count("writes", bytes_sent=nbytes)
 
@@ -490,6 +526,7 @@ class Session:
             return staging                           # filled in place: no copy
         if not ch.needs_registered_source and array.flags.c_contiguous:
             return array.reshape(-1).view(np.uint8)  # written straight from the user's array
+        self._source_free(st)
         np.copyto(staging.view(array.dtype).reshape(array.shape), array)
         self._count("copies")
         return staging
@@ -553,7 +590,7 @@ class Session:
         if st.held:
             raise UsageError(f"{name!r} is still held: release the previous view first")
         timeout = self.timeout if timeout is None else timeout
-        if not st.arrived.wait(timeout):
+        if not self._wait(st.arrived, st.peer, timeout):
             self._check(st.peer)
             raise RecvTimeout(f"{name!r} from rank {st.peer} did not arrive within {timeout:.1f} s")
         if not st.data:              # woken by a failure, not by data

@@ -36,7 +36,7 @@ want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: installing rdmatensor and its Python dependencies into $venv"
   "$venv/bin/python" -m pip install -q --upgrade pip setuptools wheel
-  "$venv/bin/python" -m pip install -q -e ".[tf,dev]"
+  "$venv/bin/python" -m pip install -q -e ".[tf,bench,dev]"
   echo "$want" > "$stamp"
 fi
 "$venv/bin/python" -c "import pyverbs, numpy, grpc" \

@@ -30,8 +30,13 @@ class Channel(ABC):
     # True when write() can only read from memory given to register_source().
     needs_registered_source = False
 
+    # True when waiters should drive progress() themselves instead of only blocking.
+    polls = False
+
     def __init__(self, rank: int, peer: int, host: str, on_imm: Callable[[int], None],
-                 on_lost: Callable[[Exception], None]):
+                 on_lost: Callable[[Exception], None], max_incoming: int = 128):
+        # max_incoming: the most immediates that can be in flight towards this
+        # side (one DATA per slot it receives, one CREDIT per slot it sends).
         self.rank, self.peer, self.host = rank, peer, host
         self.on_imm, self._on_lost = on_imm, on_lost
         self._lost = False
@@ -69,9 +74,17 @@ class Channel(ABC):
 
     # -- data path --------------------------------------------------------
     @abstractmethod
-    def write(self, region_id: int, offset: int, src: np.ndarray, imm: int) -> None:
+    def write(self, region_id: int, offset: int, src: np.ndarray, imm: int):
         """Place `src` (uint8, contiguous) at `offset` in the peer's region and
-        deliver `imm`. Returns when `src` may be reused."""
+        deliver `imm`. Returns None once `src` may be reused, or a handle to
+        pass to wait() before reusing it."""
+
+    def wait(self, handle, timeout: float | None = None) -> None:
+        """Block until the write behind `handle` no longer needs its source."""
+
+    def progress(self) -> bool:
+        """Process pending completions now, on the calling thread; True if any."""
+        return False
 
     def notify(self, imm: int) -> None:
         """Deliver only an immediate (a zero-length write)."""

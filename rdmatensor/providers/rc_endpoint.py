@@ -64,7 +64,7 @@ class RemoteRegion:
 
 class RcEndpoint:
     def __init__(self, device: str | None = None, port: int = 1, gid_index: int | None = None,
-                 depth: int = 256):
+                 depth: int = 256, recv_depth: int | None = None):
         if device is None:
             found = active_port()
             if not found:
@@ -74,7 +74,7 @@ class RcEndpoint:
             device, port = found[0].name, found[1].number
             gid = found[1].roce_v2_gid()
             gid_index = gid.index if gid_index is None and gid else (gid_index or 0)
-        self.device, self.port, self.gid_index, self.depth = device, port, gid_index or 0, depth
+        self.device, self.port, self.gid_index = device, port, gid_index or 0
         self._mrs: list[MR] = []
         self._closed = False
         try:
@@ -84,9 +84,12 @@ class RcEndpoint:
                 raise DeviceError(f"{device} port {port} is not ACTIVE")
             self.active_mtu = port_attr.active_mtu
             self.gid = self.ctx.query_gid(port, self.gid_index)
+            attr = self.ctx.query_device()
+            self.depth = min(depth, attr.max_qp_wr)
+            self.recv_depth = min(recv_depth or depth, attr.max_qp_wr)
             self.pd = PD(self.ctx)
-            self.cq = CQ(self.ctx, 2 * depth)
-            cap = QPCap(max_send_wr=depth, max_recv_wr=depth, max_send_sge=1, max_recv_sge=1)
+            self.cq = CQ(self.ctx, min(self.depth + self.recv_depth, attr.max_cqe))
+            cap = QPCap(max_send_wr=self.depth, max_recv_wr=self.recv_depth, max_send_sge=1, max_recv_sge=1)
             init = QPInitAttr(qp_type=ev.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap, sq_sig_all=1)
             self.qp = QP(self.pd, init)
             # INIT now, so receives can be posted before the peer is known.

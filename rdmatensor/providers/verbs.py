@@ -3,7 +3,13 @@
 A data write is RDMA WRITE WITH IMM from registered staging memory straight
 into the peer's registered receive arena: the receiver's CPU only sees the
 immediate. Credits go back as one-byte SENDs with an immediate. One RC queue
-pair per peer; a poller thread reaps completions.
+pair per peer.
+
+Writes are posted, not waited for: a completion handle is returned, and the
+send queue is bounded by a semaphore. Completions are reaped by whichever
+thread calls progress(): a thread waiting for a tensor polls the CQ itself
+(no hand-off between threads on the fast path), and a background poller
+catches everything else.
 """
 from __future__ import annotations
 
@@ -24,12 +30,22 @@ try:
 except Exception as exc:  # noqa: BLE001 - reported by viable()
     _IMPORT_ERROR = exc
 
-RECV_DEPTH = 128
+SEND_DEPTH = 256
+
+
+class Completion:
+    """Set when a posted work request completed (or failed: `error`)."""
+    __slots__ = ("event", "error")
+
+    def __init__(self):
+        self.event = threading.Event()
+        self.error: Exception | None = None
 
 
 class VerbsChannel(Channel):
     name = "verbs"
     needs_registered_source = True
+    polls = True               # waiters should call progress() rather than only block
 
     @classmethod
     def viable(cls) -> tuple[bool, str]:
@@ -42,20 +58,25 @@ class VerbsChannel(Channel):
                            "`rdmatensor softroce up` where the kernel has rdma_rxe)")
         return True, f"{found[0].name} port {found[1].number}"
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, max_incoming: int = 128, **kwargs):
         super().__init__(*args, **kwargs)
         if _IMPORT_ERROR is not None:
             raise TransportError(f"verbs provider unavailable: {_IMPORT_ERROR}")
-        self.ep = RcEndpoint(depth=2 * RECV_DEPTH)
-        self._mrs: dict[int, object] = {}         # exposed region id -> MR
+        # Every slot has at most one DATA and one CREDIT immediate in flight,
+        # so this many posted receives means a write never finds none (no RNR).
+        self.ep = RcEndpoint(depth=SEND_DEPTH, recv_depth=max_incoming + 16)
+        self._mrs: dict[int, object] = {}                    # exposed region id -> MR
         self._sources: list[tuple[int, int, object]] = []   # (start, end, MR) we write from
         self._wr_ids = itertools.count(1)
-        self._waiting: dict[int, list] = {}       # wr_id -> [Event, error]
+        self._pending: dict[int, Completion] = {}
+        self._sq = threading.BoundedSemaphore(self.ep.depth)
         self._post_lock = threading.Lock()
+        self._poll_lock = threading.Lock()
         self._stop = threading.Event()
         self._bye = False
         self._poller: threading.Thread | None = None
 
+    # -- setup ------------------------------------------------------------
     def expose(self, region_id: int, arena: Arena) -> dict:
         mr = self.ep.register(arena.buf, REMOTE_WRITE)
         self._mrs[region_id] = mr
@@ -76,13 +97,14 @@ class VerbsChannel(Channel):
         return self.ep.params().to_dict()
 
     def connect(self, peer_params: dict, initiator: bool, timeout: float) -> None:
-        for _ in range(RECV_DEPTH):
+        for _ in range(self.ep.recv_depth):
             self.ep.post_recv()
         self.ep.connect(RcParams(**{k: peer_params[k] for k in ("qpn", "psn", "gid", "mtu")}))
         self._poller = threading.Thread(target=self._poll_loop, daemon=True,
                                         name=f"rdmatensor-verbs-{self.rank}<->{self.peer}")
         self._poller.start()
 
+    # -- data path --------------------------------------------------------
     def _source_mr(self, src: np.ndarray):
         addr = src.ctypes.data
         for start, end, mr in self._sources:
@@ -90,69 +112,103 @@ class VerbsChannel(Channel):
                 return mr
         raise TransportError("verbs writes only from registered staging memory")
 
-    def _post_and_wait(self, post) -> None:
+    def _post(self, post) -> Completion:
         if self._lost:
             raise PeerLost(f"verbs channel to peer {self.peer} is down")
-        wr_id = next(self._wr_ids)
-        waiter = [threading.Event(), None]
-        self._waiting[wr_id] = waiter
-        try:
-            with self._post_lock:
+        while not self._sq.acquire(timeout=0.0005):
+            self.progress()                      # reap completions to free send-queue room
+            if self._lost or self._stop.is_set():
+                raise PeerLost(f"verbs channel to peer {self.peer} is down")
+        done = Completion()
+        with self._post_lock:
+            wr_id = next(self._wr_ids)
+            self._pending[wr_id] = done
+            try:
                 post(wr_id)
-            while not waiter[0].wait(1.0):
-                if self._lost or self._stop.is_set():
-                    raise PeerLost(f"verbs channel to peer {self.peer} went down during a write")
-        finally:
-            self._waiting.pop(wr_id, None)
-        if waiter[1]:
-            raise waiter[1]
+            except BaseException:
+                self._pending.pop(wr_id, None)
+                self._sq.release()
+                raise
+        return done
 
-    def write(self, region_id: int, offset: int, src: np.ndarray, imm: int) -> None:
+    def write(self, region_id: int, offset: int, src: np.ndarray, imm: int, wait: bool = True):
         desc = self.check_remote(region_id, offset, src.nbytes)
         mr = self._source_mr(src)
         remote = RemoteRegion(int(desc["addr"]), int(desc["size"]), int(desc["key"]))
-        self._post_and_wait(lambda wr_id: self.ep.post_write(
+        done = self._post(lambda wr_id: self.ep.post_write(
             mr, src.ctypes.data, src.nbytes, remote, offset, imm=imm, wr_id=wr_id))
+        if wait:
+            self.wait(done)
+        return done
 
     def notify(self, imm: int) -> None:
-        self._post_and_wait(lambda wr_id: self.ep.post_send_imm(imm, wr_id=wr_id))
+        self._post(lambda wr_id: self.ep.post_send_imm(imm, wr_id=wr_id))
+
+    def wait(self, done: Completion, timeout: float | None = None) -> None:
+        """Until `done` completes, reaping completions meanwhile."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not done.event.is_set():
+            if not self.progress():
+                if self._lost or self._stop.is_set():
+                    raise PeerLost(f"verbs channel to peer {self.peer} went down during a write")
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TransportError(f"a write to peer {self.peer} did not complete in {timeout} s")
+                time.sleep(0)
+        if done.error:
+            raise done.error
+
+    def progress(self) -> bool:
+        """Reap completions if no other thread is; True if any were found."""
+        if not self._poll_lock.acquire(blocking=False):
+            return False
+        try:
+            if self._stop.is_set():
+                return False
+            wcs = self.ep.poll(32, check=False)
+            for wc in wcs:
+                err = completion_error(wc)
+                if is_receive(wc):
+                    if err:
+                        raise TransportError(f"receive from peer {self.peer}: {err}")
+                    self.ep.post_recv()
+                    self.on_imm(wc.imm_data)
+                    continue
+                done = self._pending.pop(wc.wr_id, None)
+                self._sq.release()
+                if err:
+                    exc = TransportError(f"write to peer {self.peer}: {err}")
+                    if done:
+                        done.error = exc
+                        done.event.set()
+                    raise exc
+                if done:
+                    done.event.set()
+            return bool(wcs)
+        except Exception as exc:  # noqa: BLE001 - becomes the channel's sticky error
+            self._fail_all(exc if isinstance(exc, (TransportError, PeerLost)) else TransportError(str(exc)))
+            return False
+        finally:
+            self._poll_lock.release()
+
+    def _fail_all(self, exc: Exception) -> None:
+        if not self._stop.is_set():
+            self.lost(exc)
+        for done in list(self._pending.values()):
+            done.error = done.error or exc
+            done.event.set()
 
     def _poll_loop(self) -> None:
         idle = 0
-        try:
-            while not self._stop.is_set():
-                wcs = self.ep.poll(32, check=False)
-                if not wcs:
-                    if self._bye:
-                        self.lost(PeerLost(f"peer {self.peer} closed the session"))
-                        return
-                    idle += 1
-                    # Spin briefly (yielding the GIL), then back off to spare the CPU.
-                    time.sleep(0 if idle < 200 else min(0.001, 0.00002 * (idle - 199)))
-                    continue
+        while not self._stop.is_set() and not self._lost:
+            if self.progress():
                 idle = 0
-                for wc in wcs:
-                    err = completion_error(wc)
-                    if is_receive(wc):
-                        if err:
-                            raise TransportError(f"receive from peer {self.peer}: {err}")
-                        self.ep.post_recv()
-                        self.on_imm(wc.imm_data)
-                        continue
-                    waiter = self._waiting.get(wc.wr_id)
-                    if err:
-                        exc = TransportError(f"write to peer {self.peer}: {err}")
-                        if waiter:
-                            waiter[1] = exc
-                            waiter[0].set()
-                        raise exc
-                    if waiter:
-                        waiter[0].set()
-        except Exception as exc:  # noqa: BLE001 - becomes the channel's sticky error
-            if not self._stop.is_set():
-                self.lost(exc if isinstance(exc, (TransportError, PeerLost)) else TransportError(str(exc)))
-            for waiter in list(self._waiting.values()):
-                waiter[0].set()
+                continue
+            if self._bye and not self._pending:
+                self.lost(PeerLost(f"peer {self.peer} closed the session"))
+                return
+            idle += 1
+            # Spin briefly (yielding the GIL), then back off to spare the CPU.
+            time.sleep(0 if idle < 100 else min(0.001, 0.00002 * (idle - 99)))
 
     def peer_said_bye(self) -> None:
         self._bye = True   # the poller reports it once the CQ is drained
@@ -163,6 +219,10 @@ class VerbsChannel(Channel):
         self._stop.set()
         if self._poller is not None and self._poller is not threading.current_thread():
             self._poller.join(timeout=5)
-        self._mrs.clear()
-        self._sources.clear()
-        self.ep.close()
+        with self._poll_lock:
+            for done in self._pending.values():
+                done.error = done.error or PeerLost("channel closed")
+                done.event.set()
+            self._mrs.clear()
+            self._sources.clear()
+            self.ep.close()
