@@ -3,6 +3,7 @@ gRPC status codes mapped to rdmatensor's typed errors."""
 from __future__ import annotations
 
 import hmac
+import threading
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -25,22 +26,55 @@ class TlsConfig:
     server_name: str | None = None   # override the name checked in peers' certificates
 
 
+# Calls that wait for other ranks (a barrier holds its server thread until every
+# rank arrived). They get a bounded share of the server's threads, so a flood of
+# them can neither starve Exchange, Grow, Bye and Push nor grow without bound.
+BLOCKING_METHODS = frozenset({"/rdmatensor.control.Control/Barrier"})
+WORKERS = 512                  # threads start on demand; the coordinator of an N-rank
+RESERVED_WORKERS = 32          # barrier holds N - 1, the rest are kept for other calls
+
+
 class _TokenCheck(grpc.ServerInterceptor):
     """Refuse any call that does not carry the session token: a peer without it
-    never reaches a handler, so it never learns a descriptor."""
+    never reaches a handler, so it never learns a descriptor. The refusal reads
+    no request (a stream handler that never iterates), so an unauthenticated
+    caller cannot make the server buffer a message of up to MAX_MESSAGE bytes.
+    Blocking calls beyond their share of threads are refused at once."""
 
-    def __init__(self, token: str):
+    def __init__(self, token: str, blocking_limit: int):
         self._token = token.encode()
+        self._blocking = threading.BoundedSemaphore(max(1, blocking_limit))
+        self._wrapped: dict = {}
 
-        def deny(request, context):
+        def deny(requests, context):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing rdmatensor token")
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny = grpc.stream_unary_rpc_method_handler(deny)
 
     def intercept_service(self, continuation, details):
         for key, value in details.invocation_metadata or ():
             if key == TOKEN_KEY and hmac.compare_digest(value.encode(), self._token):
-                return continuation(details)
+                handler = continuation(details)
+                if handler is not None and details.method in BLOCKING_METHODS and handler.unary_unary:
+                    return self._bounded(details.method, handler)
+                return handler
         return self._deny
+
+    def _bounded(self, method: str, handler):
+        if method not in self._wrapped:
+            inner = handler.unary_unary
+
+            def call(request, context):
+                if not self._blocking.acquire(blocking=False):
+                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  f"too many {method.rsplit('/', 1)[-1]} calls waiting")
+                try:
+                    return inner(request, context)
+                finally:
+                    self._blocking.release()
+            self._wrapped[method] = grpc.unary_unary_rpc_method_handler(
+                call, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        return self._wrapped[method]
 
 
 _OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE),
@@ -53,10 +87,11 @@ _OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE),
 
 
 def start_server(address: str, token: str, control, baseline, tls: TlsConfig | None = None,
-                 workers: int = 16) -> tuple[grpc.Server, int]:
+                 workers: int = WORKERS) -> tuple[grpc.Server, int]:
     """Serve `control` (a ControlServicer) and `baseline` on `address` ("host:port", port 0 picks one)."""
+    check = _TokenCheck(token, blocking_limit=workers - min(RESERVED_WORKERS, workers // 2))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rdmatensor-ctl"),
-                         interceptors=[_TokenCheck(token)], options=_OPTIONS)
+                         interceptors=[check], options=_OPTIONS)
     pb_grpc.add_ControlServicer_to_server(control, server)
     pb_grpc.add_BaselineServicer_to_server(baseline, server)
     if tls:
