@@ -1,0 +1,300 @@
+"""Graph analyzer: every tensor a training job moves between processes, as a Plan.
+
+It traces the step's concrete graph (tf.function over the input signature)
+and reads off the gradients: their count, dtypes and static shapes (None
+where only run time knows, e.g. the rows of a deduplicated sparse gradient).
+From them and the cluster roles it lays out
+
+- ps:        per worker and variable, the gradient (worker -> the variable's
+             ps shard, round-robin by variable) and the variable's new value
+             (ps -> worker);
+- allreduce: per variable and ring step, the chunk each worker writes into
+             its right neighbour (reduce-scatter then all-gather, N-1 steps
+             each), plus a one-time broadcast of the variables from rank 0;
+- pipeline:  whatever the stages' `ops.send` calls move (analyze_pipeline).
+
+    python -m tf_plugin.analyzer --model mlp --mode ps --workers 2 --ps 1
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rdmatensor import Plan, PlanError, TensorSpec
+
+MODES = ("ps", "allreduce", "pipeline")
+
+
+# ------------------------------------------------------------------ naming
+def var_key(variable) -> str:
+    """A variable's name as it appears in tensor names ("hidden/kernel")."""
+    raw = getattr(variable, "path", None) or variable.name.split(":")[0]
+    return re.sub(r"[^A-Za-z0-9_.:/\-]", "_", raw)
+
+
+def ps_rank(index: int, workers: int, ps: int) -> int:
+    """The parameter server holding variable `index`: round-robin over the shards."""
+    return workers + index % ps
+
+
+def grad_name(worker: int, var: str, part: str = "") -> str:
+    return f"grad/w{worker}/{var}" + (f"/{part}" if part else "")
+
+
+def param_name(worker: int, var: str) -> str:
+    return f"param/w{worker}/{var}"
+
+
+def ring_name(var: str, phase: str, step: int, src: int) -> str:
+    """Chunk written by `src` at ring step `step` of phase rs (reduce-scatter) or ag (all-gather)."""
+    return f"ring/{var}/{phase}{step}/r{src}"
+
+
+def bcast_name(var: str, dst: int) -> str:
+    return f"bcast/{var}/r{dst}"
+
+
+def ring_bounds(n: int, ranks: int) -> list[tuple[int, int]]:
+    """[start, stop) of each of `ranks` chunks of a flat gradient of n elements."""
+    sizes = [n // ranks + (1 if i < n % ranks else 0) for i in range(ranks)]
+    starts = np.cumsum([0] + sizes)
+    return [(int(starts[i]), int(starts[i + 1])) for i in range(ranks)]
+
+
+def ring_chunk(phase: str, step: int, rank: int, ranks: int, receiving: bool = False) -> int:
+    """Which chunk `rank` sends (or receives) at a ring step. Reduce-scatter:
+    send (r - s), receive (r - s - 1) and add; after N-1 steps rank r holds
+    chunk r + 1 fully reduced. All-gather: send (r + 1 - s), receive (r - s)."""
+    src = rank - 1 if receiving else rank
+    return (src - step) % ranks if phase == "rs" else (src + 1 - step) % ranks
+
+
+# ------------------------------------------------------------------ result
+@dataclass(frozen=True)
+class VarInfo:
+    key: str
+    shape: tuple
+    dtype: np.dtype
+    sparse: bool                 # gradient crosses as (values, indices), rows dynamic
+    parts: dict                  # gradient part ("" if dense, else values/indices) -> (shape, dtype)
+
+
+@dataclass
+class Analysis:
+    plan: Plan
+    mode: str
+    workers: int
+    ps: int = 0
+    variables: list = field(default_factory=list)
+    kinds: dict = field(default_factory=dict)        # tensor name -> what it is
+    once: set = field(default_factory=set)            # names moved once at setup, not every step
+    optimizer_bytes: int = 0
+
+    def static_bytes_per_step(self, rank: int | None = None, direction: str = "src") -> int:
+        return sum(s.nbytes for s in self.plan.specs.values()
+                   if s.is_static and s.name not in self.once
+                   and (rank is None or getattr(s, direction) == rank))
+
+    def rows(self) -> list[dict]:
+        out = []
+        for s in self.plan.specs.values():
+            out.append({"tensor": s.name, "kind": self.kinds.get(s.name, ""),
+                        "shape": "x".join("?" if d is None else str(d) for d in s.shape) or "scalar",
+                        "dtype": s.dtype.name, "bytes": s.nbytes,
+                        "static": s.is_static, "src": s.src, "dst": s.dst,
+                        "per_step": s.name not in self.once,
+                        "slot_bytes": self.plan.slots[s.name].size})
+        return out
+
+    def explain(self, file=None) -> str:
+        """A table of every tensor, then slots and arenas per peer, then totals; printed
+        to `file` when given, and returned."""
+        lines = [f"{self.plan!r}: mode {self.mode}, {self.workers} worker(s)"
+                 + (f", {self.ps} ps" if self.ps else "")]
+        hdr = ("tensor", "what", "shape", "dtype", "bytes", "shape kind", "src->dst", "moved")
+        rows = [(r["tensor"], r["kind"], r["shape"], r["dtype"],
+                 str(r["bytes"]) if r["static"] else f"<={r['slot_bytes']}*",
+                 "static" if r["static"] else "dynamic", f"{r['src']}->{r['dst']}",
+                 "every step" if r["per_step"] else "once") for r in self.rows()]
+        lines += _table(hdr, rows)
+        if any(not r[5] == "static" for r in rows):
+            lines.append("* dynamic: initial slot room; grows on demand (counted as fallbacks)")
+        lines.append("")
+        prow = []
+        for (src, dst), pair in sorted(self.plan.pairs.items()):
+            step = sum(sl.spec.nbytes for sl in pair.slots
+                       if sl.spec.is_static and sl.spec.name not in self.once)
+            dyn = sum(1 for sl in pair.slots if not sl.spec.is_static)
+            prow.append((f"{src}->{dst}", str(len(pair.slots)), str(len(pair.arena_sizes)),
+                         str(sum(pair.arena_sizes)), str(step), str(dyn)))
+        lines += _table(("pair", "slots", "arenas", "arena bytes", "static bytes/step", "dynamic"), prow)
+        lines.append("")
+        ranks = sorted(self.plan.ranks())
+        lines += _table(("rank", "sends bytes/step", "receives bytes/step"),
+                        [(str(r), str(self.static_bytes_per_step(r, "src")),
+                          str(self.static_bytes_per_step(r, "dst"))) for r in ranks])
+        n_dyn = sum(1 for s in self.plan.specs.values() if not s.is_static)
+        lines.append(f"total static bytes per step: {self.static_bytes_per_step()}"
+                     + (f" (+ {n_dyn} dynamic tensor(s))" if n_dyn else ""))
+        if self.optimizer_bytes:
+            where = "on the ps shards" if self.mode == "ps" else "on every worker"
+            lines.append(f"optimizer state: {self.optimizer_bytes} bytes, {where}; never crosses")
+        text = "\n".join(lines)
+        if file is not None:
+            print(text, file=file)
+        return text
+
+
+def _table(header, rows) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    fmt = "  ".join(f"{{:{'<' if i < 2 else '>'}{w}}}" for i, w in enumerate(widths))
+    return [fmt.format(*header)] + [fmt.format(*r) for r in rows]
+
+
+# ------------------------------------------------------------------ analysis
+def _step_for(target, mode: str, input_signature, loss, sparse):
+    from .step import Step
+    sparse = sparse or ("dense" if mode == "allreduce" else "dedupe")
+    if isinstance(target, Step):
+        return target
+    if hasattr(target, "stateless_call"):            # a Keras model
+        import tensorflow as tf
+        if input_signature is None:
+            x = target.inputs[0]
+            input_signature = (tf.TensorSpec(x.shape, x.dtype), tf.TensorSpec((None,), tf.int32))
+        loss = loss or (lambda y, out: tf.reduce_sum(out))   # gradient shapes do not depend on it
+        return Step.for_model(target, loss, input_signature, sparse=sparse)
+    signature = input_signature or getattr(target, "input_signature", None)
+    if signature is None:
+        raise PlanError("a tf.function needs an input signature to be traced")
+    return Step.for_function(target, signature, sparse=sparse)
+
+
+def variables_of(step) -> list[VarInfo]:
+    """Trace the step's gradients: one VarInfo per trainable variable."""
+    import tensorflow as tf
+    infos, seen = [], set()
+    for v, g in zip(step.variables, step.traced_gradients()):
+        key = var_key(v)
+        while key in seen:
+            key += "_"
+        seen.add(key)
+        if g is None:
+            raise PlanError(f"variable {key!r} gets no gradient from the traced step")
+        dtype = np.dtype(v.dtype.as_numpy_dtype if hasattr(v.dtype, "as_numpy_dtype") else v.dtype)
+        shape = tuple(v.shape)
+        if isinstance(g, tf.IndexedSlices):
+            parts = {"values": (tuple(g.values.shape.as_list()), dtype),
+                     "indices": (tuple(g.indices.shape.as_list()), np.dtype(g.indices.dtype.as_numpy_dtype))}
+            infos.append(VarInfo(key, shape, dtype, True, parts))
+        else:
+            infos.append(VarInfo(key, shape, dtype, False, {"": (tuple(g.shape.as_list()), dtype)}))
+    return infos
+
+
+def analyze(target, mode: str = "allreduce", workers: int = 2, ps: int = 0, input_signature=None,
+            loss=None, sparse: str | None = None, optimizer=None) -> Analysis:
+    """The plan of a training job.
+
+    `target`: a built Keras model, a tf.function with an input signature, or
+    a `Step`. The optimizer (`optimizer`, else the model's), once built, is
+    only reported: it stays where the updates are applied.
+    `mode`: ps (needs ps >= 1) or allreduce. Ranks: workers 0..N-1, ps N..N+M-1."""
+    if mode not in ("ps", "allreduce"):
+        raise PlanError(f"mode {mode!r}: expected ps or allreduce (pipelines: analyze_pipeline)")
+    if workers < 1 or (mode == "ps" and ps < 1):
+        raise PlanError(f"{mode} needs at least one worker" + (" and one ps" if mode == "ps" else ""))
+    step = _step_for(target, mode, input_signature, loss, sparse)
+    infos = variables_of(step)
+    specs, kinds, once = [], {}, set()
+
+    def add(spec, kind, per_step=True):
+        specs.append(spec)
+        kinds[spec.name] = kind
+        if not per_step:
+            once.add(spec.name)
+
+    if mode == "ps":
+        for i, v in enumerate(infos):
+            server = ps_rank(i, workers, ps)
+            for w in range(workers):
+                for part, (shape, dtype) in v.parts.items():
+                    # A dynamic part never holds more rows than the variable has.
+                    cap = None if None not in shape else int(
+                        v.shape[0] * np.prod(shape[1:], dtype=np.int64) * dtype.itemsize) or None
+                    add(TensorSpec(grad_name(w, v.key, part), shape, dtype, w, server, capacity=cap),
+                        "sparse gradient " + part if part else "gradient")
+                add(TensorSpec(param_name(w, v.key), v.shape, v.dtype, server, w), "variable")
+    else:
+        n = workers
+        for v in infos:
+            if v.sparse:
+                raise PlanError(f"{v.key}: allreduce needs dense gradients (sparse='dense')")
+            if 0 in v.shape:
+                continue
+            bounds = ring_bounds(int(np.prod(v.shape)), n)
+            for phase in ("rs", "ag"):
+                for s in range(n - 1):
+                    for r in range(n):
+                        lo, hi = bounds[ring_chunk(phase, s, r, n)]
+                        add(TensorSpec(ring_name(v.key, phase, s, r), (hi - lo,), v.dtype, r, (r + 1) % n),
+                            "ring chunk (reduce-scatter)" if phase == "rs" else "ring chunk (all-gather)")
+            for dst in range(1, n):
+                add(TensorSpec(bcast_name(v.key, dst), v.shape, v.dtype, 0, dst), "broadcast", per_step=False)
+    optimizer = optimizer or getattr(target, "optimizer", None)
+    opt_bytes = sum(int(np.prod(o.shape)) * np.dtype(o.dtype).itemsize
+                    for o in getattr(optimizer, "variables", None) or [] if len(o.shape))
+    return Analysis(Plan(specs), mode, workers, ps, infos, kinds, once, opt_bytes)
+
+
+def analyze_pipeline(stages: dict, capacity: int | None = None) -> Analysis:
+    """The plan of a pipeline: `stages` maps rank -> (tf.function or function,
+    input signature). Each stage is traced afresh; its `ops.send` calls give the
+    specs (src = the stage's rank) and its `ops.recv` calls must match them."""
+    import tensorflow as tf
+    from . import ops
+    sends, recvs = [], []
+    for rank, (fn, signature) in sorted(stages.items()):
+        fresh = tf.function(getattr(fn, "python_function", fn))
+        with ops.recording(rank) as rec:
+            fresh.get_concrete_function(*signature)
+        sends += rec.sends
+        recvs += rec.recvs
+    specs = [s if s.is_static or capacity is None else
+             TensorSpec(s.name, s.shape, s.dtype, s.src, s.dst, capacity) for s in sends]
+    plan = Plan(specs)
+    for r in recvs:
+        s = plan.specs.get(r.name)
+        if s is None or s.src != r.src or s.dst != r.dst or s.dtype != r.dtype or len(s.shape) != len(r.shape) \
+                or any(a is not None and b is not None and a != b for a, b in zip(s.shape, r.shape)):
+            raise PlanError(f"recv {r.canonical()} matches no send (sent: {s.canonical() if s else 'nothing'})")
+    workers = len(plan.ranks())
+    return Analysis(plan, "pipeline", workers, 0, [], {s.name: "activation" for s in specs}, set())
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Print the plan of a demo model's training job.")
+    parser.add_argument("--model", choices=("mlp", "cnn", "embed"), default="mlp")
+    parser.add_argument("--mode", choices=("ps", "allreduce"), default="allreduce")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--ps", type=int, default=None, help="parameter servers (ps mode; default 1)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    from . import models
+    from .step import Step
+    model = models.build(args.model, args.seed)
+    ps = (args.ps or 1) if args.mode == "ps" else 0
+    step = Step.for_model(model, models.loss_fn, models.input_specs(args.model),
+                          sparse="dense" if args.mode == "allreduce" else "dedupe")
+    opt = models.optimizer()
+    opt.build(model.trainable_variables)
+    analyze(step, args.mode, args.workers, ps, optimizer=opt).explain(file=sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
