@@ -1,82 +1,301 @@
-"""rdmatensor-bench: bandwidth of every provider side by side, with ratios to gRPC.
+"""rdmatensor-bench: latency and bandwidth of every provider, side by side with
+gRPC and with each provider's physical reference, in one run.
 
-    rdmatensor-bench [--providers verbs,shm,tcp,grpc] [--sizes 1M,64M] [--json FILE]
+    rdmatensor-bench                         # lat + bw sweeps + setup, every viable provider
+    rdmatensor-bench bw --providers verbs    # verbs here has no RDMA: runs in a SoftRoCE VM
+    rdmatensor-bench lat --sizes 8,4K --seconds 2 --json out.json --plot out.png
+    rdmatensor-bench step --step-tensors 20x256K,4x4M
+    # across two machines, like perftest (same command on both, rank 1 first):
+    rdmatensor-bench bw --providers verbs --rank 1 --peers HOST0:47500,HOST1:47500
+    rdmatensor-bench bw --providers verbs --rank 0 --peers HOST0:47500,HOST1:47500
 
-Providers that cannot run here are skipped, with the reason. To measure
-verbs on a host without RDMA, run it inside SoftRoCE:
-    rdmatensor softroce vm -- rdmatensor-bench
+Modes: lat (ping-pong; half the round trip: min, median, p99, max), bw (a
+window of writes in flight; MB/s, Gb/s, messages/s), step (a training step's
+tensors per iteration), setup (connect cost against the number of tensors),
+all (lat, bw and setup). Every row carries its ratio to gRPC and to its
+reference (perftest for verbs, memcpy for shm, raw sockets for tcp).
 """
 from __future__ import annotations
 
 import argparse
-import json
+import os
+import random
+import subprocess
 import sys
+from dataclasses import asdict
 
 from rdmatensor.providers import NAMES, provider_class
 
-from .bw import measure
+from . import report
+from .points import Point, run_point
+from .references import reference
+from .setup_cost import run_setup
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+DEFAULT_BW_SIZES = "8,64,512,4K,32K,256K,1M,4M,16M,64M"
+DEFAULT_LAT_SIZES = "8,64,512,4K,32K,256K,1M"
+DEFAULT_STEP = "8x4K,8x64K,4x1M,2x4M"      # a small model's gradients
+DEFAULT_SETUP = "10,100,1000,10000"
 
 
 def parse_size(text: str) -> int:
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    unit = text[-1] if text and text[-1] in _UNITS else ""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = t[-1] if t and t[-1] in _UNITS else ""
     try:
-        value = int(text[:-1] if unit else text) * _UNITS[unit]
-    except ValueError:
+        value = int(t[:-1] if unit else t) * _UNITS[unit]
+    except (ValueError, KeyError):
         raise argparse.ArgumentTypeError(f"bad size {text!r}: use e.g. 8, 4K, 1M, 64M") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError("sizes must be positive")
+    if value <= 0 or value > (1 << 32):
+        raise argparse.ArgumentTypeError(f"size {text!r} must be 1 byte to 4 GiB")
     return value
 
 
-def human(n: int) -> str:
-    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= factor and n % factor == 0:
-            return f"{n // factor} {unit}"
-    return f"{n} B"
+def parse_sizes(text: str) -> list[int]:
+    return [parse_size(x) for x in text.split(",") if x.strip()]
 
 
-def main(argv=None) -> int:
+def parse_step(text: str) -> tuple:
+    out = []
+    for part in text.split(","):
+        count, _, size = part.partition("x")
+        try:
+            out += [parse_size(size)] * int(count)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"bad step tensors {part!r}: use COUNTxSIZE, e.g. 8x4K") from None
+    return tuple(out)
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rdmatensor-bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--providers", default=",".join(NAMES))
-    p.add_argument("--sizes", default="1M,64M", type=lambda s: [parse_size(x) for x in s.split(",")])
-    p.add_argument("--bytes-per-point", type=parse_size, default=parse_size("512M"),
-                   help="data moved per provider and size (sets the iterations)")
-    p.add_argument("--json", metavar="FILE")
-    a = p.parse_args(argv)
-    providers = []
-    for name in a.providers.split(","):
+    p.add_argument("mode", nargs="?", default="all", choices=("all", "lat", "bw", "step", "setup"))
+    p.add_argument("--providers", default=",".join(NAMES), help="comma-separated (default %(default)s)")
+    p.add_argument("--sizes", type=parse_sizes, help=f"bw sizes (default {DEFAULT_BW_SIZES})")
+    p.add_argument("--lat-sizes", type=parse_sizes, help=f"lat sizes (default {DEFAULT_LAT_SIZES}; "
+                                                          "--sizes sets both when only it is given)")
+    p.add_argument("--seconds", type=float, default=0.5, help="time budget per point (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=5, help="warm-up iterations per point")
+    p.add_argument("--max-iters", type=int, default=100000)
+    p.add_argument("--step-tensors", type=parse_step, default=parse_step(DEFAULT_STEP),
+                   help=f"step mode: COUNTxSIZE,... (default {DEFAULT_STEP})")
+    p.add_argument("--setup-counts", default=DEFAULT_SETUP, help="setup mode: tensor counts")
+    p.add_argument("--setup-bytes", type=parse_size, default=parse_size("1K"), help="bytes per tensor (setup)")
+    p.add_argument("--no-references", action="store_true", help="skip perftest/memcpy/socket references")
+    p.add_argument("--json", metavar="FILE", help="write results as JSON (schema in the README)")
+    p.add_argument("--plot", metavar="FILE.png", help="bandwidth and latency against size")
+    p.add_argument("--rank", type=int, choices=(0, 1), help="server/client mode: this side's rank")
+    p.add_argument("--peers", help="server/client mode: HOST0:PORT,HOST1:PORT (point i uses PORT+i)")
+    p.add_argument("--softroce-vm", action="store_true",
+                   help="run inside a SoftRoCE VM (automatic when verbs is asked for and absent)")
+    p.add_argument("--in-vm", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def points_for(a, providers: list[str]) -> list[Point]:
+    bw_sizes = a.sizes or parse_sizes(DEFAULT_BW_SIZES)
+    lat_sizes = a.lat_sizes or ([s for s in a.sizes] if a.sizes else parse_sizes(DEFAULT_LAT_SIZES))
+    common = dict(seconds=a.seconds, warmup=a.warmup, max_iters=a.max_iters)
+    pts = []
+    if a.mode in ("all", "lat"):
+        pts += [Point("lat", pr, s, **common) for s in lat_sizes for pr in providers]
+    if a.mode in ("all", "bw"):
+        pts += [Point("bw", pr, s, **common) for s in bw_sizes for pr in providers]
+    if a.mode == "step":
+        pts += [Point("step", pr, sum(a.step_tensors), tensors=a.step_tensors, **common) for pr in providers]
+    return pts
+
+
+def setup_points(a, providers: list[str]) -> list[tuple[str, int]]:
+    if a.mode not in ("all", "setup"):
+        return []
+    counts = [int(c) for c in a.setup_counts.split(",")]
+    return [(pr, c) for c in counts for pr in providers if pr != "grpc" or c <= 1000]
+
+
+def _peers(a, index: int) -> dict:
+    hosts = a.peers.split(",")
+    out = {}
+    for r, hp in enumerate(hosts):
+        host, port = hp.rsplit(":", 1)
+        out[r] = f"{host}:{int(port) + index}"
+    return out
+
+
+def _viable(names: list[str]) -> tuple[list[str], dict]:
+    ok, skipped = [], {}
+    for name in names:
         try:
-            ok, why = provider_class(name).viable()
-        except Exception as exc:  # noqa: BLE001 - unknown name: say so
-            ok, why = False, str(exc)
-        if ok:
-            providers.append(name)
+            good, why = provider_class(name).viable()
+        except Exception as exc:  # noqa: BLE001 - an unknown name is reported like the rest
+            good, why = False, str(exc)
+        if good:
+            ok.append(name)
         else:
-            print(f"skipping {name}: {why}", file=sys.stderr)
-    rows = []
-    for size in a.sizes:
-        for name in providers:
-            iters = max(5, min(2000, a.bytes_per_point // size))
-            if name == "grpc":
-                iters = max(3, iters // 8)     # the baseline is slow; keep the run short
-            print(f"  {name:5} {human(size):>8} x {iters} ...", file=sys.stderr, flush=True)
-            rows.append(measure(name, size, iters))
-    base = {r.size: r.mb_per_s for r in rows if r.provider == "grpc"}
-    print(f"{'provider':8} {'size':>8} {'iters':>6} {'MB/s':>10} {'x grpc':>7} {'copies':>6}")
-    out = []
-    for r in rows:
-        ratio = r.mb_per_s / base[r.size] if r.size in base else None
-        print(f"{r.provider:8} {human(r.size):>8} {r.iterations:>6} {r.mb_per_s:>10.1f} "
-              f"{(f'{ratio:.1f}' if ratio else '-'):>7} {r.copies:>6}")
-        out.append({**r.to_dict(), "ratio_to_grpc": ratio})
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"mode": "bw", "rows": out}, f, indent=2)
+            skipped[name] = why
+    return ok, skipped
+
+
+def _device():
+    from rdmatensor.devices import active_port
+    found = active_port()
+    if not found:
+        return None
+    gid = found[1].roce_v2_gid()
+    return found[0].name, gid.index if gid else 0
+
+
+def _in_vm(argv: list[str], a) -> int:
+    """Run this same benchmark inside a SoftRoCE VM, results written to shared dirs."""
+    from rdmatensor.softroce import run as vm_run
+    argv = [x for x in argv if x != "--softroce-vm"]
+    shares = sorted({os.path.dirname(os.path.abspath(f)) for f in (a.json, a.plot) if f})
+    for flag in ("--json", "--plot"):
+        value = getattr(a, flag[2:])
+        if value:
+            argv = [os.path.abspath(value) if x == value else x for x in argv]
+    print("rdmatensor-bench: verbs needs RDMA; running inside a SoftRoCE VM", file=sys.stderr)
+    return vm_run([sys.executable, "-m", "bench.cli", *argv, "--in-vm"], timeout=7200, shares=shares).returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = build_parser().parse_args(argv)
+    asked = [x.strip() for x in a.providers.split(",") if x.strip()]
+    unknown = [x for x in asked if x not in NAMES]
+    if unknown:
+        print(f"rdmatensor-bench: unknown provider(s) {', '.join(unknown)}; choose from {', '.join(NAMES)}",
+              file=sys.stderr)
+        return 2
+    providers, skipped = _viable(asked)
+    explicit_verbs = "verbs" in asked and a.providers != ",".join(NAMES)
+    if not a.in_vm and a.rank is None and "verbs" in skipped and (a.softroce_vm or explicit_verbs):
+        return _in_vm(argv, a)
+    for name, why in skipped.items():
+        print(f"rdmatensor-bench: skipping {name}: {why}", file=sys.stderr)
+    if not providers:
+        print("rdmatensor-bench: no provider can run here", file=sys.stderr)
+        return 1
+
+    points = points_for(a, providers)
+    setups = setup_points(a, providers)
+    if a.rank == 1:
+        return _serve(a, points, setups)
+    return _measure(a, argv, points, setups, providers, skipped)
+
+
+def _serve(a, points, setups) -> int:
+    for i, point in enumerate(points):
+        run_point(1, _peers(a, i), point)
+    for j, (provider, count) in enumerate(setups):
+        run_setup(1, _peers(a, len(points) + j), provider, count, a.setup_bytes)
     return 0
+
+
+def _measure(a, argv, points, setups, providers, skipped) -> int:
+    child = None
+    if a.rank is None:          # local mode: spawn rank 1 with the same arguments
+        base = random.randint(20000, 40000)
+        a.peers = f"127.0.0.1:{base},127.0.0.1:{base + 10000}"
+        child = subprocess.Popen([sys.executable, "-m", "bench.cli", *argv, "--rank", "1", "--peers", a.peers,
+                                  "--providers", ",".join(providers), *(["--in-vm"] if a.in_vm else [])])
+    device = _device() if "verbs" in providers and not a.no_references else None
+    rows, setup_rows = [], []
+    try:
+        from tqdm import tqdm
+        bar = tqdm(total=len(points) + len(setups), desc="rdmatensor-bench", unit="point",
+                   file=sys.stderr, delay=2, dynamic_ncols=True)
+        for i, point in enumerate(points):
+            bar.set_postfix_str(f"{point.mode} {point.provider} {report.human(point.size)}")
+            row = asdict(run_point(0, _peers(a, i), point))
+            if not a.no_references and point.mode in ("lat", "bw"):
+                row["reference"] = reference(point.provider, point.mode, point.size, device)
+            rows.append(row)
+            bar.update()
+        for j, (provider, count) in enumerate(setups):
+            bar.set_postfix_str(f"setup {provider} {count}")
+            setup_rows.append(run_setup(0, _peers(a, len(points) + j), provider, count, a.setup_bytes))
+            bar.update()
+        bar.close()
+    except BaseException:
+        if child:
+            child.kill()
+        raise
+    if child and child.wait(120) != 0:
+        print("rdmatensor-bench: the serving rank failed", file=sys.stderr)
+        return 1
+    _ratios(rows)
+    targets = evaluate_targets(rows, setup_rows)
+    print(report.table(rows))
+    if setup_rows:
+        print()
+        print(report.setup_table(setup_rows))
+    if targets:
+        print()
+        print("targets")
+        for t in targets:
+            print(f"  {'met ' if t['met'] else 'MISS'}  {t['target']}: {t['measured']}")
+    if skipped:
+        print()
+        for name, why in skipped.items():
+            print(f"skipped {name}: {why}")
+    if a.json:
+        report.write_json(a.json, rows, setup_rows, skipped, targets)
+    if a.plot:
+        report.plot(a.plot, rows)
+    return 0
+
+
+def _ratios(rows: list[dict]) -> None:
+    def key(r):
+        return r["mode"], r["size"]
+    grpc = {key(r): r for r in rows if r["provider"] == "grpc"}
+    for r in rows:
+        g = grpc.get(key(r))
+        ref = r.get("reference") or {}
+        if r["mode"] == "lat":
+            r["ratio_to_grpc"] = r["lat_us"]["median"] / g["lat_us"]["median"] if g else None
+            r["ratio_to_reference"] = (r["lat_us"]["median"] / ref["lat_us"]) if ref.get("lat_us") else None
+        else:
+            r["ratio_to_grpc"] = r["mb_per_s"] / g["mb_per_s"] if g else None
+            r["ratio_to_reference"] = (r["mb_per_s"] / ref["mb_per_s"]) if ref.get("mb_per_s") else None
+
+
+def evaluate_targets(rows: list[dict], setup_rows: list[dict]) -> list[dict]:
+    """The transport's published targets, checked against this run."""
+    def row(mode, provider, size):
+        return next((r for r in rows if (r["mode"], r["provider"], r["size"]) == (mode, provider, size)), None)
+    out = []
+
+    def check(target, ok, measured):
+        out.append({"target": target, "met": bool(ok), "measured": measured})
+
+    for size, label in ((1 << 20, "1 MiB"), (4 << 20, "4 MiB")):
+        r = row("bw", "verbs", size)
+        if r and r.get("ratio_to_reference"):
+            check(f"verbs bw >= 0.9x ib_write_bw at {label}", r["ratio_to_reference"] >= 0.9,
+                  f"{r['mb_per_s']:.1f} MB/s = {r['ratio_to_reference']:.2f}x")
+    r = row("lat", "verbs", 8)
+    if r and r.get("ratio_to_reference"):
+        check("verbs 8 B half round trip <= 3x ib_write_lat", r["ratio_to_reference"] <= 3,
+              f"{r['lat_us']['median']:.1f} us = {r['ratio_to_reference']:.2f}x")
+    for provider, ref_min, grpc_min in (("shm", 0.7, 15), ("tcp", 0.8, 4)):
+        r = row("bw", provider, 64 << 20)
+        if r and r.get("ratio_to_reference") is not None:
+            check(f"{provider} 64 MiB >= {ref_min}x reference", r["ratio_to_reference"] >= ref_min,
+                  f"{r['mb_per_s']:.0f} MB/s = {r['ratio_to_reference']:.2f}x")
+        if r and r.get("ratio_to_grpc"):
+            check(f"{provider} 64 MiB >= {grpc_min}x grpc", r["ratio_to_grpc"] >= grpc_min,
+                  f"{r['ratio_to_grpc']:.1f}x")
+    for provider, frac in (("shm", 20), ("tcp", 5)):
+        r = row("lat", provider, 4096)
+        if r and r.get("ratio_to_grpc"):
+            check(f"{provider} 4 KiB latency <= 1/{frac} of grpc", r["ratio_to_grpc"] <= 1 / frac,
+                  f"{r['lat_us']['median']:.1f} us = 1/{1 / r['ratio_to_grpc']:.1f}")
+    for s in setup_rows:
+        if s["tensors"] == 10000 and s["provider"] in ("shm", "tcp"):
+            check(f"setup of 10,000 tensors on {s['provider']} < 1 s", s["setup_s"] < 1.0,
+                  f"{s['setup_s']:.3f} s")
+    return out
 
 
 if __name__ == "__main__":

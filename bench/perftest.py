@@ -1,4 +1,5 @@
-"""perftest (ib_write_bw, ib_write_lat) as a reference: run it, parse its figures."""
+"""perftest (ib_write_bw, ib_write_lat) as the reference for verbs: run it on
+this host's device (server and client over loopback) and parse its figures."""
 from __future__ import annotations
 
 import re
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 
 from rdmatensor.errors import RdmaTensorError
 
-_ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", re.M)
+_NUM = r"([\d.]+)"
 
 
 @dataclass
@@ -25,32 +26,70 @@ class BwResult:
         return self.avg_gbps * 1e9 / 8 / 1e6
 
 
+@dataclass
+class LatResult:
+    size: int
+    iterations: int
+    min_us: float
+    max_us: float
+    typical_us: float
+    avg_us: float
+    p99_us: float
+
+
+def _rows(output: str, ncols: int) -> list[list[str]]:
+    pattern = re.compile(r"^\s*(\d+)\s+(\d+)" + r"\s+" + r"\s+".join([_NUM] * ncols), re.M)
+    return [list(m) for m in pattern.findall(output)]
+
+
 def parse_write_bw(output: str) -> BwResult:
     """The result row of `ib_write_bw --report_gbits` (bytes, iterations, peak, average, rate)."""
-    rows = _ROW.findall(output)
+    rows = _rows(output, 3)
     if not rows:
         raise RdmaTensorError(f"no result row in ib_write_bw output:\n{output[-2000:]}")
     size, iters, peak, avg, rate = rows[-1]
     return BwResult(int(size), int(iters), float(peak), float(avg), float(rate))
 
 
-def run_write_bw(device: str, gid_index: int, size: int, iterations: int = 200,
-                 port: int = 18600, timeout: float = 120.0) -> BwResult:
-    """ib_write_bw server and client on this host, over one device (loopback)."""
-    if not shutil.which("ib_write_bw"):
-        raise RdmaTensorError("ib_write_bw not found: install perftest (make setup does)")
-    args = ["ib_write_bw", "-d", device, "-x", str(gid_index), "-s", str(size),
-            "-n", str(iterations), "-p", str(port), "-F", "--report_gbits"]
-    server = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def parse_write_lat(output: str) -> LatResult:
+    """The result row of `ib_write_lat`: bytes, iterations, t_min, t_max, t_typical,
+    t_avg, t_stdev, 99% and 99.9% percentiles (µs)."""
+    rows = _rows(output, 7)
+    if not rows:
+        raise RdmaTensorError(f"no result row in ib_write_lat output:\n{output[-2000:]}")
+    size, iters, tmin, tmax, typ, avg, _std, p99, _p999 = rows[-1]
+    return LatResult(int(size), int(iters), float(tmin), float(tmax), float(typ), float(avg), float(p99))
+
+
+def _run_pair(tool: str, args: list[str], timeout: float) -> str:
+    if not shutil.which(tool):
+        raise RdmaTensorError(f"{tool} not found: install perftest (make setup does)")
+    server = subprocess.Popen([tool, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         time.sleep(0.5)  # perftest's client does not retry a refused connection
-        client = subprocess.run(args + ["127.0.0.1"], capture_output=True, text=True, timeout=timeout)
-        server_out, _ = server.communicate(timeout=timeout)
+        client = subprocess.run([tool, *args, "127.0.0.1"], capture_output=True, text=True, timeout=timeout)
+        server.communicate(timeout=timeout)
     finally:
         if server.poll() is None:
             server.kill()
             server.wait()
     if client.returncode != 0:
-        raise RdmaTensorError(f"ib_write_bw client failed ({client.returncode}):\n"
+        raise RdmaTensorError(f"{tool} client failed ({client.returncode}):\n"
                               f"{client.stdout[-1500:]}{client.stderr[-1500:]}")
-    return parse_write_bw(client.stdout)
+    return client.stdout
+
+
+def run_write_bw(device: str, gid_index: int, size: int, iterations: int = 200,
+                 port: int = 18600, timeout: float = 300.0) -> BwResult:
+    """ib_write_bw server and client on this host, over one device (loopback)."""
+    return parse_write_bw(_run_pair("ib_write_bw", [
+        "-d", device, "-x", str(gid_index), "-s", str(size), "-n", str(iterations),
+        "-p", str(port), "-F", "--report_gbits"], timeout))
+
+
+def run_write_lat(device: str, gid_index: int, size: int, iterations: int = 1000,
+                  port: int = 18601, timeout: float = 300.0) -> LatResult:
+    """ib_write_lat server and client on this host, over one device (loopback)."""
+    return parse_write_lat(_run_pair("ib_write_lat", [
+        "-d", device, "-x", str(gid_index), "-s", str(size), "-n", str(iterations),
+        "-p", str(port), "-F"], timeout))

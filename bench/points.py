@@ -1,0 +1,191 @@
+"""One measurement point: a fresh two-rank session, one mode, one size.
+
+Both ranks run the same function. Rank 0 measures; rank 1 serves. Rank 0
+times a warm-up, picks the iteration count that fills the time budget and
+tells rank 1 through a small `ctl` tensor, so both sides agree without any
+out-of-band channel.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rdmatensor import Plan, TensorSpec, connect
+
+TOKEN = "rdmatensor-bench"
+
+
+@dataclass
+class Point:
+    mode: str          # lat, bw, step
+    provider: str
+    size: int          # bytes per tensor (step: bytes per step)
+    tensors: tuple = ()          # step mode: sizes of the tensors of one step
+    seconds: float = 1.0         # time budget for the measured part
+    warmup: int = 5
+    max_iters: int = 100000
+
+
+@dataclass
+class Result:
+    mode: str
+    provider: str
+    size: int
+    iterations: int
+    lat_us: dict | None = None         # min, median, p99, max (half round trip for lat; step time for step)
+    mb_per_s: float | None = None
+    gb_per_s: float | None = None
+    msg_per_s: float | None = None
+    copies: int = 0
+    window: int = 1
+    extra: dict = field(default_factory=dict)
+
+
+def window_for(size: int) -> int:
+    return max(1, min(16, (128 << 20) // max(size, 1)))
+
+
+def plan_for(point: Point) -> Plan:
+    specs = [TensorSpec("ctl", (1,), np.int64, 0, 1)]
+    if point.mode == "lat":
+        specs += [TensorSpec("ping", (point.size,), np.uint8, 0, 1),
+                  TensorSpec("pong", (point.size,), np.uint8, 1, 0)]
+    elif point.mode == "bw":
+        specs += [TensorSpec(f"w{i}", (point.size,), np.uint8, 0, 1) for i in range(window_for(point.size))]
+        specs += [TensorSpec("ack", (1,), np.int64, 1, 0)]
+    elif point.mode == "step":
+        specs += [TensorSpec(f"g{i}", (n,), np.uint8, 0, 1) for i, n in enumerate(point.tensors)]
+        specs += [TensorSpec("ack", (1,), np.int64, 1, 0)]
+    else:
+        raise ValueError(f"unknown mode {point.mode!r}")
+    return Plan(specs)
+
+
+def _lat_stats(samples_s: list[float]) -> dict:
+    us = np.asarray(samples_s) * 1e6
+    return {"min": float(us.min()), "median": float(np.median(us)),
+            "p99": float(np.percentile(us, 99)), "max": float(us.max())}
+
+
+def _iterations(point: Point, warm_seconds: float, warm_iters: int) -> int:
+    per = warm_seconds / max(warm_iters, 1)
+    return int(max(3, min(point.max_iters, point.seconds / max(per, 1e-7))))
+
+
+def run_point(rank: int, peers: dict, point: Point) -> Result | None:
+    with connect(rank, peers, plan_for(point), provider=point.provider, token=TOKEN, timeout=300) as s:
+        fn = {"lat": _lat, "bw": _bw, "step": _step}[point.mode]
+        result = fn(s, rank, point)
+        s.barrier("point-done")
+    return result
+
+
+def _tell(s, iters: int) -> None:
+    ctl = s.buffer("ctl")
+    ctl[0] = iters
+    s.send("ctl", ctl)
+
+
+def _hear(s) -> int:
+    with s.recv("ctl") as v:
+        return int(v[0])
+
+
+def _lat(s, rank: int, p: Point) -> Result | None:
+    if rank == 1:
+        pong = s.buffer("pong")
+        for _ in range(p.warmup):
+            s.recv("ping").release()
+            s.send("pong", pong)
+        for _ in range(_hear(s)):
+            s.recv("ping").release()
+            s.send("pong", pong)
+        return None
+    ping = s.buffer("ping")
+    ping[:] = 1
+    t0 = time.perf_counter()
+    for _ in range(p.warmup):
+        s.send("ping", ping)
+        s.recv("pong").release()
+    iters = _iterations(p, time.perf_counter() - t0, p.warmup)
+    _tell(s, iters)
+    samples = []
+    clock = time.perf_counter
+    for _ in range(iters):
+        t = clock()
+        s.send("ping", ping)
+        s.recv("pong").release()
+        samples.append((clock() - t) / 2)
+    return Result("lat", p.provider, p.size, iters, lat_us=_lat_stats(samples))
+
+
+def _bw(s, rank: int, p: Point) -> Result | None:
+    window = window_for(p.size)
+    names = [f"w{i}" for i in range(window)]
+    warm = max(p.warmup, window)
+    if rank == 1:
+        for i in range(warm):
+            s.recv(names[i % window]).release()
+        iters = _hear(s)
+        for i in range(iters):
+            s.recv(names[i % window]).release()
+        ack = s.buffer("ack")
+        ack[0] = iters
+        s.send("ack", ack)
+        return None
+    bufs = [s.buffer(n) for n in names]
+    for i, b in enumerate(bufs):
+        b[:] = i
+    t0 = time.perf_counter()
+    for i in range(warm):
+        s.send(names[i % window], bufs[i % window])
+    iters = _iterations(p, time.perf_counter() - t0, warm)
+    _tell(s, iters)
+    copies0 = s.stats()["copies"]
+    t0 = time.perf_counter()
+    for i in range(iters):
+        s.send(names[i % window], bufs[i % window])
+    with s.recv("ack") as ack:
+        assert int(ack[0]) == iters
+    seconds = time.perf_counter() - t0
+    return Result("bw", p.provider, p.size, iters, mb_per_s=p.size * iters / seconds / 1e6,
+                  gb_per_s=p.size * iters * 8 / seconds / 1e9, msg_per_s=iters / seconds,
+                  copies=s.stats()["copies"] - copies0, window=window)
+
+
+def _step(s, rank: int, p: Point) -> Result | None:
+    names = [f"g{i}" for i in range(len(p.tensors))]
+    if rank == 1:
+        def serve():
+            for n in names:
+                s.recv(n).release()
+            ack = s.buffer("ack")
+            ack[0] = 1
+            s.send("ack", ack)
+        for _ in range(p.warmup):
+            serve()
+        for _ in range(_hear(s)):
+            serve()
+        return None
+    bufs = [s.buffer(n) for n in names]
+
+    def step():
+        for n, b in zip(names, bufs):
+            s.send(n, b)
+        s.recv("ack").release()
+    t0 = time.perf_counter()
+    for _ in range(p.warmup):
+        step()
+    iters = _iterations(p, time.perf_counter() - t0, p.warmup)
+    _tell(s, iters)
+    samples = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        step()
+        samples.append(time.perf_counter() - t)
+    total = sum(samples)
+    return Result("step", p.provider, p.size, iters, lat_us=_lat_stats(samples),
+                  mb_per_s=p.size * iters / total / 1e6, gb_per_s=p.size * iters * 8 / total / 1e9,
+                  msg_per_s=len(names) * iters / total, extra={"tensors": len(names)})
