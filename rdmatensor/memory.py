@@ -10,6 +10,7 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+import stat
 
 import numpy as np
 
@@ -23,13 +24,20 @@ SHM_DIR = "/dev/shm"
 def _map_shared(name: str, size: int, create: bool) -> mmap.mmap:
     path = os.path.join(SHM_DIR, name)
     # 0600 and O_EXCL: only this user can map it, and never a segment someone planted.
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0) | getattr(os, "O_CLOEXEC", 0)
+    # Opening a peer's segment: no symlink followed, no FIFO waited on, and only a
+    # regular file of this user's is mapped.
+    flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+    flags |= os.O_CREAT | os.O_EXCL if create else os.O_NONBLOCK
     fd = os.open(path, flags, 0o600)
     try:
         if create:
             os.ftruncate(fd, size)
-        elif os.fstat(fd).st_size < size:
-            raise UsageError(f"shared segment {name} holds {os.fstat(fd).st_size} bytes, expected {size}")
+        else:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                raise UsageError(f"{name} is not a shared segment of this user")
+            if st.st_size < size:
+                raise UsageError(f"shared segment {name} holds {st.st_size} bytes, expected {size}")
         return mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
     finally:
         os.close(fd)

@@ -87,23 +87,58 @@ _OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE),
 
 
 def start_server(address: str, token: str, control, baseline, tls: TlsConfig | None = None,
-                 workers: int = WORKERS) -> tuple[grpc.Server, int]:
+                 workers: int | None = None) -> tuple["ControlServer", int]:
     """Serve `control` (a ControlServicer) and `baseline` on `address` ("host:port", port 0 picks one)."""
+    workers = WORKERS if workers is None else workers
     check = _TokenCheck(token, blocking_limit=workers - min(RESERVED_WORKERS, workers // 2))
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rdmatensor-ctl"),
-                         interceptors=[check], options=_OPTIONS)
-    pb_grpc.add_ControlServicer_to_server(control, server)
-    pb_grpc.add_BaselineServicer_to_server(baseline, server)
-    if tls:
-        creds = grpc.ssl_server_credentials([(tls.private_key, tls.cert_chain)],
-                                            root_certificates=tls.root_ca, require_client_auth=True)
-        port = server.add_secure_port(address, creds)
+    executor = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rdmatensor-ctl")
+    server = grpc.server(executor, interceptors=[check], options=_OPTIONS)
+    try:
+        pb_grpc.add_ControlServicer_to_server(control, server)
+        pb_grpc.add_BaselineServicer_to_server(baseline, server)
+        if tls:
+            creds = grpc.ssl_server_credentials([(tls.private_key, tls.cert_chain)],
+                                                root_certificates=tls.root_ca, require_client_auth=True)
+            port = server.add_secure_port(address, creds)
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError as exc:    # grpc raises RuntimeError when it cannot bind
+        port, error = 0, exc
     else:
-        port = server.add_insecure_port(address)
+        error = None
     if port == 0:
-        raise TransportError(f"cannot listen for the control plane on {address}")
+        server.stop(None)
+        executor.shutdown(wait=False)
+        raise TransportError(f"cannot listen for the control plane on {address}"
+                             + (f": {error}" if error else ""))
     server.start()
-    return server, port
+    return ControlServer(server, executor), port
+
+
+class ControlServer:
+    """A running control server. stop() also ends its worker threads and lets
+    go of the gRPC server, so a stopped server holds no thread and no file
+    descriptor even while its owner (a closed Session) is still referenced."""
+
+    def __init__(self, server: grpc.Server, executor: futures.ThreadPoolExecutor):
+        self._server, self._executor = server, executor
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()
+
+    def stop(self, grace: float | None = None) -> threading.Event:
+        """Stop serving (calls in progress get `grace` seconds); returns an Event
+        that is set once the server is down. Idempotent."""
+        with self._lock:
+            server, self._server = self._server, None
+        if server is not None:
+            server.stop(grace).wait()
+            # Workers still inside a handler (a barrier's wait) finish on their own.
+            self._executor.shutdown(wait=False)
+            self._stopped.set()
+        return self._stopped
+
+    def wait_for_termination(self, timeout: float | None = None) -> bool:
+        return self._stopped.wait(timeout)
 
 
 class ControlClient:
@@ -145,4 +180,4 @@ def rpc_error(exc: grpc.RpcError, address: str) -> RdmaTensorError:
     return TransportError(f"control call to {address} failed: {code.name} {details}")
 
 
-__all__ = ["pb", "pb_grpc", "start_server", "ControlClient", "TlsConfig", "rpc_error"]
+__all__ = ["pb", "pb_grpc", "start_server", "ControlServer", "ControlClient", "TlsConfig", "rpc_error"]

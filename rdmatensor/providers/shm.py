@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from ..errors import PeerLost, TransportError
+from ..errors import PeerLost, RdmaTensorError, TransportError
 from ..memory import Arena, MappedArena
 from .base import WRITE_HEADER, WRITE_MAGIC
 from .stream import StreamChannel
@@ -64,15 +64,17 @@ class ShmChannel(StreamChannel):
         return {**super().expose(region_id, arena), "shm_name": arena.name}
 
     def attach(self, descriptor: dict) -> None:
-        super().attach(descriptor)
+        # Map first: a region the sender cannot map must not count as attached.
         rid = int(descriptor["region_id"])
+        try:
+            mapped = MappedArena(descriptor["shm_name"], int(descriptor["size"]))
+        except (OSError, ValueError, RdmaTensorError) as exc:
+            raise TransportError(f"cannot map peer {self.peer}'s region {rid}: {exc}") from exc
         old = self._mapped.pop(rid, None)
         if old:
             old.close()
-        try:
-            self._mapped[rid] = MappedArena(descriptor["shm_name"], int(descriptor["size"]))
-        except (OSError, ValueError) as exc:
-            raise TransportError(f"cannot map peer {self.peer}'s region {rid}: {exc}") from exc
+        self._mapped[rid] = mapped
+        super().attach(descriptor)
 
     def write(self, region_id: int, offset: int, src: np.ndarray, imm: int) -> None:
         desc = self.check_remote(region_id, offset, src.nbytes)

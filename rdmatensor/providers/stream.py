@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hmac
 import secrets
+import selectors
 import socket
 import threading
 import time
@@ -22,6 +23,8 @@ from ..errors import PeerLost, TransportError
 from .base import WRITE_HEADER, WRITE_MAGIC, Channel
 
 AUTH_BYTES = 32
+HANDSHAKE_TIMEOUT = 5.0     # seconds a dialer has to present the key
+MAX_PENDING = 64           # handshakes in progress at once; the oldest goes first
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
@@ -76,26 +79,86 @@ class StreamChannel(Channel):
         self._reader.start()
 
     def _accept(self, timeout: float) -> socket.socket:
+        """Accept the peer that presents our key. Handshakes run side by side,
+        each bounded by HANDSHAKE_TIMEOUT, so connections that send nothing or
+        a wrong key neither block nor delay the real peer."""
         deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise PeerLost(f"peer {self.peer} did not open its {self.name} data connection "
-                               f"within {timeout:.0f} s")
-            self._listener.settimeout(remaining)
+        pending: dict[socket.socket, list] = {}   # sock -> [token buffer, bytes read, handshake deadline]
+        sel = selectors.DefaultSelector()
+
+        def drop(sock: socket.socket) -> None:
+            pending.pop(sock, None)
             try:
-                sock, _ = self._listener.accept()
-            except socket.timeout:
-                continue
-            sock.settimeout(min(5.0, max(remaining, 0.1)))
-            token = bytearray(AUTH_BYTES)
+                sel.unregister(sock)
+            except (KeyError, ValueError):
+                pass
+            sock.close()
+
+        try:
             try:
-                ok = _recv_exact(sock, memoryview(token)) and hmac.compare_digest(bytes(token), self._key)
-            except (OSError, PeerLost):
-                ok = False
-            if ok:
-                return sock
-            sock.close()  # not our peer: keep waiting for the real one
+                self._listener.setblocking(False)
+                sel.register(self._listener, selectors.EVENT_READ)
+            except (OSError, ValueError) as exc:
+                raise PeerLost(f"{self.name} channel to peer {self.peer} is closed") from exc
+            while True:
+                now = time.monotonic()
+                if self._closing:
+                    raise PeerLost(f"{self.name} channel to peer {self.peer} closed while connecting")
+                if now >= deadline:
+                    raise PeerLost(f"peer {self.peer} did not open its {self.name} data connection "
+                                   f"within {timeout:.0f} s")
+                for sock in [s for s, st in pending.items() if st[2] <= now]:
+                    drop(sock)      # too slow to say who it is
+                wake = min([deadline] + [st[2] for st in pending.values()])
+                try:
+                    events = sel.select(max(0.0, wake - now))
+                except (OSError, ValueError) as exc:      # the listener was closed under us
+                    raise PeerLost(f"{self.name} channel to peer {self.peer} closed while "
+                                   f"connecting: {exc}") from exc
+                for key, _ in events:
+                    if key.fileobj is self._listener:
+                        try:
+                            sock, _ = self._listener.accept()
+                        except (BlockingIOError, InterruptedError):
+                            continue
+                        except OSError as exc:
+                            if self._closing or self._listener.fileno() < 0:
+                                raise PeerLost(f"{self.name} channel to peer {self.peer} closed "
+                                               f"while connecting") from exc
+                            time.sleep(0.01)   # out of descriptors: let handshakes finish
+                            continue
+                        if len(pending) >= MAX_PENDING:
+                            drop(min(pending, key=lambda s: pending[s][2]))
+                        sock.setblocking(False)
+                        pending[sock] = [bytearray(AUTH_BYTES), 0, time.monotonic() + HANDSHAKE_TIMEOUT]
+                        sel.register(sock, selectors.EVENT_READ)
+                        continue
+                    sock = key.fileobj
+                    st = pending.get(sock)
+                    if st is None:
+                        continue
+                    try:
+                        n = sock.recv_into(memoryview(st[0])[st[1]:])
+                    except (BlockingIOError, InterruptedError):
+                        continue
+                    except OSError:
+                        n = 0
+                    if n == 0:
+                        drop(sock)
+                        continue
+                    st[1] += n
+                    if st[1] < AUTH_BYTES:
+                        continue
+                    if hmac.compare_digest(bytes(st[0]), self._key):
+                        pending.pop(sock)
+                        sel.unregister(sock)
+                        sock.setblocking(True)
+                        return sock
+                    drop(sock)      # not our peer: keep waiting for the real one
+        finally:
+            for sock in list(pending):
+                drop(sock)
+            sel.close()
 
     def _read_loop(self) -> None:
         header = bytearray(WRITE_HEADER.size)
@@ -121,6 +184,9 @@ class StreamChannel(Channel):
         except OSError as exc:
             if not self._closing:
                 self.lost(PeerLost(f"connection to peer {self.peer} failed: {exc}"))
+        except Exception as exc:  # noqa: BLE001 - never end the reader without reporting why
+            if not self._closing:
+                self.lost(TransportError(f"{self.name} channel from peer {self.peer} failed: {exc!r}"))
         finally:
             try:
                 sock.close()
