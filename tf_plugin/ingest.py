@@ -36,9 +36,11 @@ _counts = {"zero_copy": 0, "copied": 0}
 _lock = threading.Lock()
 
 
-def _count(key: str) -> None:
+def _count(key: str, tally: dict | None = None) -> None:
     with _lock:
         _counts[key] += 1
+        if tally is not None:
+            tally[key] = tally.get(key, 0) + 1
 
 
 def counts() -> dict:
@@ -62,8 +64,9 @@ def writeable_alias(view: np.ndarray) -> np.ndarray | None:
     return np.ndarray(view.shape, view.dtype, buffer=root, offset=offset)
 
 
-def to_tensor(received, copy: bool = False) -> tf.Tensor:
-    """Hand `received` (a rdmatensor Received) to TensorFlow, releasing it per the rule above."""
+def to_tensor(received, copy: bool = False, tally: dict | None = None) -> tf.Tensor:
+    """Hand `received` (a rdmatensor Received) to TensorFlow, releasing it per the rule above.
+    Counted in `tally` (zero_copy / copied) as well as in counts()."""
     view = received.array
     alias = None
     if not copy and view.size and view.ctypes.data % TF_ALIGN == 0:
@@ -76,11 +79,11 @@ def to_tensor(received, copy: bool = False) -> tf.Tensor:
         else:
             weakref.finalize(alias, received.release)
             del alias
-            _count("zero_copy")
+            _count("zero_copy", tally)
             return tensor
     tensor = tf.constant(view)
     received.release()
-    _count("copied")
+    _count("copied", tally)
     return tensor
 
 

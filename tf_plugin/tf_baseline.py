@@ -1,0 +1,78 @@
+"""TensorFlow's own distributed training over gRPC, on the same model and data.
+
+`tf.distribute.MultiWorkerMirroredStrategy` with TF_CONFIG on localhost
+ports: every worker starts TensorFlow's gRPC server, variables are mirrored,
+and gradients are summed by TensorFlow's collective ring all-reduce
+(CommunicationImplementation.RING, over gRPC). Same model, seed, data shards,
+optimizer and loss as runner.run_rank, so the losses agree and steps/s can be
+compared as a ratio (`rdmatensor-train --provider tcp,tf-grpc`).
+
+Only the all-reduce mode has a counterpart here. TensorFlow's
+ParameterServerStrategy trains asynchronously (a coordinator dispatches
+steps to whichever worker is free, each updates the variables on its own),
+so its losses and steps would not mean the same thing as this plugin's
+synchronous parameter servers; it is not used.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+
+def run_rank(cluster, config: dict) -> dict:
+    from .runner import DEFAULTS
+    cfg = dict(DEFAULTS, **config)
+    if cfg["mode"] != "allreduce":
+        raise ValueError("the tf-grpc baseline is MultiWorkerMirroredStrategy: use --mode allreduce")
+    os.environ["TF_CONFIG"] = cluster.to_tf_config()     # the strategy reads it
+    import tensorflow as tf
+    from . import models
+    comm = tf.distribute.experimental.CommunicationOptions(
+        implementation=tf.distribute.experimental.CommunicationImplementation.RING)
+    t_setup = time.perf_counter()
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=comm)
+    name, n = cfg["model"], cluster.num_workers
+    with strategy.scope():
+        model = models.build(name, cfg["seed"])
+        opt = models.optimizer(cfg["lr"])
+        opt.build(model.trainable_variables)
+    data = models.dataset(name, cfg["seed"])
+    x_spec, y_spec = models.input_specs(name)
+
+    def replica_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = models.loss_fn(y, model(x))
+            scaled = loss / n            # the optimizer sums gradients over replicas
+        grads = tape.gradient(scaled, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    @tf.function(input_signature=[x_spec, y_spec])
+    def train_step(x, y):
+        return strategy.run(replica_step, args=(x, y))
+
+    losses = []
+
+    def loop(k):
+        x, y = models.batch(data, k, cfg["batch"], cluster.task_index, n)
+        losses.append(float(train_step(x, y)))
+
+    loop(0)
+    setup = time.perf_counter() - t_setup
+    steps = int(cfg["steps"])
+    t0 = time.perf_counter()
+    for k in range(1, steps):
+        loop(k)
+    seconds = time.perf_counter() - t0
+    grad_bytes = sum(int(v.numpy().nbytes) for v in model.trainable_variables)
+    ring = 2 * (n - 1) / n * grad_bytes           # what a ring all-reduce sends per rank, in theory
+    timed = max(steps - 1, 1)
+    return {"rank": cluster.rank, "role": "worker", "mode": "allreduce", "model": name,
+            "provider": "tf-grpc", "steps": steps, "timed_steps": steps - 1, "losses": losses,
+            "setup_seconds": setup, "seconds": seconds, "steps_per_s": (steps - 1) / seconds,
+            "comm_seconds": None, "comm_ms_per_step": None,
+            "bytes_sent_per_step": ring, "writes_per_step": None,
+            "session_copies_per_step": None, "plugin_copies_per_step": None,
+            "zero_copy_per_step": None, "timed": timed,
+            "stats": {"dynamic": 0, "fallbacks": 0, "grows": 0, "note": "bytes: theoretical ring volume"}}
+
