@@ -1,0 +1,160 @@
+"""Shared by the reliability tests: a pair of ranks kept alive while a test
+attacks them, resource snapshots, and canary-filled memory."""
+from __future__ import annotations
+
+import gc
+import glob
+import os
+import queue
+import threading
+import time
+from concurrent.futures import Future
+
+import numpy as np
+
+from rdmatensor import connect
+
+from ..transport.ranks import TOKEN, free_ports
+
+CANARY = 0xA5
+
+
+class LivePair:
+    """Ranks 0 and 1 of `plan`, connected in two threads of this process and
+    kept open until close(); run(fn0, fn1) executes on both ranks' threads.
+
+    `start` lists the ranks to start now (start_rank() brings up the others
+    later, e.g. to attack rank 1 while it waits for rank 0's Exchange)."""
+
+    def __init__(self, plan, provider: str, timeout: float = 10.0, token: str = TOKEN,
+                 start=(0, 1)):
+        self.plan, self.provider, self.timeout, self.token = plan, provider, timeout, token
+        self.peers = {r: f"127.0.0.1:{p}" for r, p in enumerate(free_ports(2))}
+        self.sessions: dict = {}
+        self.errors: dict = {}
+        self._jobs = {r: queue.Queue() for r in (0, 1)}
+        self._ready = {r: threading.Event() for r in (0, 1)}
+        self._threads: dict = {}
+        for r in start:
+            self.start_rank(r)
+        if len(start) == 2:
+            for r in start:
+                self.wait_ready(r)
+
+    def start_rank(self, r: int) -> None:
+        t = threading.Thread(target=self._rank, args=(r,), daemon=True, name=f"livepair-rank{r}")
+        self._threads[r] = t
+        t.start()
+
+    def wait_ready(self, r: int, timeout: float | None = None) -> None:
+        if not self._ready[r].wait(timeout or self.timeout + 10):
+            raise AssertionError(f"rank {r} did not connect")
+        if r in self.errors:
+            raise AssertionError(f"rank {r} failed to connect: {self.errors[r]!r}") from self.errors[r]
+
+    def _rank(self, r: int) -> None:
+        try:
+            with connect(r, self.peers, self.plan, provider=self.provider, token=self.token,
+                         timeout=self.timeout) as s:
+                self.sessions[r] = s
+                self._ready[r].set()
+                while True:
+                    job = self._jobs[r].get()
+                    if job is None:
+                        return
+                    fn, fut = job
+                    try:
+                        fut.set_result(fn(s))
+                    except BaseException as exc:  # noqa: BLE001 - handed to the test
+                        fut.set_exception(exc)
+        except BaseException as exc:  # noqa: BLE001
+            self.errors[r] = exc
+        finally:
+            self._ready[r].set()
+
+    def submit(self, r: int, fn) -> Future:
+        fut: Future = Future()
+        self._jobs[r].put((fn, fut))
+        return fut
+
+    def run(self, fn0, fn1, timeout: float = 60.0):
+        """fn0(session0) and fn1(session1) at once; returns both results."""
+        f0, f1 = self.submit(0, fn0), self.submit(1, fn1)
+        return f0.result(timeout), f1.result(timeout)
+
+    def close(self) -> None:
+        for r in self._threads:
+            self._jobs[r].put(None)
+        for t in self._threads.values():
+            t.join(30)
+            assert not t.is_alive(), "a rank did not close"
+
+
+def rss_kib() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def task_count() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def shm_mappings() -> list[str]:
+    """rdmatensor segments this process still has mapped."""
+    with open("/proc/self/maps") as f:
+        return sorted({line.split()[-1] for line in f if "/dev/shm/rdmatensor-" in line})
+
+
+def snapshot() -> dict:
+    gc.collect()
+    return {"fds": fd_count(), "threads": threading.active_count(), "tasks": task_count(),
+            "shm_maps": len(shm_mappings())}
+
+
+def settle(baseline: dict, within: float = 5.0) -> dict:
+    """Wait (closing threads take a moment) until no count exceeds `baseline`; the last snapshot."""
+    deadline = time.monotonic() + within
+    while True:
+        now = snapshot()
+        if all(now[k] <= baseline[k] for k in baseline) or time.monotonic() > deadline:
+            return now
+        time.sleep(0.05)
+
+
+class SegmentTracker:
+    """Names of the shared-memory segments this process creates (patched into
+    rdmatensor.memory), so a leak check is not confused by other processes'."""
+
+    def __init__(self, monkeypatch):
+        import rdmatensor.memory as memory
+        self.created: list[str] = []
+        real = memory._map_shared
+
+        def tracking(name, size, create):
+            m = real(name, size, create)
+            if create:
+                self.created.append(name)
+            return m
+        monkeypatch.setattr(memory, "_map_shared", tracking)
+
+    def left_behind(self) -> list[str]:
+        present = {os.path.basename(p) for p in glob.glob("/dev/shm/rdmatensor-*")}
+        return sorted(set(self.created) & present)
+
+
+def canary_arena(arena) -> np.ndarray:
+    """Fill an arena with canary bytes; returns the expected contents to update."""
+    arena.buf[:] = CANARY
+    return np.full(arena.size, CANARY, np.uint8)
+
+
+def assert_untouched(arena, expected: np.ndarray, what: str = "arena") -> None:
+    diff = np.flatnonzero(arena.buf != expected)
+    assert diff.size == 0, (f"{what}: {diff.size} bytes changed that no accepted write covers, "
+                            f"first at offset {diff[0]}")
