@@ -1,0 +1,112 @@
+"""The analyzer's plan lists exactly the tensors that cross processes."""
+import json
+
+import numpy as np
+import pytest
+
+from tf_plugin.cluster import Cluster
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    from tf_plugin import models
+    return models.build("mlp")
+
+
+def _shapes(model):
+    return [tuple(v.shape) for v in model.trainable_variables]
+
+
+def test_ps_plan_lists_exactly_the_variables_shapes(mlp):
+    from tf_plugin.analyzer import analyze
+    a = analyze(mlp, "ps", workers=2, ps=1)
+    specs = list(a.plan.specs.values())
+    for w in range(2):
+        grads = [s for s in specs if s.name.startswith(f"grad/w{w}/")]
+        params = [s for s in specs if s.name.startswith(f"param/w{w}/")]
+        assert [s.shape for s in grads] == _shapes(mlp) == [s.shape for s in params]
+        assert all(s.src == w and s.dst == 2 and s.is_static for s in grads)
+        assert all(s.src == 2 and s.dst == w for s in params)
+    assert len(specs) == 2 * 2 * len(mlp.trainable_variables)
+    assert a.static_bytes_per_step() == 4 * 4 * sum(int(np.prod(s)) for s in _shapes(mlp))
+
+
+def test_ps_shards_variables_round_robin(mlp):
+    from tf_plugin.analyzer import analyze
+    a = analyze(mlp, "ps", workers=2, ps=2)
+    servers = [a.plan.specs[f"grad/w0/{v.key}"].dst for v in a.variables]
+    assert servers == [2, 3, 2, 3]
+
+
+def test_allreduce_chunks_partition_every_gradient(mlp):
+    from tf_plugin.analyzer import analyze, ring_name
+    n = 3
+    a = analyze(mlp, "allreduce", workers=n)
+    for v, shape in zip(a.variables, _shapes(mlp)):
+        assert v.shape == shape and not v.sparse
+        for phase in ("rs", "ag"):
+            for step in range(n - 1):
+                chunks = [a.plan.specs[ring_name(v.key, phase, step, r)] for r in range(n)]
+                assert sum(c.shape[0] for c in chunks) == np.prod(shape)
+                assert [(c.src, c.dst) for c in chunks] == [(0, 1), (1, 2), (2, 0)]
+        assert a.plan.specs[f"bcast/{v.key}/r1"].shape == shape
+    # per step: 2(N-1) chunks per rank and variable; the broadcast goes once
+    per_step = [s for s in a.plan.specs.values() if s.name not in a.once]
+    assert len(per_step) == 2 * (n - 1) * n * 4
+    assert a.static_bytes_per_step() == 2 * (n - 1) * 4 * sum(int(np.prod(s)) for s in _shapes(mlp))
+
+
+def test_tf_function_with_input_signature():
+    import tensorflow as tf
+    from tf_plugin.analyzer import analyze
+    w = tf.Variable(tf.zeros((5, 3)), name="w")
+    b = tf.Variable(tf.zeros((3,)), name="b")
+
+    @tf.function(input_signature=[tf.TensorSpec((None, 5), tf.float32)])
+    def f(x):
+        return tf.matmul(x, w) + b
+
+    a = analyze(f, "ps", workers=1, ps=1)
+    assert {s.name: s.shape for s in a.plan.specs.values()} == {
+        "grad/w0/w": (5, 3), "param/w0/w": (5, 3), "grad/w0/b": (3,), "param/w0/b": (3,)}
+
+
+def test_sparse_gradient_is_dynamic_and_bounded():
+    from tf_plugin import models
+    from tf_plugin.analyzer import analyze
+    a = analyze(models.build("embed"), "ps", workers=2, ps=1)
+    values = a.plan.specs["grad/w0/embed/embedding/embeddings/values"]
+    indices = a.plan.specs["grad/w0/embed/embedding/embeddings/indices"]
+    assert values.shape == (None, 16) and indices.shape == (None,)
+    assert values.capacity == models.VOCAB * 16 * 4         # never more rows than the table has
+    assert a.plan.specs["param/w0/embed/embedding/embeddings"].shape == (models.VOCAB, 16)
+    with pytest.raises(Exception, match="dense"):
+        analyze(models.build("embed"), "allreduce", workers=2, sparse="dedupe")
+
+
+def test_explain_table_and_cli(mlp, capsys):
+    from tf_plugin.analyzer import analyze, main
+    a = analyze(mlp, "ps", workers=2, ps=1)
+    text = a.explain()
+    for spec in a.plan.specs.values():
+        assert spec.name in text
+    assert "0->2" in text and "slots" in text and "arenas" in text
+    assert f"total static bytes per step: {a.static_bytes_per_step()}" in text
+    assert main(["--model", "cnn", "--mode", "allreduce", "--workers", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "ring/cnn/conv/kernel/rs0/r0" in out and "optimizer state" in out
+
+
+def test_cluster_from_tf_config():
+    cfg = {"cluster": {"chief": ["a:1"], "worker": ["b:2", "c:3"], "ps": ["d:4"]},
+           "task": {"type": "worker", "index": 1}}
+    c = Cluster.from_tf_config(json.dumps(cfg))
+    assert c.workers == ("a:1", "b:2", "c:3") and c.ps == ("d:4",)
+    assert c.rank == 2 and c.is_worker
+    ps = Cluster.from_tf_config(json.dumps({**cfg, "task": {"type": "ps", "index": 0}}))
+    assert ps.rank == 3 and ps.peers() == {0: "a:1", 1: "b:2", 2: "c:3", 3: "d:4"}
+    assert Cluster.from_tf_config(ps.to_tf_config()) == ps
+    assert [t.rank for t in Cluster.local(2, 1).tasks()] == [0, 1, 2]
+    with pytest.raises(ValueError):
+        Cluster.from_tf_config(json.dumps({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker",
+                                                                                  "index": 3}}))
