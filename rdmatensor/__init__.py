@@ -6,7 +6,7 @@
         with session.recv("grad/w") as view: ...      # on rank 0: read-only, zero-copy
 """
 from .control.service import TlsConfig
-from .errors import (AuthenticationError, PeerLost, PlanError, PlanMismatch, ProviderUnavailable,
+from .errors import (AuthenticationError, IntegrityError, PeerLost, PlanError, PlanMismatch, ProviderUnavailable,
                      RdmaTensorError, RecvTimeout, TensorMismatch, TransportError, UnknownTensor,
                      UsageError)
 from .plan import Plan, TensorSpec
@@ -15,5 +15,5 @@ from .session import Received, Session, connect
 __version__ = "0.1.0"
 __all__ = ["Plan", "TensorSpec", "connect", "Session", "Received", "TlsConfig", "RdmaTensorError",
            "PlanError", "PlanMismatch", "TensorMismatch", "UnknownTensor", "AuthenticationError",
-           "PeerLost", "TransportError", "UsageError", "RecvTimeout", "ProviderUnavailable",
+           "PeerLost", "IntegrityError", "TransportError", "UsageError", "RecvTimeout", "ProviderUnavailable",
            "__version__"]

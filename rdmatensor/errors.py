@@ -55,3 +55,7 @@ class RecvTimeout(RdmaTensorError):
 
 class ProviderUnavailable(RdmaTensorError):
     """The requested data provider cannot run here; the message says why."""
+
+
+class IntegrityError(TransportError):
+    """A tensor arrived with a checksum or header that does not match its payload."""

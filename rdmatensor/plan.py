@@ -125,7 +125,11 @@ class PairLayout:
 class Plan:
     """The analyzer's output: every tensor spec, and every slot in every arena."""
 
-    def __init__(self, specs: Iterable[TensorSpec], max_arena_bytes: int = MAX_ARENA_BYTES):
+    def __init__(self, specs: Iterable[TensorSpec], max_arena_bytes: int = MAX_ARENA_BYTES,
+                 checksum: bool = False):
+        """`checksum`: every tensor carries a CRC32 of its payload, checked on
+        receipt (costs a copy into staging and a pass over the data on each side)."""
+        self.checksum = bool(checksum)
         self.specs: dict[str, TensorSpec] = {}
         for spec in specs:
             if not isinstance(spec, TensorSpec):
@@ -147,13 +151,13 @@ class Plan:
                 self.slots[slot.spec.name] = slot
         self.digest = hashlib.sha256(json.dumps(
             {"specs": [s.canonical() for s in self.specs.values()],
-             "max_arena_bytes": max_arena_bytes}, sort_keys=True).encode()).hexdigest()
+             "max_arena_bytes": max_arena_bytes, "checksum": self.checksum}, sort_keys=True).encode()).hexdigest()
 
     def _layout(self, src: int, dst: int, specs: list[TensorSpec]) -> PairLayout:
         slots, sizes = [], [0]
         for index, spec in enumerate(specs):
             payload = spec.nbytes if spec.is_static else (spec.capacity or DEFAULT_DYNAMIC_CAPACITY)
-            size = _align(max(spec.header_bytes() + payload, 1))
+            size = _align(max(self.trailer_offset(spec.header_bytes() + payload) + self.trailer_bytes, 1))
             if size > self.max_arena_bytes:
                 raise PlanError(f"tensor {spec.name!r} needs {size} bytes, more than one arena "
                                 f"({self.max_arena_bytes} bytes) holds")
@@ -163,6 +167,15 @@ class Plan:
             sizes[-1] += size
         return PairLayout(src, dst, tuple(slots), tuple(_align(s, 4096) for s in sizes))
 
+    @property
+    def trailer_bytes(self) -> int:
+        return 8 if self.checksum else 0
+
+    @staticmethod
+    def trailer_offset(end_of_payload: int) -> int:
+        """Where a checksum trailer goes after `end_of_payload` bytes of header + payload."""
+        return (end_of_payload + 7) // 8 * 8
+
     def ranks(self) -> set[int]:
         return {r for pair in self.pairs for r in pair}
 
@@ -171,13 +184,14 @@ class Plan:
 
     def to_json(self) -> str:
         return json.dumps({"specs": [s.canonical() for s in self.specs.values()],
-                           "max_arena_bytes": self.max_arena_bytes})
+                           "max_arena_bytes": self.max_arena_bytes, "checksum": self.checksum})
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         doc = json.loads(text)
         return cls([TensorSpec(s["name"], s["shape"], np.dtype(s["dtype"]), s["src"], s["dst"],
-                               s.get("capacity")) for s in doc["specs"]], doc["max_arena_bytes"])
+                               s.get("capacity")) for s in doc["specs"]], doc["max_arena_bytes"],
+                   doc.get("checksum", False))
 
     def first_difference(self, other_specs: list[dict]) -> str:
         """Name the first tensor on which this plan and a peer's disagree."""
@@ -189,7 +203,7 @@ class Plan:
         if len(mine) != len(other_specs):
             extra = (mine[len(other_specs):] or other_specs[len(mine):])[0]
             return f"tensor {extra['name']!r} is only in one plan ({len(mine)} vs {len(other_specs)} tensors)"
-        return "arena limits differ"
+        return "arena limits or checksum settings differ"
 
     def __len__(self) -> int:
         return len(self.specs)

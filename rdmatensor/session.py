@@ -23,6 +23,7 @@ import json
 import logging
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Mapping, Sequence
@@ -31,7 +32,7 @@ import grpc
 import numpy as np
 
 from .control.service import ControlClient, TlsConfig, pb, pb_grpc, start_server
-from .errors import (PeerLost, PlanMismatch, RdmaTensorError, RecvTimeout, TensorMismatch,
+from .errors import (IntegrityError, PeerLost, PlanMismatch, RdmaTensorError, RecvTimeout, TensorMismatch,
                      TransportError, UnknownTensor, UsageError)
 from .memory import Arena
 from .plan import Plan, Slot, TensorSpec
@@ -113,6 +114,9 @@ class _ControlServicer(pb_grpc.ControlServicer):
         self.s._on_bye(request.rank, request.reason)
         return pb.ByeReply()
 
+    def Ping(self, request, context):
+        return pb.PingReply(rank=self.s.rank)
+
 
 class _BaselineServicer(pb_grpc.BaselineServicer):
     def __init__(self, session: "Session"):
@@ -152,7 +156,8 @@ class Session:
     """One rank's end of an rdmatensor job. Create it with `connect()`."""
 
     def __init__(self, rank: int, peers: Mapping[int, str], plan: Plan, provider: str = "auto",
-                 token: str | None = None, tls: TlsConfig | None = None, timeout: float = 60.0):
+                 token: str | None = None, tls: TlsConfig | None = None, timeout: float = 60.0,
+                 heartbeat: float = 1.0, peer_timeout: float = 10.0):
         if not isinstance(plan, Plan):
             raise UsageError(f"plan must be a Plan, not {type(plan).__name__}")
         if isinstance(peers, Sequence) and not isinstance(peers, str):
@@ -171,7 +176,7 @@ class Session:
         self._error: RdmaTensorError | None = None          # sticky, session-wide
         self._peer_errors: dict[int, RdmaTensorError] = {}   # sticky, per peer
         self._stats = dict(bytes_sent=0, bytes_received=0, writes=0, recvs=0, copies=0,
-                           dynamic=0, fallbacks=0, grows=0, waits=0)
+                           dynamic=0, fallbacks=0, grows=0, waits=0, corrupt=0)
         self._channels: dict[int, Channel] = {}
         self._arenas: list[Arena] = []
         self._send: dict[str, _SendSlot] = {}
@@ -188,6 +193,11 @@ class Session:
         self._clients: dict[int, ControlClient] = {}
         self._server = None
         self._closed = False
+        if heartbeat <= 0 or peer_timeout < heartbeat:
+            raise UsageError("heartbeat must be > 0 and peer_timeout >= heartbeat")
+        self.heartbeat, self.peer_timeout = heartbeat, peer_timeout
+        self._stop_heartbeat = threading.Event()
+        self._heartbeat_thread: threading.Thread | None = None
         peer_ranks = sorted(plan.peers_of(rank))
         self.provider_class = choose(provider, [self._host(p) for p in peer_ranks] or ["127.0.0.1"])
         self.provider = self.provider_class.name
@@ -196,6 +206,10 @@ class Session:
             self._start_server()
             self._exchange_all(peer_ranks)
             self.barrier("rdmatensor-setup")
+            if peer_ranks:
+                self._heartbeat_thread = threading.Thread(target=self._heartbeats, args=(peer_ranks,),
+                                                          daemon=True, name=f"rdmatensor-heartbeat-{rank}")
+                self._heartbeat_thread.start()
         except BaseException:
             self.close()
             raise
@@ -389,6 +403,32 @@ class Session:
         for st in self._recv_by_index.get(peer, []):
             st.arrived.set()
 
+    def _heartbeats(self, peer_ranks: list[int]) -> None:
+        """Ping every peer; one that fails twice in a row, or answers nothing for
+        peer_timeout, is lost. This is how a killed or cut-off peer is noticed
+        on providers that have no connection to break (verbs, grpc)."""
+        clients = {p: ControlClient(self.peers[p], self._token, self._tls) for p in peer_ranks}
+        last_ok = {p: time.monotonic() for p in peer_ranks}
+        failures = dict.fromkeys(peer_ranks, 0)
+        try:
+            while not self._stop_heartbeat.wait(self.heartbeat):
+                for peer, client in clients.items():
+                    if peer in self._peer_errors or self._stop_heartbeat.is_set():
+                        continue
+                    try:
+                        client.call(client.control.Ping, pb.PingRequest(rank=self.rank),
+                                    timeout=min(self.peer_timeout, max(self.heartbeat, 2.0)))
+                        last_ok[peer], failures[peer] = time.monotonic(), 0
+                    except RdmaTensorError as exc:
+                        failures[peer] += 1
+                        silent = time.monotonic() - last_ok[peer]
+                        if (failures[peer] >= 2 or silent >= self.peer_timeout) and not self._stop_heartbeat.is_set():
+                            self._channels[peer].lost(PeerLost(
+                                f"rank {peer} stopped answering ({silent:.1f} s): {exc}"))
+        finally:
+            for client in clients.values():
+                client.close()
+
     def _on_bye(self, peer: int, reason: str) -> None:
         ch = self._channels.get(peer)
         if ch is not None:
@@ -496,7 +536,8 @@ class Session:
     def _write(self, st: _SendSlot, spec: TensorSpec, array: np.ndarray) -> None:
         ch = self._channels[st.peer]
         imm = make_imm(IMM_DATA, st.slot.index)
-        if spec.is_static:
+        checksum = self.plan.checksum
+        if spec.is_static and not checksum:
             nbytes = spec.nbytes
             if nbytes == 0:
                 ch.notify(imm)
@@ -504,20 +545,29 @@ class Session:
                 src = self._source(st, ch, array, nbytes)
                 st.pending = ch.write(st.region, st.offset, src, imm)
         else:
+            # Header (dynamic), payload and trailer (checksum) go in one write
+            # from staging.
             nbytes = array.nbytes
             header = spec.header_bytes()
-            need = header + nbytes
+            end = header + nbytes
+            need = self.plan.trailer_offset(end) + self.plan.trailer_bytes
             if need > st.capacity:
                 self._grow(st, need)
             self._source_free(st)
             staging = st.staging
-            hdr = staging[:header].view(np.int64)
-            hdr[0] = array.ndim
-            hdr[1:1 + array.ndim] = array.shape
-            if nbytes:
-                np.copyto(staging[header:need].view(array.dtype).reshape(array.shape), array)
+            if header:
+                hdr = staging[:header].view(np.int64)
+                hdr[0] = array.ndim
+                hdr[1:1 + array.ndim] = array.shape
+            if nbytes and not (array.ctypes.data == staging[header:].ctypes.data and spec.is_static):
+                np.copyto(staging[header:end].view(array.dtype).reshape(array.shape), array)
+                self._count("copies")
+            if checksum:
+                trailer = self.plan.trailer_offset(end)
+                staging[trailer:need].view(np.uint64)[0] = zlib.crc32(staging[header:end])
             st.pending = ch.write(st.region, st.offset, staging[:need], imm)
-            self._count("copies", "dynamic", "fallbacks")
+            if not spec.is_static:
+                self._count("dynamic", "fallbacks")
         self._count("writes", bytes_sent=nbytes)
 
     def _source(self, st: _SendSlot, ch: Channel, array: np.ndarray, nbytes: int) -> np.ndarray:
@@ -598,18 +648,40 @@ class Session:
             self._check(st.peer)
             raise TransportError(f"{name!r}: woken without data")
         st.held = True
-        mem = st.memory
+        try:
+            array = self._view(spec, st.memory)
+        except TransportError:
+            self._count("corrupt")
+            self._release(st)
+            raise
+        array.flags.writeable = False
+        self._count("recvs", bytes_received=array.nbytes)
+        return Received(self, st, array)
+
+    def _view(self, spec: TensorSpec, mem: np.ndarray) -> np.ndarray:
+        """The tensor in a slot's memory; the peer's header and checksum are checked, never trusted."""
         if spec.is_static:
-            array = mem[:spec.nbytes].view(spec.dtype).reshape(spec.shape)
+            header, shape, nbytes = 0, spec.shape, spec.nbytes
         else:
             header = spec.header_bytes()
             hdr = mem[:header].view(np.int64)
             shape = tuple(int(d) for d in hdr[1:1 + len(spec.shape)])
-            nbytes = int(np.prod(shape, dtype=np.int64)) * spec.dtype.itemsize
-            array = mem[header:header + nbytes].view(spec.dtype).reshape(shape)
-        array.flags.writeable = False
-        self._count("recvs", bytes_received=array.nbytes)
-        return Received(self, st, array)
+            if (int(hdr[0]) != len(spec.shape) or any(d < 0 for d in shape)
+                    or any(w is not None and w != d for w, d in zip(spec.shape, shape))):
+                raise TransportError(f"{spec.name!r}: malformed shape header {hdr[:1 + len(spec.shape)].tolist()}")
+            nbytes = int(np.prod(shape, dtype=np.int64)) * spec.dtype.itemsize if shape else spec.dtype.itemsize
+            if nbytes < 0 or header + nbytes > len(mem):
+                raise TransportError(f"{spec.name!r}: header claims {nbytes} bytes, the slot holds "
+                                     f"{len(mem) - header}")
+        payload = mem[header:header + nbytes]
+        if self.plan.checksum:
+            trailer = self.plan.trailer_offset(header + nbytes)
+            want = int(mem[trailer:trailer + 8].view(np.uint64)[0])
+            got = zlib.crc32(payload)
+            if want != got:
+                raise IntegrityError(f"{spec.name!r}: checksum mismatch (crc32 {got:#010x}, "
+                                     f"sender said {want:#010x})")
+        return payload.view(spec.dtype).reshape(shape)
 
     def _release(self, st: _RecvSlot) -> None:
         st.held = False
@@ -620,7 +692,9 @@ class Session:
         try:
             self._channels[st.peer].notify(make_imm(IMM_CREDIT, st.slot.index))
         except RdmaTensorError as exc:
-            self._on_lost(st.peer, exc)
+            # The sender is gone; it needs no credit. Its loss is reported by
+            # the channel once everything it sent has been taken in.
+            log.debug("rank %d: credit for %r not delivered: %s", self.rank, st.slot.spec.name, exc)
 
     # ---------------------------------------------------------------- misc
     def _count(self, *names: str, **amounts: int) -> None:
@@ -651,6 +725,9 @@ class Session:
             return
         self._closed = True
         self._fail(UsageError(f"session of rank {self.rank} is closed"))
+        self._stop_heartbeat.set()
+        if self._heartbeat_thread is not None:
+            self._heartbeat_thread.join(timeout=5)
         for peer in list(self._channels):
             if peer in self.peers and (peer in self._clients or self._channels[peer] is not None):
                 try:
@@ -695,12 +772,16 @@ def _shape_str(shape) -> str:
 
 
 def connect(rank: int, peers: Mapping[int, str] | Sequence[str], plan: Plan, provider: str = "auto",
-            token: str | None = None, tls: TlsConfig | None = None, timeout: float = 60.0) -> Session:
+            token: str | None = None, tls: TlsConfig | None = None, timeout: float = 60.0,
+            heartbeat: float = 1.0, peer_timeout: float = 10.0) -> Session:
     """Set up this rank's end: arenas registered, descriptors exchanged, barrier passed.
 
     `peers` maps every rank of the plan to its control address "host:port"
     (a list works too, indexed by rank). `provider` is auto, verbs, shm, tcp
     or grpc. `token` is the shared secret every peer must present; `tls`
     adds mutual TLS to the control plane. `timeout` bounds setup and is the
-    default for send/recv waits."""
-    return Session(rank, peers, plan, provider=provider, token=token, tls=tls, timeout=timeout)
+    default for send/recv waits. Every `heartbeat` seconds each peer is pinged;
+    one that misses two pings, or `peer_timeout` seconds of them, is reported
+    as PeerLost to every call that involves it."""
+    return Session(rank, peers, plan, provider=provider, token=token, tls=tls, timeout=timeout,
+                   heartbeat=heartbeat, peer_timeout=peer_timeout)

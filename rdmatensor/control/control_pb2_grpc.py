@@ -54,6 +54,11 @@ class ControlStub:
                 request_serializer=rdmatensor_dot_control_dot_control__pb2.ByeRequest.SerializeToString,
                 response_deserializer=rdmatensor_dot_control_dot_control__pb2.ByeReply.FromString,
                 _registered_method=True)
+        self.Ping = channel.unary_unary(
+                '/rdmatensor.control.Control/Ping',
+                request_serializer=rdmatensor_dot_control_dot_control__pb2.PingRequest.SerializeToString,
+                response_deserializer=rdmatensor_dot_control_dot_control__pb2.PingReply.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -83,6 +88,13 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Ping(self, request, context):
+        """Liveness: every rank pings its peers; a peer that stops answering is lost.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +117,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Bye,
                     request_deserializer=rdmatensor_dot_control_dot_control__pb2.ByeRequest.FromString,
                     response_serializer=rdmatensor_dot_control_dot_control__pb2.ByeReply.SerializeToString,
+            ),
+            'Ping': grpc.unary_unary_rpc_method_handler(
+                    servicer.Ping,
+                    request_deserializer=rdmatensor_dot_control_dot_control__pb2.PingRequest.FromString,
+                    response_serializer=rdmatensor_dot_control_dot_control__pb2.PingReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -215,6 +232,33 @@ class Control:
             '/rdmatensor.control.Control/Bye',
             rdmatensor_dot_control_dot_control__pb2.ByeRequest.SerializeToString,
             rdmatensor_dot_control_dot_control__pb2.ByeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Ping(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rdmatensor.control.Control/Ping',
+            rdmatensor_dot_control_dot_control__pb2.PingRequest.SerializeToString,
+            rdmatensor_dot_control_dot_control__pb2.PingReply.FromString,
             options,
             channel_credentials,
             insecure,
