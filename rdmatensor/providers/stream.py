@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hmac
 import secrets
+import select
 import selectors
 import socket
 import threading
@@ -42,6 +43,7 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
 
 class StreamChannel(Channel):
     payload_inline = True      # tcp: payload follows the header on the stream
+    polls = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -51,6 +53,9 @@ class StreamChannel(Channel):
         self._send_lock = threading.Lock()
         self._reader: threading.Thread | None = None
         self._closing = False
+        self._read_lock = threading.Lock()
+        self._header = bytearray(WRITE_HEADER.size)
+        self._last_inline = 0.0
 
     # transport-specific
     def _listen(self) -> socket.socket:
@@ -67,12 +72,26 @@ class StreamChannel(Channel):
 
     def connect(self, peer_params: dict, initiator: bool, timeout: float) -> None:
         if initiator:
-            sock = self._dial(peer_params, timeout)
-            sock.sendall(bytes.fromhex(peer_params["key"]))
+            try:
+                key = bytes.fromhex(peer_params["key"])
+                sock = self._dial(peer_params, timeout)
+            except (KeyError, ValueError, TypeError, OverflowError) as exc:   # fields missing or garbled
+                raise TransportError(f"peer {self.peer} sent unusable {self.name} channel parameters: "
+                                     f"{type(exc).__name__}: {exc}") from exc
+            try:
+                sock.sendall(key)
+            except OSError as exc:
+                sock.close()
+                raise PeerLost(f"peer {self.peer} hung up during the {self.name} handshake: {exc}") from exc
         else:
             sock = self._accept(timeout)
         sock.settimeout(None)
         self._sock = sock
+        # One poll object per user: the reader thread's, and the inline one
+        # (used under _read_lock); a poll object is not safe to share.
+        self._poller, self._inline_poller = select.poll(), select.poll()
+        for p in (self._poller, self._inline_poller):
+            p.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
         self._listener.close()
         self._reader = threading.Thread(target=self._read_loop, daemon=True,
                                         name=f"rdmatensor-{self.name}-{self.rank}<-{self.peer}")
@@ -160,38 +179,69 @@ class StreamChannel(Channel):
                 drop(sock)
             sel.close()
 
-    def _read_loop(self) -> None:
-        header = bytearray(WRITE_HEADER.size)
-        hview = memoryview(header)
+    def _read_one(self, header: bytearray) -> None:
+        """Take in one write: check it like a NIC, land its payload, report its immediate."""
         sock = self._sock
+        if not _recv_exact(sock, memoryview(header)):
+            raise PeerLost(f"peer {self.peer} closed the connection")
+        magic, region, key, imm, offset, length = WRITE_HEADER.unpack(header)
+        if magic != WRITE_MAGIC:
+            raise TransportError(f"peer {self.peer} sent a malformed write header")
+        if length:
+            arena = self.check_local(region, key, offset, length)
+            if self.payload_inline:
+                target = memoryview(arena.buf)[offset:offset + length]
+                if not _recv_exact(sock, target):
+                    raise PeerLost(f"peer {self.peer} closed the connection mid-payload")
+        self.on_imm(imm)
+
+    def progress(self) -> bool:
+        """Take in every write already waiting on the socket, on the calling
+        thread. A thread waiting for a tensor calls this in a short spin, so
+        the fast path has no hand-off from the reader thread."""
+        if threading.current_thread() is not self._reader:
+            self._last_inline = time.monotonic()
+        if self._sock is None or self._closing or self._lost:
+            return False
+        if not self._read_lock.acquire(blocking=False):
+            return False
+        found = False
         try:
-            while True:
-                if not _recv_exact(sock, hview):
-                    raise PeerLost(f"peer {self.peer} closed the connection")
-                magic, region, key, imm, offset, length = WRITE_HEADER.unpack(header)
-                if magic != WRITE_MAGIC:
-                    raise TransportError(f"peer {self.peer} sent a malformed write header")
-                if length:
-                    arena = self.check_local(region, key, offset, length)
-                    if self.payload_inline:
-                        target = memoryview(arena.buf)[offset:offset + length]
-                        if not _recv_exact(sock, target):
-                            raise PeerLost(f"peer {self.peer} closed the connection mid-payload")
-                self.on_imm(imm)
+            while not self._closing and self._inline_poller.poll(0):
+                self._read_one(self._header)
+                found = True
         except (PeerLost, TransportError) as exc:
-            if not self._closing:
-                self.lost(exc)
+            self._fail(exc)
         except OSError as exc:
-            if not self._closing:
-                self.lost(PeerLost(f"connection to peer {self.peer} failed: {exc}"))
-        except Exception as exc:  # noqa: BLE001 - never end the reader without reporting why
-            if not self._closing:
-                self.lost(TransportError(f"{self.name} channel from peer {self.peer} failed: {exc!r}"))
+            self._fail(PeerLost(f"connection to peer {self.peer} failed: {exc}"))
+        except Exception as exc:  # noqa: BLE001 - never stop reading without reporting why
+            self._fail(TransportError(f"{self.name} channel from peer {self.peer} failed: {exc!r}"))
         finally:
+            self._read_lock.release()
+        return found
+
+    def _fail(self, exc: Exception) -> None:
+        if not self._closing:
+            self.lost(exc)
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def _read_loop(self) -> None:
+        """Background progress: wake when the socket is readable, unless a
+        waiting thread is already spinning on it."""
+        while not self._closing and not self._lost:
             try:
-                sock.close()
-            except OSError:
-                pass
+                ready = self._poller.poll(200)
+            except (OSError, ValueError):
+                break
+            if not ready:
+                continue
+            if time.monotonic() - self._last_inline < 0.002:
+                time.sleep(0.0002)      # a waiter is polling inline: let it take this
+                continue
+            self.progress()
 
     def _send(self, header: bytes, payload: np.ndarray | None) -> None:
         if self._sock is None:
@@ -223,3 +273,5 @@ class StreamChannel(Channel):
                 s.close()
         if self._reader is not None and self._reader is not threading.current_thread():
             self._reader.join(timeout=5)
+        with self._read_lock:
+            pass                        # an inline reader finishes its message first

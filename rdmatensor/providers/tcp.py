@@ -23,10 +23,13 @@ class TcpChannel(StreamChannel):
         return {"host": self.host, "port": self._listener.getsockname()[1]}
 
     def _dial(self, params: dict, timeout: float) -> socket.socket:
+        host, port = str(params["host"]), int(params["port"])
+        if not 0 < port < 65536:
+            raise ValueError(f"port {port} is out of range")
         deadline = time.monotonic() + timeout
         while True:
             try:
-                sock = socket.create_connection((params["host"], int(params["port"])),
+                sock = socket.create_connection((host, port),
                                                 timeout=max(0.1, deadline - time.monotonic()))
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 return sock

@@ -602,3 +602,100 @@ def test_a_spurious_grow_does_not_redirect_a_slot():
         assert np.array_equal(got, small), got
     finally:
         pair.close()
+
+
+# ------------------------------------------- a hostile peer's replies
+
+class _FakeRank1(pb_grpc.ControlServicer):
+    """Rank 1's control server as an attacker runs it: Exchange answers `reply`."""
+
+    def __init__(self):
+        self.reply = pb.ExchangeReply()
+
+    def Exchange(self, request, context):
+        return self.reply
+
+    def Bye(self, request, context):
+        return pb.ByeReply()
+
+
+def _hostile_replies(provider: str, tmp_path):
+    from rdmatensor.providers.shm import host_id
+    good_key = "ab" * 32
+    if provider == "tcp":
+        ch = lambda **kw: pb.ChannelParams(provider="tcp", **kw)          # noqa: E731
+        return [
+            ("empty reply", pb.ExchangeReply(), "TransportError"),
+            ("no key", pb.ExchangeReply(channel=ch(host="127.0.0.1", port=9)), "TransportError"),
+            ("key not hex", pb.ExchangeReply(channel=ch(host="127.0.0.1", port=9, key="zz")), "TransportError"),
+            ("no port", pb.ExchangeReply(channel=ch(host="127.0.0.1", key=good_key)), "TransportError"),
+            ("port 70000", pb.ExchangeReply(channel=ch(host="127.0.0.1", port=70000, key=good_key)),
+             "TransportError"),
+            ("NUL in host", pb.ExchangeReply(channel=ch(host="a\0b", port=9, key=good_key)), "PeerLost"),
+            ("unreachable port", pb.ExchangeReply(channel=ch(host="127.0.0.1", port=1, key=good_key)), "PeerLost"),
+        ]
+    # shm: the regions name segments for rank 0 to map.
+    planted = tmp_path / "victim-file"
+    planted.write_bytes(b"precious" * 512)
+    link = f"rdmatensor-test-link-{time.monotonic_ns()}"
+    fifo = f"rdmatensor-test-fifo-{time.monotonic_ns()}"
+    import os
+    os.symlink(planted, f"/dev/shm/{link}")
+    os.mkfifo(f"/dev/shm/{fifo}", 0o600)
+    ch = pb.ChannelParams(provider="shm", path=b"\0nobody".hex(), host_id=host_id(), key=good_key)
+    region = lambda name, size=4096: pb.Region(region_id=0, size=size, key=1, shm_name=name)  # noqa: E731
+    cases = [
+        ("other host", pb.ExchangeReply(channel=pb.ChannelParams(provider="shm", path="00", host_id="elsewhere",
+                                                                 key=good_key)), "TransportError"),
+        ("path not hex", pb.ExchangeReply(channel=pb.ChannelParams(provider="shm", path="xyz", host_id=host_id(),
+                                                                   key=good_key)), "TransportError"),
+        ("no such segment", pb.ExchangeReply(channel=ch, regions=[region("rdmatensor-" + "0" * 24)]),
+         "TransportError"),
+        ("path escape", pb.ExchangeReply(channel=ch, regions=[region("../../etc/passwd")]), "TransportError"),
+        ("symlink to a file", pb.ExchangeReply(channel=ch, regions=[region(link)]), "TransportError"),
+        ("fifo", pb.ExchangeReply(channel=ch, regions=[region(fifo)]), "TransportError"),
+        ("size 0", pb.ExchangeReply(channel=ch, regions=[region(link, 0)]), "TransportError"),
+    ]
+    return cases, [link, fifo], planted
+
+
+@pytest.mark.parametrize("provider", ["tcp", "shm"])
+def test_hostile_exchange_replies_give_typed_errors_and_leave_nothing(provider, tmp_path):
+    """Rank 0 sets up against a rank 1 that answers Exchange with missing,
+    garbled or dangerous channel parameters and regions: rank 0's connect()
+    fails with a typed error, quickly, writes into no file a segment name
+    points at, and leaves no thread or descriptor behind."""
+    from rdmatensor import RdmaTensorError, connect
+    from rdmatensor.control.service import start_server
+    from .helpers import settle, snapshot
+    from ..transport.ranks import free_ports
+    base = snapshot()
+    fake = _FakeRank1()
+    server, port = start_server("127.0.0.1:0", TOKEN, fake, pb_grpc.BaselineServicer())
+    planted, extra = None, []
+    try:
+        if provider == "tcp":
+            cases = _hostile_replies(provider, tmp_path)
+        else:
+            cases, extra, planted = _hostile_replies(provider, tmp_path)
+        for name, reply, want in cases:
+            fake.reply = reply
+            peers = {0: f"127.0.0.1:{free_ports(1)[0]}", 1: f"127.0.0.1:{port}"}
+            t0 = time.monotonic()
+            try:
+                connect(0, peers, PLAN, provider=provider, token=TOKEN, timeout=2.0)
+                raise AssertionError(f"{name}: connect succeeded")
+            except RdmaTensorError as exc:
+                got = repr(exc)
+                assert type(exc).__name__ == want, (name, got)
+            took = time.monotonic() - t0
+            assert took < 6, (name, took)
+        if planted is not None:
+            assert planted.read_bytes() == b"precious" * 512
+    finally:
+        server.stop(0)
+        import os
+        for name in extra:
+            os.unlink(f"/dev/shm/{name}")
+    end = settle(base)
+    assert all(end[k] <= base[k] for k in base), (base, end)
