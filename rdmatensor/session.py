@@ -506,7 +506,7 @@ class Session:
         ch = self._channels[peer]
         deadline = time.monotonic() + timeout
         if ch.polls:
-            spin_until = time.monotonic() + 0.005
+            spin_until = time.monotonic() + 0.002
             while time.monotonic() < spin_until:
                 if event.is_set() or (not ch.progress() and event.is_set()):
                     return True
