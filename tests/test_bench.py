@@ -1,0 +1,90 @@
+"""rdmatensor-bench: arguments, a short real run with JSON and plot, target checks."""
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.cli import evaluate_targets, parse_size, parse_step
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "bench.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def test_sizes_and_steps_parse():
+    assert parse_size("8") == 8 and parse_size("4K") == 4096 and parse_size("64MiB") == 64 << 20
+    assert parse_step("2x4K,1x1M") == (4096, 4096, 1 << 20)
+    for bad in ("0", "-1", "12Q", "8G"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_size(bad)
+
+
+def test_unknown_provider_is_refused():
+    res = bench("bw", "--providers", "tcp,pigeon")
+    assert res.returncode == 2 and "pigeon" in res.stderr
+
+
+def test_short_run_writes_table_json_and_plot(tmp_path):
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    res = bench("all", "--providers", "shm,tcp,grpc", "--sizes", "4K", "--lat-sizes", "4K", "--seconds", "0.1",
+                "--setup-counts", "10", "--json", str(out), "--plot", str(png))
+    assert res.returncode == 0, res.stderr
+    assert "latency: half round trip" in res.stdout and "bandwidth" in res.stdout
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == "rdmatensor-bench/1"
+    modes = {(r["mode"], r["provider"]) for r in doc["rows"]}
+    assert modes == {(m, p) for m in ("lat", "bw") for p in ("shm", "tcp", "grpc")}
+    for r in doc["rows"]:
+        assert r["size"] == 4096 and r["iterations"] >= 3
+        if r["provider"] != "grpc":
+            assert r["ratio_to_grpc"] > 0
+            assert r["reference"]["name"] in ("memcpy", "socket")
+        if r["mode"] == "lat":
+            lat = r["lat_us"]
+            assert 0 < lat["min"] <= lat["median"] <= lat["p99"] <= lat["max"]
+        else:
+            assert r["mb_per_s"] > 0 and r["msg_per_s"] > 0
+    assert {s["provider"] for s in doc["setup"]} == {"shm", "tcp", "grpc"}
+    assert all(s["control_calls"] == 1 for s in doc["setup"])
+    assert png.stat().st_size > 10000
+    if "verbs" in doc["skipped"]:
+        assert "verbs" in res.stdout.split("skipped")[-1]
+
+
+def test_step_mode_moves_a_whole_step():
+    res = bench("step", "--providers", "tcp", "--step-tensors", "3x4K,1x64K", "--seconds", "0.1")
+    assert res.returncode == 0, res.stderr
+    assert "step  tcp" in res.stdout
+
+
+def test_targets_are_judged_from_the_rows():
+    rows = [
+        {"mode": "bw", "provider": "tcp", "size": 64 << 20, "mb_per_s": 900.0, "ratio_to_reference": 0.9,
+         "ratio_to_grpc": 3.0},
+        {"mode": "lat", "provider": "shm", "size": 4096, "lat_us": {"median": 10.0}, "ratio_to_grpc": 0.04},
+    ]
+    setup = [{"provider": "tcp", "tensors": 10000, "setup_s": 1.5}]
+    got = {t["target"]: t["met"] for t in evaluate_targets(rows, setup)}
+    assert got["tcp 64 MiB >= 0.8x reference"] is True
+    assert got["tcp 64 MiB >= 4x grpc"] is False
+    assert got["shm 4 KiB latency <= 1/20 of grpc"] is True
+    assert got["setup of 10,000 tensors on tcp < 1 s"] is False
+
+
+@pytest.mark.rdma
+def test_verbs_bandwidth_and_latency_against_perftest(tmp_path):
+    out = tmp_path / "v.json"
+    res = bench("all", "--providers", "verbs", "--sizes", "1M", "--lat-sizes", "8", "--seconds", "0.3",
+                "--setup-counts", "100", "--json", str(out), timeout=600)
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(out.read_text())
+    rows = {r["mode"]: r for r in doc["rows"]}
+    assert rows["bw"]["reference"]["name"] == "ib_write_bw" and rows["bw"]["ratio_to_reference"] > 0
+    assert rows["lat"]["reference"]["name"] == "ib_write_lat"
+    print(res.stdout)
