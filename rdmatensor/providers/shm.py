@@ -36,7 +36,7 @@ class ShmChannel(StreamChannel):
     def _listen(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind(self._path)
-        sock.listen(4)
+        sock.listen()
         return sock
 
     def _address(self) -> dict:

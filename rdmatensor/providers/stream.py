@@ -260,6 +260,18 @@ class StreamChannel(Channel):
     def peer_said_bye(self) -> None:
         pass  # the stream's EOF follows everything the peer sent
 
+    def lost(self, error: Exception) -> None:
+        """Report the loss and tear the connection down, so that no sender stays
+        blocked in sendall() to a peer that stopped reading (the session's
+        heartbeat calls this for a peer that stopped answering)."""
+        super().lost(error)
+        sock = self._sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
     def close(self) -> None:
         if self._closing:
             return

@@ -84,8 +84,8 @@ class Victim:
             s = socket.create_connection((self.params["host"], self.params["port"]), timeout=10)
         else:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(bytes.fromhex(self.params["path"]).decode())   # blocking: waits for backlog room
             s.settimeout(10)
-            s.connect(bytes.fromhex(self.params["path"]).decode())
         if key is None:
             key = bytes.fromhex(self.params["key"])
         if key:
@@ -450,3 +450,47 @@ def test_a_hostile_rank_cannot_write_outside_its_slots(provider):
         t.join(30)
         server.stop(0)
         own.close()
+
+
+def test_a_lost_channel_unblocks_a_sender_stuck_on_a_silent_peer():
+    """The peer accepts the connection and then reads nothing (hung, or cut off
+    with its kernel still acking): a big write blocks in sendall. When the
+    loss is declared (the session's heartbeat does this), the write fails
+    with PeerLost at once instead of hanging until TCP gives up."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    lost = []
+    ch = TcpChannel(0, 1, "127.0.0.1", on_imm=lambda imm: None, on_lost=lost.append)
+    result: dict = {}
+    try:
+        key = bytes(range(AUTH_BYTES))
+        accepted: list = []
+        acceptor = threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True)
+        acceptor.start()
+        ch.connect({"host": "127.0.0.1", "port": listener.getsockname()[1], "key": key.hex()},
+                   initiator=True, timeout=10)
+        acceptor.join(10)
+        ch.attach({"region_id": 0, "size": 256 << 20, "key": 1})
+        big = np.zeros(256 << 20, np.uint8)
+
+        def writer():
+            try:
+                ch.write(0, 0, big, make_imm(IMM_DATA, 0))
+                result["done"] = True
+            except Exception as exc:  # noqa: BLE001
+                result["error"] = exc
+        t = threading.Thread(target=writer, daemon=True)
+        t.start()
+        time.sleep(0.5)
+        assert t.is_alive(), f"the write should be stuck on the silent peer: {result}"
+        t0 = time.monotonic()
+        ch.lost(PeerLost("rank 1 stopped answering"))
+        t.join(5)
+        assert not t.is_alive(), "the sender is still blocked after the loss"
+        assert time.monotonic() - t0 < 2
+        assert isinstance(result.get("error"), PeerLost), result
+        assert len(lost) == 1
+    finally:
+        ch.close()
+        listener.close()
+        for s in accepted:
+            s.close()
