@@ -75,6 +75,7 @@ class VerbsChannel(Channel):
         self._stop = threading.Event()
         self._bye = False
         self._poller: threading.Thread | None = None
+        self._last_inline = 0.0
 
     # -- setup ------------------------------------------------------------
     def expose(self, region_id: int, arena: Arena) -> dict:
@@ -159,6 +160,8 @@ class VerbsChannel(Channel):
 
     def progress(self) -> bool:
         """Reap completions if no other thread is; True if any were found."""
+        if threading.current_thread() is not self._poller:
+            self._last_inline = time.monotonic()
         if not self._poll_lock.acquire(blocking=False):
             return False
         try:
@@ -200,6 +203,9 @@ class VerbsChannel(Channel):
     def _poll_loop(self) -> None:
         idle = 0
         while not self._stop.is_set() and not self._lost:
+            if time.monotonic() - self._last_inline < 0.002:
+                time.sleep(0.0005)          # a waiter is polling inline: stay out of its way
+                continue
             if self.progress():
                 idle = 0
                 continue
