@@ -8,19 +8,23 @@
     tape = hvd.DistributedGradientTape(tape)
     grads = tape.gradient(loss, model.trainable_variables)   # averaged over workers
 
-The ring: each gradient, flattened, is cut into N chunks (analyzer.ring_bounds).
-Reduce-scatter (N-1 steps): every rank writes one chunk into its right
-neighbour's preallocated slot, which adds it to its own copy of that chunk
-*directly into the registered staging buffer of its next write*; after N-1
-steps each rank holds one chunk summed over all ranks. All-gather (N-1 steps)
-passes the summed chunks around. Every chunk of every step is its own
-TensorSpec, so each is one one-sided write, with no control message.
+The ring: each bucket (one gradient, or with fusion every gradient of a
+dtype laid end to end, see analyzer.buckets_of) is cut into N chunks
+(analyzer.ring_bounds). Reduce-scatter (N-1 steps): every rank writes one
+chunk into its right neighbour's preallocated slot, which adds it to its own
+copy of that chunk *directly into the registered staging buffer of its next
+write*; after N-1 steps each rank holds one chunk summed over all ranks.
+All-gather (N-1 steps) passes the summed chunks around. Every chunk of every
+step is its own TensorSpec, so each is one one-sided write, with no control
+message.
 
-Copies: chunk 0 leaves from TensorFlow's gradient buffer (verbs: one copy
-into staging); sums land in staging (no copy); all-gathered chunks are
-scaled by 1/N into the output array (the averaging, not a copy) and, when
-N > 2, copied once into staging to be forwarded. The output arrays are
-64-byte aligned and reach TensorFlow through DLPack with no copy.
+Copies: with fusion, each gradient is copied once into the bucket (fewer,
+larger writes: on tcp the per-write cost dominates small models); without,
+chunk 0 leaves from TensorFlow's gradient buffer (verbs: one copy into
+staging). Sums land in staging (no copy); all-gathered chunks are scaled by
+1/N into the output array (the averaging, not a copy) and, when N > 2,
+copied once into staging to be forwarded. The outputs are 64-byte aligned
+and reach TensorFlow with no copy (DLPack, or numpy_function's output).
 """
 from __future__ import annotations
 
@@ -38,47 +42,82 @@ class RingAllReduce:
         self.meter = meter or Meter()
         self.rank, self.size = session.rank, analysis.workers
         self.index = {v.key: i for i, v in enumerate(analysis.variables)}
+        self.shapes = {v.key: v.shape for v in analysis.variables}
+        self._fused = {}        # a fused bucket's input buffer: reused every step, padding stays zero
+        for b in analysis.buckets:
+            if len(b.members) > 1:
+                self._fused[b.key] = ingest.aligned_empty((b.size,), b.dtype)
+                self._fused[b.key][...] = 0
 
     # ------------------------------------------------------------- all-reduce
-    def _ring(self, key: str, grad: np.ndarray) -> np.ndarray:
-        s, n, r = self.session, self.size, self.rank
-        flat = grad.reshape(-1)
-        out = ingest.aligned_empty(flat.shape, flat.dtype)
-        if n == 1 or flat.size == 0:
-            np.copyto(out, flat)
-            return out.reshape(grad.shape)
-        bounds = [slice(lo, hi) for lo, hi in ring_bounds(flat.size, n)]
-        left, scale = (r - 1) % n, flat.dtype.type(1.0 / n)
-        outgoing = flat[bounds[ring_chunk("rs", 0, r, n)]]
-        for step in range(n - 1):                                   # reduce-scatter
-            s.send(ring_name(key, "rs", step, r), outgoing)
-            nxt = ring_name(key, "rs", step + 1, r) if step < n - 2 else ring_name(key, "ag", 0, r)
-            dst = s.buffer(nxt)
-            with s.recv(ring_name(key, "rs", step, left)) as chunk:
-                np.add(flat[bounds[ring_chunk("rs", step, r, n, receiving=True)]], chunk, out=dst)
-            outgoing = dst
-        np.multiply(outgoing, scale, out=out[bounds[(r + 1) % n]])
-        for step in range(n - 1):                                   # all-gather
-            s.send(ring_name(key, "ag", step, r), outgoing)
-            with s.recv(ring_name(key, "ag", step, left)) as chunk:
-                np.multiply(chunk, scale, out=out[bounds[ring_chunk("ag", step, r, n, receiving=True)]])
-                if step < n - 2:
-                    outgoing = s.buffer(ring_name(key, "ag", step + 1, r))
-                    np.copyto(outgoing, chunk)
-                    self.meter.tally["forwarded"] += 1
-        return out.reshape(grad.shape)
-
     def allreduce_arrays(self, keys, arrays) -> list[np.ndarray]:
-        """Average numpy gradients over the workers (in plan order of `keys`)."""
+        """Average numpy gradients over the workers (`keys` name them as in the plan).
+
+        A fused bucket costs one copy per member into its buffer; its output
+        members are 64-byte aligned views, fit for TensorFlow with no copy.
+        Every ring step writes the chunks of all buckets before waiting for
+        any: 2(N-1) round trips per step, however many buckets there are."""
+        by_key = {k: np.ascontiguousarray(a) for k, a in zip(keys, arrays)}
+        flats = []
+        for b in self.analysis.buckets:
+            buf = self._fused.get(b.key)
+            if buf is None:
+                flats.append(by_key[b.members[0][0]].reshape(-1))
+                continue
+            for key, offset, n in b.members:
+                np.copyto(buf[offset:offset + n], by_key[key].reshape(-1))
+            self.meter.tally["fused"] += len(b.members)
+            flats.append(buf)
         with self.meter.comm():
-            return [self._ring(k, np.ascontiguousarray(a)) for k, a in zip(keys, arrays)]
+            outs = self._ring([b.key for b in self.analysis.buckets], flats)
+        result = {}
+        for b, out in zip(self.analysis.buckets, outs):
+            for key, offset, n in b.members:
+                result[key] = out[offset:offset + n].reshape(self.shapes[key])
+        return [result[k] if k in result else np.zeros_like(by_key[k]) for k in keys]
+
+    def _ring(self, keys: list, flats: list) -> list[np.ndarray]:
+        s, n, r = self.session, self.size, self.rank
+        outs = [ingest.aligned_empty(f.shape, f.dtype) for f in flats]
+        live = [i for i, f in enumerate(flats) if f.size]
+        if n == 1:
+            for f, o in zip(flats, outs):
+                np.copyto(o, f)
+            return outs
+        bounds = {i: [slice(lo, hi) for lo, hi in ring_bounds(flats[i].size, n)] for i in live}
+        left = (r - 1) % n
+        outgoing = {i: flats[i][bounds[i][ring_chunk("rs", 0, r, n)]] for i in live}
+        for step in range(n - 1):                                   # reduce-scatter
+            for i in live:
+                s.send(ring_name(keys[i], "rs", step, r), outgoing[i])
+            c = ring_chunk("rs", step, r, n, receiving=True)
+            for i in live:
+                nxt = ring_name(keys[i], "rs", step + 1, r) if step < n - 2 else ring_name(keys[i], "ag", 0, r)
+                dst = s.buffer(nxt)                # the sum lands where the next write leaves from
+                with s.recv(ring_name(keys[i], "rs", step, left)) as chunk:
+                    np.add(flats[i][bounds[i][c]], chunk, out=dst)
+                outgoing[i] = dst
+        for i in live:
+            np.multiply(outgoing[i], 1.0 / n, out=outs[i][bounds[i][(r + 1) % n]])
+        for step in range(n - 1):                                   # all-gather
+            for i in live:
+                s.send(ring_name(keys[i], "ag", step, r), outgoing[i])
+            c = ring_chunk("ag", step, r, n, receiving=True)
+            for i in live:
+                with s.recv(ring_name(keys[i], "ag", step, left)) as chunk:
+                    np.multiply(chunk, 1.0 / n, out=outs[i][bounds[i][c]])
+                    if step < n - 2:               # forwarded next step: into staging, once
+                        outgoing[i] = s.buffer(ring_name(keys[i], "ag", step + 1, r))
+                        np.copyto(outgoing[i], chunk)
+                        self.meter.tally["forwarded"] += 1
+        return outs
 
     def allreduce(self, grads, variables=None) -> list[tf.Tensor]:
         """Average gradients (tensors, eager) over the workers; `variables` name them
         (default: the plan's variables, in order)."""
         keys = self._keys(variables, len(grads))
         host = [np.asarray(tf.convert_to_tensor(g)) for g in grads]    # no copy on CPU
-        return [ingest.borrow(a) for a in self.allreduce_arrays(keys, host)]
+        return [ingest.borrow(a, self.meter.tally) for a in self.allreduce_arrays(keys, host)]
 
     def _keys(self, variables, count: int) -> list[str]:
         keys = [var_key(v) for v in variables] if variables is not None else \
@@ -139,7 +178,7 @@ _state: dict = {}
 
 
 def init(model, provider: str = "auto", cluster=None, token: str | None = None, timeout: float = 120.0,
-         input_signature=None) -> RingAllReduce:
+         input_signature=None, fusion: bool = True) -> RingAllReduce:
     """Analyze `model` (a Keras model or Step), connect this worker (cluster from
     TF_CONFIG unless given; token from RDMATENSOR_TOKEN) and make the ring the
     default for DistributedGradientTape and broadcast_variables."""
@@ -148,7 +187,8 @@ def init(model, provider: str = "auto", cluster=None, token: str | None = None, 
     from .analyzer import analyze
     from .cluster import Cluster
     cluster = cluster or Cluster.from_tf_config()
-    analysis = analyze(model, "allreduce", cluster.num_workers, input_signature=input_signature)
+    analysis = analyze(model, "allreduce", cluster.num_workers, input_signature=input_signature,
+                       fusion=fusion)
     session = connect(cluster.rank, cluster.peers(), analysis.plan, provider=provider,
                       token=token or os.environ.get("RDMATENSOR_TOKEN"), timeout=timeout)
     _state["ring"] = RingAllReduce(session, analysis)

@@ -8,9 +8,13 @@ From them and the cluster roles it lays out
 - ps:        per worker and variable, the gradient (worker -> the variable's
              ps shard, round-robin by variable) and the variable's new value
              (ps -> worker);
-- allreduce: per variable and ring step, the chunk each worker writes into
-             its right neighbour (reduce-scatter then all-gather, N-1 steps
-             each), plus a one-time broadcast of the variables from rank 0;
+- allreduce: per gradient bucket and ring step, the chunk each worker writes
+             into its right neighbour (reduce-scatter then all-gather, N-1
+             steps each), plus a one-time broadcast of the variables from
+             rank 0. A bucket is one gradient, or with fusion (the default,
+             as Horovod's fusion buffer) all gradients of a dtype laid end to
+             end, each at a 64-byte aligned offset: the writes per step no
+             longer grow with the number of variables;
 - pipeline:  whatever the stages' `ops.send` calls move (analyze_pipeline).
 
     python -m tf_plugin.analyzer --model mlp --mode ps --workers 2 --ps 1
@@ -27,6 +31,7 @@ import numpy as np
 from rdmatensor import Plan, PlanError, TensorSpec
 
 MODES = ("ps", "allreduce", "pipeline")
+TF_ALIGN = 64    # TensorFlow's buffer alignment: fused members stay zero-copy
 
 
 # ------------------------------------------------------------------ naming
@@ -58,6 +63,27 @@ def bcast_name(var: str, dst: int) -> str:
     return f"bcast/{var}/r{dst}"
 
 
+def buckets_of(infos, fusion: bool) -> list["Bucket"]:
+    """The all-reduce buckets: one per variable, or one per dtype when fused."""
+    if not fusion:
+        return [Bucket(v.key, v.dtype, ((v.key, 0, int(np.prod(v.shape))),), int(np.prod(v.shape)))
+                for v in infos if int(np.prod(v.shape))]
+    groups: dict = {}
+    for v in infos:
+        if int(np.prod(v.shape)):
+            groups.setdefault(v.dtype, []).append(v)
+    buckets = []
+    for dtype, vs in groups.items():
+        step = max(1, TF_ALIGN // dtype.itemsize)        # each member starts 64-byte aligned
+        members, offset = [], 0
+        for v in vs:
+            n = int(np.prod(v.shape))
+            members.append((v.key, offset, n))
+            offset += -(-n // step) * step
+        buckets.append(Bucket(f"fused/{dtype.name}", dtype, tuple(members), offset))
+    return buckets
+
+
 def ring_bounds(n: int, ranks: int) -> list[tuple[int, int]]:
     """[start, stop) of each of `ranks` chunks of a flat gradient of n elements."""
     sizes = [n // ranks + (1 if i < n % ranks else 0) for i in range(ranks)]
@@ -83,6 +109,16 @@ class VarInfo:
     parts: dict                  # gradient part ("" if dense, else values/indices) -> (shape, dtype)
 
 
+@dataclass(frozen=True)
+class Bucket:
+    """What one all-reduce moves: members (variable key, offset, elements) laid
+    end to end in `size` elements of `dtype`."""
+    key: str
+    dtype: np.dtype
+    members: tuple
+    size: int
+
+
 @dataclass
 class Analysis:
     plan: Plan
@@ -93,6 +129,7 @@ class Analysis:
     kinds: dict = field(default_factory=dict)        # tensor name -> what it is
     once: set = field(default_factory=set)            # names moved once at setup, not every step
     optimizer_bytes: int = 0
+    buckets: list = field(default_factory=list)      # allreduce: what each ring reduces
 
     def static_bytes_per_step(self, rank: int | None = None, direction: str = "src") -> int:
         return sum(s.nbytes for s in self.plan.specs.values()
@@ -197,20 +234,21 @@ def variables_of(step) -> list[VarInfo]:
 
 
 def analyze(target, mode: str = "allreduce", workers: int = 2, ps: int = 0, input_signature=None,
-            loss=None, sparse: str | None = None, optimizer=None) -> Analysis:
+            loss=None, sparse: str | None = None, optimizer=None, fusion: bool = True) -> Analysis:
     """The plan of a training job.
 
     `target`: a built Keras model, a tf.function with an input signature, or
     a `Step`. The optimizer (`optimizer`, else the model's), once built, is
-    only reported: it stays where the updates are applied.
-    `mode`: ps (needs ps >= 1) or allreduce. Ranks: workers 0..N-1, ps N..N+M-1."""
+    only reported: it stays where the updates are applied. `fusion`
+    (allreduce): one ring over all gradients of a dtype instead of one per
+    gradient. Ranks: workers 0..N-1, ps N..N+M-1."""
     if mode not in ("ps", "allreduce"):
         raise PlanError(f"mode {mode!r}: expected ps or allreduce (pipelines: analyze_pipeline)")
     if workers < 1 or (mode == "ps" and ps < 1):
         raise PlanError(f"{mode} needs at least one worker" + (" and one ps" if mode == "ps" else ""))
     step = _step_for(target, mode, input_signature, loss, sparse)
     infos = variables_of(step)
-    specs, kinds, once = [], {}, set()
+    specs, kinds, once, buckets = [], {}, set(), []
 
     def add(spec, kind, per_step=True):
         specs.append(spec)
@@ -234,21 +272,25 @@ def analyze(target, mode: str = "allreduce", workers: int = 2, ps: int = 0, inpu
         for v in infos:
             if v.sparse:
                 raise PlanError(f"{v.key}: allreduce needs dense gradients (sparse='dense')")
-            if 0 in v.shape:
-                continue
-            bounds = ring_bounds(int(np.prod(v.shape)), n)
+        buckets = buckets_of(infos, fusion)
+        for b in buckets:
+            bounds = ring_bounds(b.size, n)
+            what = f"{len(b.members)} gradients" if len(b.members) > 1 else "gradient"
             for phase in ("rs", "ag"):
                 for s in range(n - 1):
                     for r in range(n):
                         lo, hi = bounds[ring_chunk(phase, s, r, n)]
-                        add(TensorSpec(ring_name(v.key, phase, s, r), (hi - lo,), v.dtype, r, (r + 1) % n),
-                            "ring chunk (reduce-scatter)" if phase == "rs" else "ring chunk (all-gather)")
+                        add(TensorSpec(ring_name(b.key, phase, s, r), (hi - lo,), b.dtype, r, (r + 1) % n),
+                            f"ring chunk, {what} ({'reduce-scatter' if phase == 'rs' else 'all-gather'})")
+        for v in infos:
+            if 0 in v.shape:
+                continue
             for dst in range(1, n):
                 add(TensorSpec(bcast_name(v.key, dst), v.shape, v.dtype, 0, dst), "broadcast", per_step=False)
     optimizer = optimizer or getattr(target, "optimizer", None)
     opt_bytes = sum(int(np.prod(o.shape)) * np.dtype(o.dtype).itemsize
                     for o in getattr(optimizer, "variables", None) or [] if len(o.shape))
-    return Analysis(Plan(specs), mode, workers, ps, infos, kinds, once, opt_bytes)
+    return Analysis(Plan(specs), mode, workers, ps, infos, kinds, once, opt_bytes, buckets)
 
 
 def analyze_pipeline(stages: dict, capacity: int | None = None) -> Analysis:
@@ -283,6 +325,7 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--ps", type=int, default=None, help="parameter servers (ps mode; default 1)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-fusion", action="store_true", help="allreduce: one ring per gradient")
     args = parser.parse_args(argv)
     from . import models
     from .step import Step
@@ -292,7 +335,8 @@ def main(argv=None) -> int:
                           sparse="dense" if args.mode == "allreduce" else "dedupe")
     opt = models.optimizer()
     opt.build(model.trainable_variables)
-    analyze(step, args.mode, args.workers, ps, optimizer=opt).explain(file=sys.stdout)
+    analyze(step, args.mode, args.workers, ps, optimizer=opt,
+            fusion=not args.no_fusion).explain(file=sys.stdout)
     return 0
 
 

@@ -96,11 +96,13 @@ def aligned_empty(shape, dtype) -> np.ndarray:
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
-def borrow(array: np.ndarray) -> tf.Tensor:
+def borrow(array: np.ndarray, tally: dict | None = None) -> tf.Tensor:
     """An ndarray as a tensor with no copy (it must be 64-byte aligned and stay untouched
-    while the tensor lives); otherwise copied."""
+    while the tensor lives); otherwise copied. Counted like to_tensor."""
     if array.size and array.ctypes.data % TF_ALIGN == 0 and array.flags.c_contiguous:
-        alias = writeable_alias(array) if not array.flags.writeable else array
+        alias = array if array.flags.writeable else writeable_alias(array)
         if alias is not None:
+            _count("zero_copy", tally)
             return tf.experimental.dlpack.from_dlpack(alias.__dlpack__())
+    _count("copied", tally)
     return tf.constant(array)

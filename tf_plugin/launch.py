@@ -51,6 +51,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="write the results here")
+    p.add_argument("--no-fusion", action="store_true", help="allreduce: one ring per gradient")
     p.add_argument("--threads", action="store_true",
                    help="ranks as threads of this process (one TensorFlow import; tf-grpc excepted)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole job")
@@ -149,11 +150,12 @@ def run_processes(config: dict, workers: int, ps: int, timeout: float) -> list[d
 
 def run_job(args, provider: str) -> dict:
     from . import runner
+    threads = args.threads and provider != "tf-grpc"
     config = dict(mode=args.mode, model=args.model, provider=provider, steps=args.steps, seed=args.seed,
-                  batch=args.batch, lr=args.lr)
+                  batch=args.batch, lr=args.lr, in_graph=not threads, fusion=not args.no_fusion)
     ps = args.ps if args.mode == "ps" else 0
     t0 = time.monotonic()
-    if args.threads and provider != "tf-grpc":
+    if threads:
         results = runner.run_threads(config, args.workers, ps, join_timeout=args.timeout)
     else:
         results = run_processes(config, args.workers, ps, args.timeout)

@@ -9,7 +9,8 @@ import time
 class Meter:
     def __init__(self):
         self.comm_seconds = 0.0
-        self.tally = {"zero_copy": 0, "copied": 0, "forwarded": 0}   # received tensors into TF; ring forwards
+        # tensors into TF with no copy / copied; ring chunks forwarded; gradients copied into a fusion buffer
+        self.tally = {"zero_copy": 0, "copied": 0, "forwarded": 0, "fused": 0}
 
     @contextlib.contextmanager
     def comm(self):
@@ -22,4 +23,4 @@ class Meter:
     @property
     def copies(self) -> int:
         """Payload copies made by the plugin (not by TensorFlow's own kernels)."""
-        return self.tally["copied"] + self.tally["forwarded"]
+        return self.tally["copied"] + self.tally["forwarded"] + self.tally["fused"]

@@ -6,7 +6,9 @@ instead, which costs one TensorFlow import in all (the SoftRoCE VM takes
 ~45 s per import) while every byte still goes through the real provider.
 
 config keys: mode (ps|allreduce), model, provider, steps, seed, batch (global
-batch size), lr, timeout. A worker's result carries its losses, one per
+batch size), lr, timeout, in_graph (allreduce: the ring inside the step's
+tf.function; separate processes only, see in_graph_step), fusion (allreduce:
+one ring over all gradients). A worker's result carries its losses, one per
 step; a step's global loss is the mean over workers (equal shards).
 """
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 import traceback
 
 DEFAULTS = dict(mode="allreduce", model="mlp", provider="auto", steps=20, seed=0, batch=64,
-                lr=0.05, timeout=120.0)
+                lr=0.05, timeout=120.0, in_graph=False, fusion=True)
 
 
 def run_rank(cluster, config: dict, token: str | None = None) -> dict:
@@ -36,7 +38,8 @@ def run_rank(cluster, config: dict, token: str | None = None) -> dict:
     model = models.build(name, cfg["seed"])
     step = Step.for_model(model, models.loss_fn, models.input_specs(name),
                           sparse="dense" if mode == "allreduce" else "dedupe")
-    analysis = analyze(step, mode, cluster.num_workers, cluster.num_ps if mode == "ps" else 0)
+    analysis = analyze(step, mode, cluster.num_workers, cluster.num_ps if mode == "ps" else 0,
+                       fusion=cfg["fusion"])
     data = models.dataset(name, cfg["seed"])
     meter = Meter()
     result = {"rank": cluster.rank, "role": cluster.task_type, "mode": mode, "model": name,
@@ -59,13 +62,17 @@ def run_rank(cluster, config: dict, token: str | None = None) -> dict:
             ring = RingAllReduce(session, analysis, meter)
             opt = models.optimizer(cfg["lr"])
             opt.build(step.variables)
-            apply = tf_function(lambda grads: opt.apply_gradients(zip(grads, step.variables)))
             ring.broadcast(step.variables)
+            if cfg["in_graph"]:
+                train_step = in_graph_step(model, opt, ring, models.loss_fn, models.input_specs(name))
+                loop = lambda k: result["losses"].append(float(train_step(*shard(k))))  # noqa: E731
+            else:
+                apply = tf_function(lambda grads: opt.apply_gradients(zip(grads, step.variables)))
 
-            def loop(k):
-                loss, grads = step.grads(*shard(k))
-                apply(ring.allreduce(grads))
-                result["losses"].append(float(loss))
+                def loop(k):
+                    loss, grads = step.grads(*shard(k))
+                    apply(ring.allreduce(grads))
+                    result["losses"].append(float(loss))
         loop(0)                              # first step traces the functions: not timed
         session.barrier("tf_plugin-warm")    # everyone traced: time steps, not tracing
         meter.comm_seconds = 0.0
@@ -79,7 +86,7 @@ def run_rank(cluster, config: dict, token: str | None = None) -> dict:
         after = session.stats()
     timed = max(steps - 1, 1)
     delta = {k: after[k] - before[k] for k in after if isinstance(after[k], int)}
-    plugin_copies = sum(meter.tally[k] - tally0[k] for k in ("copied", "forwarded"))
+    plugin_copies = sum(meter.tally[k] - tally0[k] for k in ("copied", "forwarded", "fused"))
     result.update(
         provider=after["provider"], timed_steps=steps - 1, seconds=seconds,
         steps_per_s=(steps - 1) / seconds if seconds else 0.0,
@@ -94,6 +101,24 @@ def run_rank(cluster, config: dict, token: str | None = None) -> dict:
 def tf_function(fn):
     import tensorflow as tf
     return tf.function(fn)
+
+
+def in_graph_step(model, opt, ring, loss_fn, signature):
+    """One tf.function per step, Horovod style: the ring runs inside it as a
+    numpy_function. Only for ranks in separate processes: a blocked
+    numpy_function holds one of TensorFlow's inter-op threads, and ranks sharing
+    a process (and its pool of as many threads as cores) can starve each other."""
+    import tensorflow as tf
+    from .allreduce import DistributedGradientTape
+
+    @tf.function(input_signature=signature)
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x))
+        grads = DistributedGradientTape(tape, ring).gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+    return train_step
 
 
 def run_threads(config: dict, workers: int, ps: int = 0, join_timeout: float = 600.0) -> list[dict]:

@@ -41,7 +41,7 @@ def test_ps_shards_variables_round_robin(mlp):
 def test_allreduce_chunks_partition_every_gradient(mlp):
     from tf_plugin.analyzer import analyze, ring_name
     n = 3
-    a = analyze(mlp, "allreduce", workers=n)
+    a = analyze(mlp, "allreduce", workers=n, fusion=False)
     for v, shape in zip(a.variables, _shapes(mlp)):
         assert v.shape == shape and not v.sparse
         for phase in ("rs", "ag"):
@@ -54,6 +54,19 @@ def test_allreduce_chunks_partition_every_gradient(mlp):
     per_step = [s for s in a.plan.specs.values() if s.name not in a.once]
     assert len(per_step) == 2 * (n - 1) * n * 4
     assert a.static_bytes_per_step() == 2 * (n - 1) * 4 * sum(int(np.prod(s)) for s in _shapes(mlp))
+
+
+def test_fused_allreduce_is_one_ring_over_aligned_members(mlp):
+    from tf_plugin.analyzer import analyze, ring_name
+    a = analyze(mlp, "allreduce", workers=2)
+    (bucket,) = a.buckets
+    sizes = [int(np.prod(s)) for s in _shapes(mlp)]
+    assert [(m[0], m[2]) for m in bucket.members] == [(v.key, n) for v, n in zip(a.variables, sizes)]
+    assert all(offset * 4 % 64 == 0 for _, offset, _ in bucket.members)      # TF-aligned views
+    assert bucket.size >= sum(sizes) and bucket.size - sum(sizes) < 16 * len(sizes)
+    chunks = [a.plan.specs[ring_name(bucket.key, p, 0, r)] for p in ("rs", "ag") for r in range(2)]
+    assert len([s for s in a.plan.specs.values() if s.name not in a.once]) == 4
+    assert sum(c.shape[0] for c in chunks) == 2 * bucket.size
 
 
 def test_tf_function_with_input_signature():
@@ -92,7 +105,7 @@ def test_explain_table_and_cli(mlp, capsys):
         assert spec.name in text
     assert "0->2" in text and "slots" in text and "arenas" in text
     assert f"total static bytes per step: {a.static_bytes_per_step()}" in text
-    assert main(["--model", "cnn", "--mode", "allreduce", "--workers", "2"]) == 0
+    assert main(["--model", "cnn", "--mode", "allreduce", "--workers", "2", "--no-fusion"]) == 0
     out = capsys.readouterr().out
     assert "ring/cnn/conv/kernel/rs0/r0" in out and "optimizer state" in out
 

@@ -36,8 +36,13 @@ def test_allreduce_two_workers_match_single_process(close_to_reference):
     s = runner.summarize(results)
     close_to_reference("mlp", s["losses"])
     assert [r["losses"] for r in results][0] != [r["losses"] for r in results][1]   # own shards
-    assert s["writes_per_step"] == 2 * 4 * 2           # 2 ranks x 4 variables x (1 rs + 1 ag) chunks
-    assert s["copies_per_step"] == 0
+    assert s["writes_per_step"] == 2 * 2               # 2 ranks x (1 rs + 1 ag) chunk of the fused bucket
+    assert s["copies_per_step"] == 2 * 4               # each gradient into the fusion buffer
+    unfused = runner.run_threads(dict(mode="allreduce", model="mlp", provider="tcp", steps=3,
+                                      fusion=False), 2)
+    close_to_reference("mlp", runner.summarize(unfused)["losses"], 3)
+    assert runner.summarize(unfused)["writes_per_step"] == 2 * 4 * 2   # per variable
+    assert runner.summarize(unfused)["copies_per_step"] == 0          # tcp writes from TF's buffers
 
 
 def test_dynamic_sparse_gradients_train_with_fallback_counted(close_to_reference):
