@@ -93,7 +93,7 @@ FAILURES = {
                       lambda res: all(isinstance(v, PlanMismatch) for v in res.values())),
     "data channel cut": (100, lambda p: run_ranks(2, PLAN, p, _lose_channel, timeout=10),
                          lambda res: res == {0: True, 1: True}),
-    "wrong token": (20, lambda p: run_ranks(2, PLAN, p, lambda s, r: None, tokens={1: "bad"}, timeout=0.3),
+    "wrong token": (10, lambda p: run_ranks(2, PLAN, p, lambda s, r: None, tokens={1: "bad"}, timeout=0.3),
                     lambda res: isinstance(res[0], AuthenticationError) and isinstance(res[1], PeerLost)),
 }
 
