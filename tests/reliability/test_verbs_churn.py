@@ -22,7 +22,7 @@ from ..transport.ranks import check, run_ranks
 from .helpers import settle, snapshot
 
 pytestmark = pytest.mark.rdma
-CYCLES = int(os.environ.get("RDMATENSOR_VERBS_CHURN_CYCLES", "12"))
+CYCLES = int(os.environ.get("RDMATENSOR_VERBS_CHURN_CYCLES", "8"))
 PLAN = Plan([TensorSpec("a", (4096,), np.float32, 0, 1), TensorSpec("b", (None,), np.float32, 1, 0)])
 KINDS = ("qp", "mr", "cq", "pd")
 
