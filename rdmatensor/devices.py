@@ -64,7 +64,25 @@ def _active_mtus(name: str) -> dict[int, int]:
         return {}
 
 
-def list_devices() -> list[Device]:
+def _gids(pdir: Path, first_roce_v2_ipv4: bool = False) -> list[Gid]:
+    """A port's GIDs. A RoCE port has about a thousand GID files, mostly empty:
+    with `first_roce_v2_ipv4` the scan stops at the one a connection would use."""
+    gids = []
+    for gfile in sorted((pdir / "gids").iterdir(), key=lambda p: int(p.name)):
+        gid = _read(gfile)
+        if not gid or gid == "0000:0000:0000:0000:0000:0000:0000:0000":
+            continue
+        g = Gid(int(gfile.name), gid, _read(pdir / "gid_attrs" / "types" / gfile.name),
+                _read(pdir / "gid_attrs" / "ndevs" / gfile.name))
+        gids.append(g)
+        if first_roce_v2_ipv4 and g.type == "RoCE v2" and gid.startswith("0000:0000:0000:0000:0000:ffff:"):
+            break
+    return gids
+
+
+def list_devices(gids: bool = True) -> list[Device]:
+    """Every RDMA device and port; `gids=False` skips the (slow) GID table and the
+    verbs query of the MTU, for callers that only need port states."""
     if not SYSFS.is_dir():
         return []
     devices = []
@@ -73,29 +91,23 @@ def list_devices() -> list[Device]:
             driver = os.path.basename(os.path.realpath(dev / "device" / "driver"))
         else:  # software devices (rxe, siw) sit on a netdev instead of a bus
             driver = f"software on {_read(dev / 'parent') or '?'}"
-        mtus = _active_mtus(dev.name)
+        mtus = _active_mtus(dev.name) if gids else {}
         ports = []
         for pdir in sorted((dev / "ports").iterdir(), key=lambda p: int(p.name)):
             num = int(pdir.name)
-            gids = []
-            for gfile in sorted((pdir / "gids").iterdir(), key=lambda p: int(p.name)):
-                gid = _read(gfile)
-                if not gid or gid == "0000:0000:0000:0000:0000:0000:0000:0000":
-                    continue
-                idx = int(gfile.name)
-                gids.append(Gid(idx, gid, _read(pdir / "gid_attrs" / "types" / gfile.name),
-                                _read(pdir / "gid_attrs" / "ndevs" / gfile.name)))
             state = _read(pdir / "state").split(":")[-1].strip()
-            ports.append(Port(num, state, _read(pdir / "link_layer"), mtus.get(num), gids))
+            ports.append(Port(num, state, _read(pdir / "link_layer"), mtus.get(num),
+                              _gids(pdir) if gids else []))
         devices.append(Device(dev.name, driver, ports))
     return devices
 
 
 def active_port() -> tuple[Device, Port] | None:
-    """The first ACTIVE port of any device, or None."""
-    for dev in list_devices():
+    """The first ACTIVE port of any device (with the GIDs a connection needs), or None."""
+    for dev in list_devices(gids=False):
         for port in dev.ports:
             if port.active:
+                port.gids = _gids(SYSFS / dev.name / "ports" / str(port.number), first_roce_v2_ipv4=True)
                 return dev, port
     return None
 

@@ -19,8 +19,10 @@ larger region and answers with its descriptor before the data goes.
 """
 from __future__ import annotations
 
+import hmac
 import json
 import logging
+import secrets
 import threading
 import time
 import zlib
@@ -41,6 +43,7 @@ from .providers.base import IMM_CREDIT, IMM_DATA, Channel, make_imm, split_imm
 
 log = logging.getLogger("rdmatensor")
 GROWN_REGION_BASE = 1 << 20      # region ids of grown dynamic slots start here
+MAX_OPEN_BARRIERS = 256
 
 
 @dataclass
@@ -111,6 +114,7 @@ class _ControlServicer(pb_grpc.ControlServicer):
         return self.s._on_barrier(request, context)
 
     def Bye(self, request, context):
+        self.s._authorize(request.rank, request.pair_secret, context)
         self.s._on_bye(request.rank, request.reason)
         return pb.ByeReply()
 
@@ -184,8 +188,9 @@ class Session:
         self._send_by_index: dict[int, list[_SendSlot]] = {}
         self._recv_by_index: dict[int, list[_RecvSlot]] = {}
         self._exchanged: dict[int, dict] = {}
+        self._pair_secrets: dict[int, str] = {}
         self._exchange_events = {p: threading.Event() for p in plan.peers_of(rank) if p < rank}
-        self._barriers: dict[str, set] = {}
+        self._barriers: dict[str, list] = {}
         self._barrier_cv = threading.Condition()
         self._barrier_count: dict[str, int] = {}
         self._grow_lock = threading.Lock()
@@ -283,9 +288,10 @@ class Session:
         deadline = time.monotonic() + self.timeout
         for peer in (p for p in peer_ranks if p > self.rank):
             ch = self._channels[peer]
+            self._pair_secrets[peer] = secrets.token_hex(16)
             req = pb.ExchangeRequest(rank=self.rank, peer=peer, plan_digest=self.plan.digest,
                                      plan_specs=specs_json, channel=_params_msg(self.provider, ch.params()),
-                                     regions=self._local_regions(peer))
+                                     regions=self._local_regions(peer), pair_secret=self._pair_secrets[peer])
             client = self._client(peer)
             reply = client.call(client.control.Exchange, req, timeout=max(1.0, deadline - time.monotonic()),
                                 wait_for_ready=True)
@@ -308,7 +314,13 @@ class Session:
         if peer not in self._exchange_events:
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
                           f"rank {peer} is not a lower-ranked peer of rank {self.rank} in this plan")
-        if self._exchange_events[peer].is_set():
+        if len(request.pair_secret) < 32:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a pair secret of at least 32 characters is required")
+        with self._lock:                     # claim the rank: one Exchange per peer, ever
+            claimed = peer in self._pair_secrets
+            if not claimed:
+                self._pair_secrets[peer] = request.pair_secret
+        if claimed:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, f"rank {peer} already exchanged")
         if request.plan_digest != self.plan.digest:
             try:
@@ -325,8 +337,12 @@ class Session:
             self._fail(PlanMismatch(msg))
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, msg)
         ch = self._channels[peer]
-        for region in request.regions:
-            ch.attach(_region_dict(region))
+        try:
+            for region in request.regions:
+                ch.attach(_region_dict(region))
+        except RdmaTensorError as exc:
+            self._fail(exc)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"rank {peer}'s regions are unusable: {exc}")
         self._exchanged[peer] = _params_dict(request.channel)
         reply = pb.ExchangeReply(channel=_params_msg(self.provider, ch.params()),
                                  regions=self._local_regions(peer))
@@ -350,23 +366,39 @@ class Session:
             client.call(client.control.Barrier, pb.BarrierRequest(rank=self.rank, name=key),
                         timeout=timeout, wait_for_ready=True)
 
-    def _arrive(self, key: str, rank: int, timeout: float) -> None:
+    def _arrive(self, key: str, rank: int, timeout: float, active=lambda: True) -> None:
+        """Wait at barrier `key` until every rank arrived. A waiter that gives
+        up takes its arrival back; the last one out forgets the key."""
         everyone = self.plan.ranks() | {self.rank}
         deadline = time.monotonic() + timeout
         with self._barrier_cv:
-            self._barriers.setdefault(key, set()).add(rank)
+            if key not in self._barriers and len(self._barriers) >= MAX_OPEN_BARRIERS:
+                raise UsageError(f"more than {MAX_OPEN_BARRIERS} barriers open at once")
+            entry = self._barriers.setdefault(key, [set(), 0])   # arrived, departed
+            entry[0].add(rank)
             self._barrier_cv.notify_all()
-            while not everyone <= self._barriers[key]:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or self._error:
-                    raise self._error or PeerLost(
-                        f"barrier {key!r}: ranks {sorted(everyone - self._barriers[key])} "
-                        f"did not arrive within {timeout:.0f} s")
-                self._barrier_cv.wait(min(remaining, 0.5))
+            try:
+                while not everyone <= entry[0]:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0 or self._error or not active():
+                        entry[0].discard(rank)
+                        raise self._error or PeerLost(
+                            f"barrier {key!r}: ranks {sorted(everyone - entry[0])} "
+                            f"did not arrive within {timeout:.0f} s")
+                    self._barrier_cv.wait(min(remaining, 0.5))
+            finally:
+                entry[1] += 1
+                if entry[1] >= len(everyone) or not entry[0]:
+                    self._barriers.pop(key, None)
 
     def _on_barrier(self, request, context):
+        if request.rank not in self.plan.ranks() or request.rank == self.rank:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"rank {request.rank} is not another rank of this plan")
         try:
-            self._arrive(request.name, request.rank, self.timeout)
+            self._arrive(request.name, request.rank, self.timeout, active=context.is_active)
+        except UsageError as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except RdmaTensorError as exc:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
         return pb.BarrierReply()
@@ -584,8 +616,9 @@ class Session:
     def _grow(self, st: _SendSlot, need: int) -> None:
         """Ask the receiver for a region that holds `need` bytes (dynamic fallback)."""
         client = self._client(st.peer)
-        reply = client.call(client.control.Grow, pb.GrowRequest(rank=self.rank, slot=st.slot.index,
-                                                                 nbytes=need), timeout=self.timeout)
+        reply = client.call(client.control.Grow, pb.GrowRequest(
+            rank=self.rank, slot=st.slot.index, nbytes=need, pair_secret=self._pair_secrets[st.peer]),
+            timeout=self.timeout)
         desc = _region_dict(reply.region)
         ch = self._channels[st.peer]
         ch.attach(desc)
@@ -596,14 +629,22 @@ class Session:
         st.staging, st.staging_arena = arena.buf, arena
         self._count("grows")
 
+    def _authorize(self, peer: int, secret: str, context) -> None:
+        """Only the rank that exchanged with us may act as that rank."""
+        want = self._pair_secrets.get(peer)
+        if not want or not hmac.compare_digest(want.encode(), secret.encode()):
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"not rank {peer}'s pair credential")
+
     def _on_grow(self, request, context):
         peer = request.rank
+        self._authorize(peer, request.pair_secret, context)
         states = self._recv_by_index.get(peer, [])
         if not 0 <= request.slot < len(states) or states[request.slot].slot.spec.is_static:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"slot {request.slot} from rank {peer} "
                           f"is not a dynamic tensor")
-        if request.nbytes > 4 << 30:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{request.nbytes} bytes exceed one region")
+        if request.nbytes > self.plan.max_arena_bytes:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{request.nbytes} bytes exceed one region ({self.plan.max_arena_bytes})")
         st = states[request.slot]
         if st.held or st.data:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -732,7 +773,8 @@ class Session:
             if peer in self.peers and (peer in self._clients or self._channels[peer] is not None):
                 try:
                     client = self._client(peer)
-                    client.call(client.control.Bye, pb.ByeRequest(rank=self.rank, reason="close"), timeout=2.0)
+                    client.call(client.control.Bye, pb.ByeRequest(
+                        rank=self.rank, reason="close", pair_secret=self._pair_secrets.get(peer, "")), timeout=2.0)
                 except RdmaTensorError:
                     pass
         if self._server is not None:

@@ -100,7 +100,14 @@ class VerbsChannel(Channel):
     def connect(self, peer_params: dict, initiator: bool, timeout: float) -> None:
         for _ in range(self.ep.recv_depth):
             self.ep.post_recv()
-        self.ep.connect(RcParams(**{k: peer_params[k] for k in ("qpn", "psn", "gid", "mtu")}))
+        try:   # proto3 drops zero fields: a PSN of 0 is legal and simply absent
+            remote = RcParams(int(peer_params.get("qpn", 0)), int(peer_params.get("psn", 0)),
+                              str(peer_params["gid"]), int(peer_params["mtu"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TransportError(f"peer {self.peer} sent unusable verbs parameters: {exc!r}") from exc
+        if remote.mtu not in (256, 512, 1024, 2048, 4096):
+            raise TransportError(f"peer {self.peer} sent an invalid path MTU {remote.mtu}")
+        self.ep.connect(remote)
         self._poller = threading.Thread(target=self._poll_loop, daemon=True,
                                         name=f"rdmatensor-verbs-{self.rank}<->{self.peer}")
         self._poller.start()

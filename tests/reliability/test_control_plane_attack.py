@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rdmatensor import AuthenticationError, Plan, TensorSpec
+from rdmatensor import AuthenticationError, Plan, TensorSpec, TransportError
 from rdmatensor.control import control_pb2 as pb
 from rdmatensor.control import control_pb2_grpc as pb_grpc
 from rdmatensor.control.service import TOKEN_KEY, ControlClient
@@ -57,9 +57,9 @@ PUSH = "/rdmatensor.control.Baseline/Push"
 # that do not parse as the request type.
 REFUSED = {
     EXCHANGE: {"INVALID_ARGUMENT", "PERMISSION_DENIED", "ALREADY_EXISTS"},
-    GROW: {"INVALID_ARGUMENT", "FAILED_PRECONDITION"},
-    BARRIER: {"OK", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"},   # waits, then times out
-    BYE: {"OK"},                   # a stream channel ignores Bye: its EOF is what counts
+    GROW: {"INVALID_ARGUMENT", "FAILED_PRECONDITION", "PERMISSION_DENIED"},
+    BARRIER: {"OK", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT"},   # waits, then times out
+    BYE: {"OK", "PERMISSION_DENIED"},   # refused without the pair secret; a stream channel ignores it anyway
     PUSH: {"PERMISSION_DENIED"},   # no grpc channel in a tcp session
 }
 ANY_METHOD = {"INVALID_ARGUMENT", "PERMISSION_DENIED", "FAILED_PRECONDITION", "OK",
@@ -85,7 +85,7 @@ def exchange_request(rank=0, peer=1, digest=None, provider="tcp", regions=()):
         rank=rank, peer=peer, plan_digest=PLAN.digest if digest is None else digest,
         plan_specs=PLAN.to_json(),
         channel=pb.ChannelParams(provider=provider, host="127.0.0.1", port=9, key="00" * 32),
-        regions=list(regions) or [pb.Region(region_id=0, size=8192, key=12345)])
+        regions=list(regions) or [pb.Region(region_id=0, size=8192, key=12345)], pair_secret="5e" * 16)
 
 
 def secrets_of(session, peer: int) -> list[str]:
@@ -260,13 +260,14 @@ def test_wrong_requests_before_setup_do_not_consume_the_exchange():
             (c.Exchange, exchange_request(rank=5), "PERMISSION_DENIED"),           # unknown rank
             (c.Exchange, exchange_request(rank=-7), "PERMISSION_DENIED"),
             (c.Exchange, exchange_request(rank=2 ** 31 - 1), "PERMISSION_DENIED"),
-            (c.Grow, pb.GrowRequest(rank=0, slot=-1, nbytes=64), "INVALID_ARGUMENT"),
-            (c.Grow, pb.GrowRequest(rank=0, slot=-(2 ** 31), nbytes=64), "INVALID_ARGUMENT"),
-            (c.Grow, pb.GrowRequest(rank=0, slot=DYN_SLOT, nbytes=2 ** 64 - 1), "INVALID_ARGUMENT"),
-            (c.Grow, pb.GrowRequest(rank=0, slot=DYN_SLOT, nbytes=MAX_GROW + 1), "INVALID_ARGUMENT"),
-            (c.Grow, pb.GrowRequest(rank=0, slot=0, nbytes=64), "INVALID_ARGUMENT"),   # a static slot
-            (c.Grow, pb.GrowRequest(rank=9, slot=0, nbytes=64), "INVALID_ARGUMENT"),
-            (c.Bye, pb.ByeRequest(rank=9, reason="x" * 10000), "OK"),
+            # no pair credential exists before the Exchange: every Grow is refused
+            (c.Grow, pb.GrowRequest(rank=0, slot=-1, nbytes=64), "PERMISSION_DENIED"),
+            (c.Grow, pb.GrowRequest(rank=0, slot=-(2 ** 31), nbytes=64), "PERMISSION_DENIED"),
+            (c.Grow, pb.GrowRequest(rank=0, slot=DYN_SLOT, nbytes=2 ** 64 - 1), "PERMISSION_DENIED"),
+            (c.Grow, pb.GrowRequest(rank=0, slot=DYN_SLOT, nbytes=MAX_GROW + 1), "PERMISSION_DENIED"),
+            (c.Grow, pb.GrowRequest(rank=0, slot=0, nbytes=64), "PERMISSION_DENIED"),   # a static slot
+            (c.Grow, pb.GrowRequest(rank=9, slot=0, nbytes=64), "PERMISSION_DENIED"),
+            (c.Bye, pb.ByeRequest(rank=9, reason="x" * 10000), "PERMISSION_DENIED"),
             (client.baseline.Push, pb.PushRequest(rank=0, region_id=0, key=1, payload=b"z" * 100),
              "PERMISSION_DENIED"),
         ]
@@ -417,20 +418,26 @@ def test_a_thousand_malformed_calls_with_the_token_are_refused_or_harmless():
             barrage.send(target, method, bytes(data), {"INTERNAL"} | REFUSED[method])
 
         # 4. The named cases.
+        secret = s0._pair_secrets[1]
         c = ControlClient(pair.peers[1], TOKEN)
         duplicate = pb.ExchangeRequest(rank=0, peer=1, plan_digest=PLAN.digest, plan_specs=PLAN.to_json(),
                                        channel=pb.ChannelParams(provider="tcp", host="127.0.0.1", port=1,
                                                                 key=s0._channels[1]._key.hex()),
+                                       pair_secret="5e" * 16,
                                        regions=[pb.Region(region_id=rid, size=a.size, key=k)
                                                 for rid, (a, k) in s0._channels[1].local.items()])
         named = [(1, EXCHANGE, duplicate, "ALREADY_EXISTS"),                # duplicated exchange
                  (1, EXCHANGE, exchange_request(peer=0), "INVALID_ARGUMENT"),  # wrong peer rank
                  (0, EXCHANGE, exchange_request(rank=1, peer=0), "PERMISSION_DENIED"),
                  (1, EXCHANGE, exchange_request(rank=3), "PERMISSION_DENIED"),  # unknown rank
-                 (1, GROW, pb.GrowRequest(rank=0, slot=DYN_SLOT, nbytes=2 ** 64 - 1), "INVALID_ARGUMENT"),
-                 (1, GROW, pb.GrowRequest(rank=0, slot=DYN_SLOT, nbytes=MAX_GROW + 1), "INVALID_ARGUMENT"),
-                 (1, GROW, pb.GrowRequest(rank=0, slot=-1, nbytes=10), "INVALID_ARGUMENT"),
-                 (0, GROW, pb.GrowRequest(rank=1, slot=0, nbytes=10), "INVALID_ARGUMENT")]
+                 # with rank 0's pair credential, bad sizes and slots are still refused
+                 (1, GROW, pb.GrowRequest(rank=0, slot=DYN_SLOT, nbytes=2 ** 64 - 1, pair_secret=secret),
+                  "INVALID_ARGUMENT"),
+                 (1, GROW, pb.GrowRequest(rank=0, slot=DYN_SLOT, nbytes=MAX_GROW + 1, pair_secret=secret),
+                  "INVALID_ARGUMENT"),
+                 (1, GROW, pb.GrowRequest(rank=0, slot=-1, nbytes=10, pair_secret=secret), "INVALID_ARGUMENT"),
+                 (1, GROW, pb.GrowRequest(rank=0, slot=DYN_SLOT, nbytes=10), "PERMISSION_DENIED"),
+                 (0, GROW, pb.GrowRequest(rank=1, slot=0, nbytes=10), "PERMISSION_DENIED")]
         for target, method, msg, want in named:
             barrage.send(target, method, msg.SerializeToString(), {want})
         c.close()
@@ -525,15 +532,15 @@ def test_barrier_flood_cannot_starve_other_calls(monkeypatch):
     try:
         with grpc.insecure_channel(pair.peers[0]) as ch:
             stub = pb_grpc.ControlStub(ch)
-            flood = [stub.Barrier.future(pb.BarrierRequest(rank=5, name=f"flood-{i}"), metadata=GOOD, timeout=20)
+            flood = [stub.Barrier.future(pb.BarrierRequest(rank=1, name=f"flood-{i}"), metadata=GOOD, timeout=20)
                      for i in range(100)]
             time.sleep(0.5)
             t0 = time.monotonic()
             assert code_of(lambda: stub.Grow(pb.GrowRequest(rank=1, slot=0, nbytes=1), metadata=GOOD,
-                                             timeout=2)) == "INVALID_ARGUMENT"
+                                             timeout=2)) == "PERMISSION_DENIED"
             assert code_of(lambda: stub.Exchange(exchange_request(rank=1, peer=0), metadata=GOOD,
                                                  timeout=2)) == "PERMISSION_DENIED"
-            assert code_of(lambda: stub.Bye(pb.ByeRequest(rank=9), metadata=GOOD, timeout=2)) == "OK"
+            assert code_of(lambda: stub.Bye(pb.ByeRequest(rank=9), metadata=GOOD, timeout=2)) == "PERMISSION_DENIED"
             answered_in = time.monotonic() - t0
             codes = Counter()
             for f in flood:
@@ -568,8 +575,6 @@ def test_barrier_of_more_ranks_than_the_old_thread_pool():
 
 # ----------------------------------------- what needs session.py changes
 
-@pytest.mark.xfail(strict=True, reason="session.py _on_barrier accepts any rank and waits for it: "
-                                       "a rank outside the plan should be refused at once")
 def test_barrier_from_a_rank_outside_the_plan_is_refused_at_once():
     pair = LivePair(PLAN, "tcp", timeout=2.0)
     try:
@@ -584,14 +589,12 @@ def test_barrier_from_a_rank_outside_the_plan_is_refused_at_once():
         pair.close()
 
 
-@pytest.mark.xfail(strict=True, reason="any token holder can Grow as any rank (no per-pair credential "
-                                       "on control calls): the receiver then reads the new region "
-                                       "while the sender still writes the old one")
 def test_a_spurious_grow_does_not_redirect_a_slot():
     pair = LivePair(PLAN, "tcp", timeout=5.0)
     try:
         client = ControlClient(pair.peers[1], TOKEN)       # a third party with the token
-        client.call(client.control.Grow, pb.GrowRequest(rank=0, slot=DYN_SLOT, nbytes=100), timeout=5)
+        with pytest.raises(TransportError, match="pair credential"):
+            client.call(client.control.Grow, pb.GrowRequest(rank=0, slot=DYN_SLOT, nbytes=100), timeout=5)
         client.close()
         small = np.arange(7, dtype=np.int32)
 

@@ -411,7 +411,8 @@ def test_a_hostile_rank_cannot_write_outside_its_slots(provider):
             params = pb.ChannelParams(provider="shm", path=b"\0nobody".hex(), host_id=host_id(), key="00" * 32)
         reply = client.call(client.control.Exchange, pb.ExchangeRequest(
             rank=0, peer=1, plan_digest=PLAN.digest, plan_specs=PLAN.to_json(), channel=params,
-            regions=[pb.Region(region_id=0, size=own.size, key=1, shm_name=own.name)]), timeout=20,
+            regions=[pb.Region(region_id=0, size=own.size, key=1, shm_name=own.name)],
+            pair_secret="5e" * 16), timeout=20,
             wait_for_ready=True)
         ch = {f.name: v for f, v in reply.channel.ListFields()}
         region = reply.regions[0]

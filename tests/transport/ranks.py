@@ -2,6 +2,7 @@
 provider still goes through its real sockets, shared memory or queue pairs)."""
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import traceback
@@ -11,13 +12,24 @@ from rdmatensor import connect
 TOKEN = "test-token"
 
 
+_next_port = [20000 + os.getpid() % 4000 * 3]
+
+
 def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
+    """Ports for control servers, taken below the kernel's ephemeral range so
+    that data listeners (port 0) and outgoing connections never take them
+    between this check and the server's bind."""
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    ports = []
+    while len(ports) < n:
+        port = _next_port[0]
+        _next_port[0] = port + 1 if port + 1 < low else 20000
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
     return ports
 
 
