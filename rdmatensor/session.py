@@ -189,6 +189,7 @@ class Session:
         self._recv_by_index: dict[int, list[_RecvSlot]] = {}
         self._exchanged: dict[int, dict] = {}
         self._pair_secrets: dict[int, str] = {}
+        self._said_bye: set[int] = set()
         self._exchange_events = {p: threading.Event() for p in plan.peers_of(rank) if p < rank}
         self._barriers: dict[str, list] = {}
         self._barrier_cv = threading.Condition()
@@ -428,7 +429,9 @@ class Session:
         with self._lock:
             self._peer_errors.setdefault(peer, error)
         if not self._closed:
-            log.warning("rank %d: channel to rank %d lost: %s", self.rank, peer, error)
+            # After the peer's orderly goodbye this is the expected end, not a fault.
+            level = logging.INFO if peer in self._said_bye else logging.WARNING
+            log.log(level, "rank %d: channel to rank %d lost: %s", self.rank, peer, error)
         # Wake everyone waiting on this peer so they see the error.
         for st in self._send_by_index.get(peer, []):
             st.credit.set()
@@ -462,6 +465,7 @@ class Session:
                 client.close()
 
     def _on_bye(self, peer: int, reason: str) -> None:
+        self._said_bye.add(peer)
         ch = self._channels.get(peer)
         if ch is not None:
             ch.peer_said_bye()
@@ -531,28 +535,8 @@ class Session:
             raise
 
     def _wait(self, event: threading.Event, peer: int, timeout: float) -> bool:
-        """Wait for `event`; on polling providers, reap completions meanwhile
-        (briefly spinning) so no thread hand-off sits on the fast path."""
-        if event.is_set():
-            return True
-        ch = self._channels[peer]
-        deadline = time.monotonic() + timeout
-        if ch.polls:
-            spin_until = time.monotonic() + 0.002
-            while time.monotonic() < spin_until:
-                if event.is_set() or (not ch.progress() and event.is_set()):
-                    return True
-                time.sleep(0)
-        while not event.is_set():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            if ch.polls:
-                ch.progress()
-                event.wait(min(remaining, 0.0005))
-            else:
-                event.wait(remaining)
-        return True
+        """Wait for `event` the way this provider waits best (see Channel.wait_for)."""
+        return event.is_set() or self._channels[peer].wait_for(event, timeout)
 
     def _take_credit(self, st: _SendSlot, timeout: float | None) -> None:
         if not st.credit.is_set():
@@ -747,12 +731,15 @@ class Session:
 
     def stats(self) -> dict:
         """Counters: bytes_sent/received, writes, recvs, copies (user array ->
-        staging), dynamic (dynamic-shape sends), fallbacks, grows, waits (sends
+        staging, plus the grpc baseline's serialization copies on both sides), dynamic (dynamic-shape sends), fallbacks, grows, waits (sends
         that had to wait for a credit), control_calls (made by this rank: setup,
         barriers, grows; never one per static tensor)."""
         with self._lock:
             calls = sum(c.calls for c in self._clients.values())
-            return dict(self._stats, control_calls=calls, provider=self.provider)
+            # Copies a provider makes itself (grpc serializes every tensor).
+            provider_copies = sum(getattr(ch, "copies", 0) for ch in self._channels.values())
+            return dict(self._stats, copies=self._stats["copies"] + provider_copies,
+                        control_calls=calls, provider=self.provider)
 
     @property
     def closed(self) -> bool:

@@ -175,9 +175,7 @@ def report(s: dict, out=sys.stdout) -> None:
     print(f"  steps/s             {s['steps_per_s']:.1f}", file=out)
     print(f"  bytes moved/step    {_fmt(s['bytes_per_step'], '.0f')}"
           f"  ({_fmt(s['writes_per_step'], '.0f')} writes)", file=out)
-    extra = (f" + {s['serialization_copies_per_step']:.0f} serialization copies (grpc)"
-             if s["serialization_copies_per_step"] else "")
-    print(f"  copies/step         {_fmt(s['copies_per_step'], '.1f')}{extra}; "
+    print(f"  copies/step         {_fmt(s['copies_per_step'], '.1f')}; "
           f"zero-copy receives into TF {_fmt(s['zero_copy_ingest_per_step'], '.0f')}", file=out)
     frac = "" if s["comm_fraction"] is None else f" ({100 * s['comm_fraction']:.0f}% of a step)"
     print(f"  communication       {_fmt(s['comm_ms_per_step'], '.2f')} ms/step per worker{frac}", file=out)

@@ -170,9 +170,7 @@ def summarize(results: list[dict]) -> dict:
         "steps": workers[0]["steps"], "steps_per_s": steps / seconds if seconds else 0.0,
         "bytes_per_step": _sum(r["bytes_sent_per_step"] for r in results),
         "writes_per_step": writes,
-        "copies_per_step": copies,
-        # the grpc provider serializes: payload into a message, then out of it, uncounted by the session
-        "serialization_copies_per_step": 2 * writes if provider == "grpc" else 0.0,
+        "copies_per_step": copies,   # includes the grpc baseline's (de)serialization copies
         "zero_copy_ingest_per_step": _sum(r["zero_copy_per_step"] for r in results),
         "comm_ms_per_step": None if comm is None else 1e3 * comm / len(workers) / steps,
         "comm_fraction": None if comm is None or not seconds else comm / len(workers) / seconds,

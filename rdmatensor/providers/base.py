@@ -30,9 +30,6 @@ class Channel(ABC):
     # True when write() can only read from memory given to register_source().
     needs_registered_source = False
 
-    # True when waiters should drive progress() themselves instead of only blocking.
-    polls = False
-
     def __init__(self, rank: int, peer: int, host: str, on_imm: Callable[[int], None],
                  on_lost: Callable[[Exception], None], max_incoming: int = 128):
         # max_incoming: the most immediates that can be in flight towards this
@@ -85,6 +82,12 @@ class Channel(ABC):
     def progress(self) -> bool:
         """Process pending completions now, on the calling thread; True if any."""
         return False
+
+    def wait_for(self, event, timeout: float) -> bool:
+        """Wait until `event` is set by this channel's incoming immediates.
+        Providers override this to take in completions on the waiting thread
+        itself, so the fast path has no hand-off between threads."""
+        return event.wait(timeout)
 
     def notify(self, imm: int) -> None:
         """Deliver only an immediate (a zero-length write)."""

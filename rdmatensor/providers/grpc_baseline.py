@@ -21,6 +21,7 @@ class GrpcChannel(Channel):
         super().__init__(*args, **kwargs)
         self._client: ControlClient | None = None
         self._closed = False
+        self.copies = 0     # serialization on send, deserialization into the slot on receipt
 
     @classmethod
     def viable(cls) -> tuple[bool, str]:
@@ -35,6 +36,7 @@ class GrpcChannel(Channel):
 
     def write(self, region_id: int, offset: int, src: np.ndarray, imm: int) -> None:
         desc = self.check_remote(region_id, offset, src.nbytes)
+        self.copies += 1
         self._push(region_id, desc["key"], offset, src.tobytes(), imm)
 
     def notify(self, imm: int) -> None:
@@ -53,6 +55,7 @@ class GrpcChannel(Channel):
         if length:
             arena = self.check_local(request.region_id, request.key, request.offset, length)
             arena.buf[request.offset:request.offset + length] = np.frombuffer(request.payload, np.uint8)
+            self.copies += 1
         self.on_imm(request.imm)
 
     def close(self) -> None:

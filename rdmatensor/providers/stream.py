@@ -43,7 +43,6 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
 
 class StreamChannel(Channel):
     payload_inline = True      # tcp: payload follows the header on the stream
-    polls = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -195,10 +194,23 @@ class StreamChannel(Channel):
                     raise PeerLost(f"peer {self.peer} closed the connection mid-payload")
         self.on_imm(imm)
 
-    def progress(self) -> bool:
-        """Take in every write already waiting on the socket, on the calling
-        thread. A thread waiting for a tensor calls this in a short spin, so
-        the fast path has no hand-off from the reader thread."""
+    def wait_for(self, event, timeout: float) -> bool:
+        """Block in the kernel on the socket itself and take in what arrives on
+        this thread: one wake-up per message, no hand-off from the reader thread,
+        no spinning. Another thread already reading means just waiting."""
+        deadline = time.monotonic() + timeout
+        while not event.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            t0 = time.monotonic()
+            if not self.progress(block_for=min(remaining, 0.05)) and time.monotonic() - t0 < 0.0001:
+                event.wait(min(remaining, 0.0005))     # someone else is reading, or the channel is down
+        return True
+
+    def progress(self, block_for: float = 0.0) -> bool:
+        """Take in every write waiting on the socket, on the calling thread,
+        first waiting up to `block_for` seconds for one to arrive."""
         if threading.current_thread() is not self._reader:
             self._last_inline = time.monotonic()
         if self._sock is None or self._closing or self._lost:
@@ -207,7 +219,8 @@ class StreamChannel(Channel):
             return False
         found = False
         try:
-            while not self._closing and self._inline_poller.poll(0):
+            wait_ms = int(block_for * 1000)
+            while not self._closing and not self._lost and self._inline_poller.poll(0 if found else wait_ms):
                 self._read_one(self._header)
                 found = True
         except (PeerLost, TransportError) as exc:
@@ -238,8 +251,8 @@ class StreamChannel(Channel):
                 break
             if not ready:
                 continue
-            if time.monotonic() - self._last_inline < 0.002:
-                time.sleep(0.0002)      # a waiter is polling inline: let it take this
+            if self._read_lock.locked() or time.monotonic() - self._last_inline < 0.002:
+                time.sleep(0.0005)      # a waiter is reading inline: let it take this
                 continue
             self.progress()
 

@@ -45,7 +45,6 @@ class Completion:
 class VerbsChannel(Channel):
     name = "verbs"
     needs_registered_source = True
-    polls = True               # waiters should call progress() rather than only block
 
     @classmethod
     def viable(cls) -> tuple[bool, str]:
@@ -164,6 +163,22 @@ class VerbsChannel(Channel):
                 time.sleep(0)
         if done.error:
             raise done.error
+
+    def wait_for(self, event, timeout: float) -> bool:
+        """Reap completions on this thread: spin briefly (a completion queue has
+        nothing to block on here), then poll at a gentler pace."""
+        deadline = time.monotonic() + timeout
+        spin_until = time.monotonic() + 0.002
+        while not event.is_set():
+            now = time.monotonic()
+            if now >= deadline:
+                return False
+            if not self.progress() and not event.is_set():
+                if now < spin_until:
+                    time.sleep(0)
+                else:
+                    event.wait(min(deadline - now, 0.0005))
+        return True
 
     def progress(self) -> bool:
         """Reap completions if no other thread is; True if any were found."""
