@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--setup-counts", default=DEFAULT_SETUP, help="setup mode: tensor counts")
     p.add_argument("--setup-bytes", type=parse_size, default=parse_size("1K"), help="bytes per tensor (setup)")
     p.add_argument("--no-references", action="store_true", help="skip perftest/memcpy/socket references")
+    p.add_argument("--checksum", choices=("off", "on", "both"), default="off",
+                   help="CRC32 on every tensor; `both` measures each point with and without")
     p.add_argument("--json", metavar="FILE", help="write results as JSON (schema in the README)")
     p.add_argument("--plot", metavar="FILE.png", help="bandwidth and latency against size")
     p.add_argument("--rank", type=int, choices=(0, 1), help="server/client mode: this side's rank")
@@ -95,13 +97,15 @@ def points_for(a, providers: list[str]) -> list[Point]:
     bw_sizes = a.sizes or parse_sizes(DEFAULT_BW_SIZES)
     lat_sizes = a.lat_sizes or ([s for s in a.sizes] if a.sizes else parse_sizes(DEFAULT_LAT_SIZES))
     common = dict(seconds=a.seconds, warmup=a.warmup, max_iters=a.max_iters)
+    crcs = {"off": (False,), "on": (True,), "both": (False, True)}[a.checksum]
     pts = []
     if a.mode in ("all", "lat"):
-        pts += [Point("lat", pr, s, **common) for s in lat_sizes for pr in providers]
+        pts += [Point("lat", pr, s, checksum=c, **common) for s in lat_sizes for pr in providers for c in crcs]
     if a.mode in ("all", "bw"):
-        pts += [Point("bw", pr, s, **common) for s in bw_sizes for pr in providers]
+        pts += [Point("bw", pr, s, checksum=c, **common) for s in bw_sizes for pr in providers for c in crcs]
     if a.mode == "step":
-        pts += [Point("step", pr, sum(a.step_tensors), tensors=a.step_tensors, **common) for pr in providers]
+        pts += [Point("step", pr, sum(a.step_tensors), tensors=a.step_tensors, checksum=c, **common)
+                for pr in providers for c in crcs]
     return pts
 
 
@@ -205,7 +209,7 @@ def _measure(a, argv, points, setups, providers, skipped) -> int:
         bar = tqdm(total=len(points) + len(setups), desc="rdmatensor-bench", unit="point",
                    file=sys.stderr, delay=2, dynamic_ncols=True)
         for i, point in enumerate(points):
-            bar.set_postfix_str(f"{point.mode} {point.provider} {report.human(point.size)}")
+            bar.set_postfix_str(f"{point.mode} {point.label} {report.human(point.size)}")
             row = asdict(run_point(0, _peers(a, i), point))
             if not a.no_references and point.mode in ("lat", "bw"):
                 row["reference"] = reference(point.provider, point.mode, point.size, device)

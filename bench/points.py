@@ -26,6 +26,11 @@ class Point:
     seconds: float = 1.0         # time budget for the measured part
     warmup: int = 5
     max_iters: int = 100000
+    checksum: bool = False       # CRC32 on every tensor (Plan(checksum=True))
+
+    @property
+    def label(self) -> str:
+        return f"{self.provider}+crc" if self.checksum else self.provider
 
 
 @dataclass
@@ -61,7 +66,7 @@ def plan_for(point: Point) -> Plan:
         specs += [TensorSpec("ack", (1,), np.int64, 1, 0)]
     else:
         raise ValueError(f"unknown mode {point.mode!r}")
-    return Plan(specs)
+    return Plan(specs, checksum=point.checksum)
 
 
 def _lat_stats(samples_s: list[float]) -> dict:
@@ -79,6 +84,8 @@ def run_point(rank: int, peers: dict, point: Point) -> Result | None:
     with connect(rank, peers, plan_for(point), provider=point.provider, token=TOKEN, timeout=300) as s:
         fn = {"lat": _lat, "bw": _bw, "step": _step}[point.mode]
         result = fn(s, rank, point)
+        if result is not None:
+            result.provider = point.label
         s.barrier("point-done")
     return result
 
