@@ -188,15 +188,18 @@ def report(s: dict, out=sys.stdout) -> None:
 def compare(summaries: list[dict], out=sys.stdout) -> dict:
     by = {s["provider_asked"]: s for s in summaries}
     base = next((b for b in ("tf-grpc", "grpc") if b in by), None)
-    print(f"\n{'provider':10} {'steps/s':>9} {'ratio':>8}  final loss", file=out)
+    print(f"\n{'provider':10} {'steps/s':>9} {'ratio':>8} {'MB/step':>9} {'copies/step':>12} "
+          f"{'comm ms/step':>13}  final loss", file=out)
     ratios = {}
     for name, s in by.items():
         ratio = s["steps_per_s"] / by[base]["steps_per_s"] if base else None
         ratios[name] = ratio
-        print(f"{name:10} {s['steps_per_s']:9.1f} {_fmt(ratio, '.2f') + 'x':>8}  "
+        mb = None if s.get("bytes_per_step") is None else s["bytes_per_step"] / 1e6
+        print(f"{name:10} {s['steps_per_s']:9.1f} {_fmt(ratio, '.2f') + 'x':>8} {_fmt(mb, '.3f'):>9} "
+              f"{_fmt(s.get('copies_per_step'), '.1f'):>12} {_fmt(s.get('comm_ms_per_step'), '.2f'):>13}  "
               f"{_fmt(s['final_loss'], '.6f')}", file=out)
     if base:
-        print(f"(ratio: steps/s over {base}'s)", file=out, flush=True)
+        print(f"(ratio: steps/s over {base}'s; comm: time per worker in communication)", file=out, flush=True)
     return {"baseline": base, "ratios": ratios}
 
 
