@@ -33,29 +33,12 @@ def close_to_reference():
 def run_ranks(plan, provider, body, ranks=2, timeout=120.0):
     """body(session) on every rank of `plan`, each in a thread with its own session,
     registered for tf_plugin.ops; returns {rank: result}, raising the first failure."""
-    import threading
-    import traceback
-
-    from rdmatensor import connect
     from tf_plugin import ops
-    from tf_plugin.cluster import Cluster
-    peers = Cluster.local(ranks).peers()
-    results = {}
 
-    def one(rank):
-        try:
-            with connect(rank, peers, plan, provider=provider, token="tf-tests") as s, ops.use(s):
-                results[rank] = body(s)
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            results[rank] = AssertionError(f"rank {rank}:\n{traceback.format_exc()}")
+    from ..transport.ranks import check
+    from ..transport.ranks import run_ranks as run
 
-    threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in range(ranks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-        assert not t.is_alive(), f"a rank did not finish within {timeout} s"
-    for r in sorted(results):
-        if isinstance(results[r], BaseException):
-            raise results[r]
-    return results
+    def with_ops(s, rank):
+        with ops.use(s):
+            return body(s)
+    return check(run(ranks, plan, provider, with_ops, join_timeout=timeout))
