@@ -756,14 +756,15 @@ class Session:
         self._stop_heartbeat.set()
         if self._heartbeat_thread is not None:
             self._heartbeat_thread.join(timeout=5)
-        for peer in list(self._channels):
-            if peer in self.peers and (peer in self._clients or self._channels[peer] is not None):
-                try:
-                    client = self._client(peer)
-                    client.call(client.control.Bye, pb.ByeRequest(
-                        rank=self.rank, reason="close", pair_secret=self._pair_secrets.get(peer, "")), timeout=2.0)
-                except RdmaTensorError:
-                    pass
+        for peer, secret in list(self._pair_secrets.items()):   # only peers we ever reached
+            if peer in self._peer_errors:
+                continue
+            try:
+                client = self._client(peer)
+                client.call(client.control.Bye, pb.ByeRequest(rank=self.rank, reason="close",
+                                                              pair_secret=secret), timeout=2.0)
+            except RdmaTensorError:
+                pass
         if self._server is not None:
             self._server.stop(grace=0.5).wait()
         for ch in self._channels.values():
