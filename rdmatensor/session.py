@@ -664,6 +664,8 @@ class Session:
             raise UnknownTensor(f"rank {self.rank} does not receive {name!r} (rank {spec.dst} does)")
         if st.held:
             raise UsageError(f"{name!r} is still held: release the previous view first")
+        if not st.data:
+            self._check(st.peer)     # lost while a previous value was held: nothing more will come
         timeout = self.timeout if timeout is None else timeout
         if not self._wait(st.arrived, st.peer, timeout):
             self._check(st.peer)
@@ -711,7 +713,8 @@ class Session:
     def _release(self, st: _RecvSlot) -> None:
         st.held = False
         st.data = False
-        st.arrived.clear()
+        if st.peer not in self._peer_errors:    # a loss must keep waking later waiters
+            st.arrived.clear()
         if self._closed or st.peer in self._peer_errors:
             return
         try:
