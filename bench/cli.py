@@ -198,8 +198,10 @@ def _serve(a, points, setups) -> int:
 def _measure(a, argv, points, setups, providers, skipped) -> int:
     child = None
     if a.rank is None:          # local mode: spawn rank 1 with the same arguments
-        base = random.randint(20000, 40000)
-        a.peers = f"127.0.0.1:{base},127.0.0.1:{base + 10000}"
+        # Below the kernel's ephemeral range, so no outgoing connection takes them.
+        span = len(points) + len(setups) + 1
+        base = random.randint(20000, 32000 - 2 * span)
+        a.peers = f"127.0.0.1:{base},127.0.0.1:{base + span}"
         child = subprocess.Popen([sys.executable, "-m", "bench.cli", *argv, "--rank", "1", "--peers", a.peers,
                                   "--providers", ",".join(providers), *(["--in-vm"] if a.in_vm else [])])
     device = _device() if "verbs" in providers and not a.no_references else None
@@ -222,6 +224,8 @@ def _measure(a, argv, points, setups, providers, skipped) -> int:
         bar.close()
     except BaseException:
         if child:
+            if child.poll() is not None:
+                print(f"rdmatensor-bench: the serving rank exited ({child.returncode})", file=sys.stderr)
             child.kill()
         raise
     if child and child.wait(120) != 0:

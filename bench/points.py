@@ -15,6 +15,7 @@ import numpy as np
 from rdmatensor import Plan, TensorSpec, connect
 
 TOKEN = "rdmatensor-bench"
+SETUP_TIMEOUT = 120.0    # also bounds every wait: a peer that died is not waited on for long
 
 
 @dataclass
@@ -81,7 +82,7 @@ def _iterations(point: Point, warm_seconds: float, warm_iters: int) -> int:
 
 
 def run_point(rank: int, peers: dict, point: Point) -> Result | None:
-    with connect(rank, peers, plan_for(point), provider=point.provider, token=TOKEN, timeout=300) as s:
+    with connect(rank, peers, plan_for(point), provider=point.provider, token=TOKEN, timeout=SETUP_TIMEOUT) as s:
         fn = {"lat": _lat, "bw": _bw, "step": _step}[point.mode]
         result = fn(s, rank, point)
         if result is not None:

@@ -8,7 +8,7 @@ import numpy as np
 
 from rdmatensor import Plan, TensorSpec, connect
 
-from .points import TOKEN
+from .points import SETUP_TIMEOUT, TOKEN
 
 
 def setup_plan(count: int, tensor_bytes: int) -> Plan:
@@ -19,7 +19,7 @@ def run_setup(rank: int, peers: dict, provider: str, count: int, tensor_bytes: i
     t0 = time.perf_counter()
     plan = setup_plan(count, tensor_bytes)
     t_plan = time.perf_counter() - t0
-    with connect(rank, peers, plan, provider=provider, token=TOKEN, timeout=300) as s:
+    with connect(rank, peers, plan, provider=provider, token=TOKEN, timeout=SETUP_TIMEOUT) as s:
         t_setup = time.perf_counter() - t0
         calls = s.stats()["control_calls"]
         s.barrier("setup-done")
