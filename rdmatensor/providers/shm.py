@@ -13,20 +13,20 @@ import numpy as np
 
 from ..errors import PeerLost, RdmaTensorError, TransportError
 from ..memory import Arena, MappedArena
-from .base import WRITE_HEADER, WRITE_MAGIC
+from .base import WRITE_HEADER, WRITE_MAGIC, Capabilities
 from .stream import StreamChannel
 
 
 class ShmChannel(StreamChannel):
     name = "shm"
     payload_inline = False
-    shared_arenas = True      # the session allocates receive arenas in shared memory
+    capabilities = Capabilities(shared_arenas=True)
 
     @classmethod
     def viable(cls) -> tuple[bool, str]:
         if not os.access("/dev/shm", os.W_OK):
             return False, "/dev/shm is not writable"
-        return True, ""
+        return True, "peers on this host share /dev/shm"
 
     def __init__(self, *args, **kwargs):
         self._path = f"\0rdmatensor-{secrets.token_hex(12)}"   # abstract: no file to clean up

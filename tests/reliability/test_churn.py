@@ -83,7 +83,7 @@ def test_a_thousand_sessions_leave_nothing_behind(provider, monkeypatch):
 def _lose_channel(s, r):
     """Rank 0 breaks its data connection under the session; rank 1 sees PeerLost."""
     if r == 0:
-        s._channels[1]._sock.shutdown(2)
+        s.debug_state()["channels"][1]._sock.shutdown(2)
         return True
     with pytest.raises(PeerLost):
         s.recv("a", timeout=10)

@@ -90,7 +90,7 @@ def exchange_request(rank=0, peer=1, digest=None, provider="tcp", regions=()):
 
 def secrets_of(session, peer: int) -> list[str]:
     """What an attacker must never learn: channel key, region keys, segment names."""
-    ch = session._channels[peer]
+    ch = session.debug_state()["channels"][peer]
     out = [ch._key.hex()]
     for _, (arena, key) in ch.local.items():
         out += [str(key), f"{key:x}", f"{key:08x}"]
@@ -104,8 +104,9 @@ def assert_pair_works(pair: LivePair, tag: str) -> None:
     dynamic (growing) and a reverse tensor plus a barrier all go through."""
     s0, s1 = pair.sessions[0], pair.sessions[1]
     for s in (s0, s1):
-        assert s._error is None and not s._peer_errors, (s._error, s._peer_errors)
-    assert s1._recv["d"].grown is None, "a Grow nobody legitimate sent took effect"
+        state = s.debug_state()
+        assert state["error"] is None and not state["peer_errors"], (state["error"], state["peer_errors"])
+    assert s1.debug_state()["recv_slots"]["d"].grown is None, "a Grow nobody legitimate sent took effect"
     small, big = np.arange(7, dtype=np.int32), np.arange(5000, dtype=np.int32)
 
     def r0(s):
@@ -362,7 +363,7 @@ def test_a_thousand_malformed_calls_with_the_token_are_refused_or_harmless():
     pair = LivePair(PLAN, "tcp", timeout=3.0)
     barrage = Barrage(pair)
     s0, s1 = pair.sessions[0], pair.sessions[1]
-    exchanged = (dict(s0._exchanged), dict(s1._exchanged))
+    exchanged = (s0.debug_state()["exchanged"], s1.debug_state()["exchanged"])
     t0 = time.monotonic()
     try:
         # 1. Structured: every field of every request drawn at random (hypothesis).
@@ -418,14 +419,14 @@ def test_a_thousand_malformed_calls_with_the_token_are_refused_or_harmless():
             barrage.send(target, method, bytes(data), {"INTERNAL"} | REFUSED[method])
 
         # 4. The named cases.
-        secret = s0._pair_secrets[1]
+        secret = s0.debug_state()["pair_secrets"][1]
         c = ControlClient(pair.peers[1], TOKEN)
         duplicate = pb.ExchangeRequest(rank=0, peer=1, plan_digest=PLAN.digest, plan_specs=PLAN.to_json(),
                                        channel=pb.ChannelParams(provider="tcp", host="127.0.0.1", port=1,
-                                                                key=s0._channels[1]._key.hex()),
+                                                                key=s0.debug_state()["channels"][1]._key.hex()),
                                        pair_secret="5e" * 16,
                                        regions=[pb.Region(region_id=rid, size=a.size, key=k)
-                                                for rid, (a, k) in s0._channels[1].local.items()])
+                                                for rid, (a, k) in s0.debug_state()["channels"][1].local.items()])
         named = [(1, EXCHANGE, duplicate, "ALREADY_EXISTS"),                # duplicated exchange
                  (1, EXCHANGE, exchange_request(peer=0), "INVALID_ARGUMENT"),  # wrong peer rank
                  (0, EXCHANGE, exchange_request(rank=1, peer=0), "PERMISSION_DENIED"),
@@ -448,10 +449,10 @@ def test_a_thousand_malformed_calls_with_the_token_are_refused_or_harmless():
         cases = barrage.cases
         elapsed = time.monotonic() - t0
         print(f"{cases} calls with the token ({structured_cases} structured) in {elapsed:.1f} s: "
-              f"{dict(sorted(barrage.codes.items()))}; barrier names left on rank 0: {len(s0._barriers)}")
+              f"{dict(sorted(barrage.codes.items()))}; barrier names left on rank 0: {s0.debug_state()['open_barriers']}")
         assert cases >= 1000
         assert not [k for k in barrage.codes if k[1] == "UNKNOWN"]
-        assert (dict(s0._exchanged), dict(s1._exchanged)) == exchanged
+        assert (s0.debug_state()["exchanged"], s1.debug_state()["exchanged"]) == exchanged
         assert_pair_works(pair, "after-barrage")
     finally:
         barrage.close()
@@ -593,7 +594,7 @@ def test_a_spurious_grow_does_not_redirect_a_slot():
     pair = LivePair(PLAN, "tcp", timeout=5.0)
     try:
         client = ControlClient(pair.peers[1], TOKEN)       # a third party with the token
-        with pytest.raises(TransportError, match="pair credential"):
+        with pytest.raises(AuthenticationError, match="pair credential"):
             client.call(client.control.Grow, pb.GrowRequest(rank=0, slot=DYN_SLOT, nbytes=100), timeout=5)
         client.close()
         small = np.arange(7, dtype=np.int32)

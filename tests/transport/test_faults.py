@@ -118,11 +118,11 @@ def test_checksums_pass_intact_tensors_and_catch_corruption(provider):
             return s.stats()
         ok = []
         for i in range(3):
-            st = s._recv["w"]
+            st = s.debug_state()["recv_slots"]["w"]
             if i == 1:      # corrupt one byte in the arena after it landed, before it is read
                 deadline = time.monotonic() + 30
-                while not st.data and time.monotonic() < deadline:
-                    s._channels[0].progress()
+                while st.state != st.FULL and time.monotonic() < deadline:
+                    s.debug_state()["channels"][0].progress()
                     time.sleep(0.001)
                 st.memory[17] ^= 0xFF
                 with pytest.raises(IntegrityError, match="checksum"):
