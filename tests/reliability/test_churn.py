@@ -14,7 +14,7 @@ import pytest
 
 from rdmatensor import AuthenticationError, PeerLost, Plan, PlanMismatch, TensorSpec
 
-from ..transport.ranks import check, run_ranks
+from ..support.ranks import check, run_ranks
 from .helpers import SegmentTracker, rss_kib, settle, shm_mappings, snapshot
 
 PLAN = Plan([TensorSpec("a", (256,), np.float32, 0, 1), TensorSpec("b", (None,), np.float32, 1, 0)])

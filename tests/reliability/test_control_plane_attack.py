@@ -31,7 +31,7 @@ from rdmatensor.control import control_pb2 as pb
 from rdmatensor.control import control_pb2_grpc as pb_grpc
 from rdmatensor.control.service import TOKEN_KEY, ControlClient
 
-from ..transport.ranks import TOKEN, check, run_ranks
+from ..support.ranks import TOKEN, check, run_ranks
 from .helpers import LivePair, fd_count
 
 PLAN = Plan([TensorSpec("a", (1024,), np.float32, 0, 1),
@@ -672,7 +672,7 @@ def test_hostile_exchange_replies_give_typed_errors_and_leave_nothing(provider, 
     from rdmatensor import RdmaTensorError, connect
     from rdmatensor.control.service import start_server
     from .helpers import settle, snapshot
-    from ..transport.ranks import free_ports
+    from ..support.ranks import free_ports
     base = snapshot()
     fake = _FakeRank1()
     server, port = start_server("127.0.0.1:0", TOKEN, fake, pb_grpc.BaselineServicer())

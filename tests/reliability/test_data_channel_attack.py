@@ -31,7 +31,7 @@ from rdmatensor.providers.shm import ShmChannel, host_id
 from rdmatensor.providers.stream import AUTH_BYTES, HANDSHAKE_TIMEOUT
 from rdmatensor.providers.tcp import TcpChannel
 
-from ..transport.ranks import TOKEN, free_ports
+from ..support.ranks import TOKEN, free_ports
 from .helpers import assert_untouched, canary_arena
 
 PROVIDERS = {"tcp": TcpChannel, "shm": ShmChannel}

@@ -9,9 +9,9 @@ from rdmatensor import (AuthenticationError, PeerLost, Plan, PlanMismatch, RecvT
                         TensorMismatch, TensorSpec, UnknownTensor, UsageError)
 from rdmatensor.plan import SUPPORTED_DTYPES
 
-from .ranks import check, run_ranks
+from ..support.providers import PROVIDERS
+from ..support.ranks import check, run_ranks
 
-PROVIDERS = [pytest.param("verbs", marks=pytest.mark.rdma), "shm", "tcp", "grpc"]
 
 
 @pytest.fixture(params=PROVIDERS)

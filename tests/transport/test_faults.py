@@ -16,9 +16,9 @@ from rdmatensor import IntegrityError, PeerLost, Plan, TensorSpec, connect
 from rdmatensor.errors import RdmaTensorError
 
 from .peer_proc import TOKEN, fault_plan
-from .ranks import check, free_ports, run_ranks
+from ..support.providers import PROVIDERS
+from ..support.ranks import check, free_ports, run_ranks
 
-PROVIDERS = [pytest.param("verbs", marks=pytest.mark.rdma), "shm", "tcp", "grpc"]
 ROOT = Path(__file__).resolve().parents[2]
 DETECT_BOUND = 10.0
 
