@@ -36,6 +36,10 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     def Barrier(self, request, context):
         try:
+            self.credentials.check(request.rank, request.pair_secret)
+        except RdmaTensorError as exc:
+            abort(context, exc)
+        try:
             self.barriers.on_barrier(request.rank, request.name, active=context.is_active)
         except (BadRequest, TooManyBarriers) as exc:
             abort(context, exc)
@@ -60,12 +64,13 @@ class ControlServicer(pb_grpc.ControlServicer):
 class BaselineServicer(pb_grpc.BaselineServicer):
     """The grpc baseline's data path: a Push is a write, taken in by the channel."""
 
-    def __init__(self, channels: dict):
-        self.channels = channels
+    def __init__(self, channels: dict, credentials: PairCredentials):
+        self.channels, self.credentials = channels, credentials
 
     def Push(self, request, context):
         channel = self.channels.get(request.rank)
         try:
+            self.credentials.check(request.rank, request.pair_secret)
             if channel is None:
                 raise RefusedWrite(f"no grpc channel for rank {request.rank}", peer=request.rank)
             channel.receive(request)

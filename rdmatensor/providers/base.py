@@ -31,6 +31,15 @@ from ..memory import Arena
 
 
 @dataclass(frozen=True)
+class ControlPlane:
+    """What the session hands a provider about its control plane (configure())."""
+    address: str                        # this rank's control server, "host:port"
+    token: str
+    tls: object                         # TlsConfig or None
+    pair_secret: Callable[[], str]      # this pair's credential, once exchanged
+
+
+@dataclass(frozen=True)
 class Capabilities:
     # Receive arenas must be shared-memory segments (the peer maps them).
     shared_arenas: bool = False
@@ -61,9 +70,10 @@ class Channel(ABC):
         return True, ""
 
     # -- setup ------------------------------------------------------------
-    def configure(self, control_address: str, token: str, tls) -> None:
-        """What the session knows that a provider may need: this rank's control
-        address, the job token and TLS settings (the grpc baseline uses them)."""
+    def configure(self, control: ControlPlane) -> None:
+        """What the session knows that a provider may need about the control
+        plane (the grpc baseline carries its data there). Default: nothing."""
+        return None
 
     def expose(self, region_id: int, arena: Arena) -> dict:
         """Make `arena` writable by the peer; returns the full descriptor the

@@ -8,7 +8,7 @@ import numpy as np
 
 from ..control.service import ControlClient, pb
 from ..errors import PeerLost, TransportError
-from .base import Channel
+from .base import Channel, ControlPlane
 
 
 class GrpcChannel(Channel):
@@ -19,20 +19,22 @@ class GrpcChannel(Channel):
         super().__init__(*args, **kwargs)
         self._client: ControlClient | None = None
         self._closed = False
-        self.address, self.token, self.tls = "", "", None
+        self.control: ControlPlane | None = None
 
-    def configure(self, control_address: str, token: str, tls) -> None:
-        self.address, self.token, self.tls = control_address, token, tls
+    def configure(self, control: ControlPlane) -> None:
+        self.control = control
 
     @classmethod
     def viable(cls) -> tuple[bool, str]:
         return True, "grpcio installed (baseline)"
 
     def params(self) -> dict:
-        return {"address": self.address}
+        return {"address": self.control.address if self.control else ""}
 
     def connect(self, peer_params: dict, initiator: bool, timeout: float) -> None:
-        self._client = ControlClient(peer_params["address"], self.token, self.tls, peer=self.peer)
+        if self.control is None:
+            raise TransportError(f"grpc channel to peer {self.peer} was never configured", peer=self.peer)
+        self._client = ControlClient(peer_params["address"], self.control.token, self.control.tls, peer=self.peer)
         self._timeout = max(timeout, 60.0)
 
     def write(self, region_id: int, offset: int, src: np.ndarray, imm: int) -> None:
@@ -48,7 +50,8 @@ class GrpcChannel(Channel):
             raise PeerLost(f"grpc channel to peer {self.peer} is closed", peer=self.peer)
         self._client.call(self._client.baseline.Push,
                           pb.PushRequest(rank=self.rank, region_id=region_id, key=key, offset=offset,
-                                         payload=payload, imm=imm), timeout=self._timeout)
+                                         payload=payload, imm=imm, pair_secret=self.control.pair_secret()),
+                          timeout=self._timeout)
 
     def receive(self, request) -> None:
         """The receiving end of a Push, run on a control-server thread. A refused

@@ -18,11 +18,16 @@ from .liveness import Liveness
 MAX_OPEN_BARRIERS = 256
 
 
+def ranks_and_coordinator(plan, rank: int) -> tuple[set[int], int]:
+    """Every rank a barrier waits for, and the one that coordinates (the lowest)."""
+    everyone = plan.ranks() | {rank}
+    return everyone, min(everyone)
+
+
 class Barriers:
     def __init__(self, ctx: SessionContext, live: Liveness):
         self.ctx, self.live = ctx, live
-        self.everyone = ctx.plan.ranks() | {ctx.rank}
-        self.coordinator = min(self.everyone)
+        self.everyone, self.coordinator = ranks_and_coordinator(ctx.plan, ctx.rank)
         self.open: dict[str, list] = {}          # key -> [ranks arrived, ranks departed]
         self._generation: dict[str, int] = {}
         self._cv = threading.Condition()
@@ -44,11 +49,13 @@ class Barriers:
         if self.coordinator == ctx.rank:
             self._arrive(key, ctx.rank, timeout)
         else:
-            ctx.call(self.coordinator, "Barrier", pb.BarrierRequest(rank=ctx.rank, name=key),
-                     timeout=timeout, wait_for_ready=True)
+            request = pb.BarrierRequest(rank=ctx.rank, name=key,
+                                        pair_secret=ctx.credentials.secret(self.coordinator))
+            ctx.call(self.coordinator, "Barrier", request, timeout=timeout, wait_for_ready=True)
 
     def on_barrier(self, rank: int, key: str, active) -> None:
-        """Coordinator: `rank` arrived at `key` (a control-server thread waits here)."""
+        """Coordinator: `rank` arrived at `key` (a control-server thread waits
+        here; the caller proved it is `rank`)."""
         if rank not in self.everyone or rank == self.ctx.rank:
             raise BadRequest(f"rank {rank} is not another rank of this plan", peer=rank)
         self._arrive(key, rank, self.ctx.timeout, active)

@@ -5,7 +5,10 @@ receive) and its staging arenas (the same layout, for what it sends), and
 registers them with one channel per peer. Then, for each pair, the lower
 rank makes one Exchange call: token and plan digest checked, arena
 descriptors and channel parameters swapped, the pair credential set. The
-protobuf <-> descriptor converters live here too.
+barrier coordinator (the lowest rank) also exchanges with every rank it
+shares no tensor with, for the pair credential alone (no channel, no
+regions), so that every Barrier call carries one. The protobuf <->
+descriptor converters live here too.
 """
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ from functools import partial
 
 from ..control.service import pb
 from ..errors import AuthenticationError, BadRequest, PeerLost, PlanMismatch, RdmaTensorError
+from ..providers.base import ControlPlane
+from .barrier import ranks_and_coordinator
 from .context import SessionContext
 from .credits import Credits, RecvSlot, SendSlot
 from .liveness import Liveness
@@ -44,7 +49,12 @@ class Exchange:
         self.ctx, self.credits, self.live = ctx, credits, live
         self.regions: dict[int, list[dict]] = {}        # peer -> descriptors of what it may write
         self.exchanged: dict[int, dict] = {}            # lower-ranked peer -> its channel parameters
-        self._events = {p: threading.Event() for p in ctx.plan.peers_of(ctx.rank) if p < ctx.rank}
+        everyone, coordinator = ranks_and_coordinator(ctx.plan, ctx.rank)
+        partners = everyone if ctx.rank == coordinator else {coordinator}
+        # Ranks that exchange with this one for the pair credential alone.
+        self.credential_only = partners - ctx.plan.peers_of(ctx.rank) - {ctx.rank}
+        self._events = {p: threading.Event() for p in ctx.plan.peers_of(ctx.rank) | self.credential_only
+                        if p < ctx.rank}
         live.when_failed(self._wake)
 
     def _wake(self) -> None:
@@ -61,7 +71,8 @@ class Exchange:
             n_in, n_out = len(incoming.slots) if incoming else 0, len(outgoing.slots) if outgoing else 0
             ch = ctx.provider_class(ctx.rank, peer, ctx.host(ctx.rank), on_imm=partial(self.credits.on_imm, peer),
                                     on_lost=partial(self.live.lost, peer), max_incoming=n_in + n_out)
-            ch.configure(ctx.peers[ctx.rank], ctx.token, ctx.tls)
+            ch.configure(ControlPlane(ctx.peers[ctx.rank], ctx.token, ctx.tls,
+                                      partial(ctx.credentials.secret, peer)))
             ctx.channels[peer] = ch
             receiving, sending = [], []
             if incoming:
@@ -86,22 +97,26 @@ class Exchange:
         ctx = self.ctx
         deadline = time.monotonic() + ctx.timeout
         specs_json = ctx.plan.to_json()
-        for peer in (p for p in peer_ranks if p > ctx.rank):
-            ch = ctx.channels[peer]
+        for peer in sorted(p for p in set(peer_ranks) | self.credential_only if p > ctx.rank):
+            ch = ctx.channels.get(peer)
+            params = ch.params() if ch else {}
             req = pb.ExchangeRequest(rank=ctx.rank, peer=peer, plan_digest=ctx.plan.digest, plan_specs=specs_json,
-                                     channel=params_msg(ctx.provider, ch.params()), regions=self._local_regions(peer),
+                                     channel=params_msg(ctx.provider, params), regions=self._local_regions(peer),
                                      pair_secret=ctx.credentials.draw(peer))
             reply = ctx.call(peer, "Exchange", req, timeout=max(1.0, deadline - time.monotonic()),
                              wait_for_ready=True)
+            if ch is None:
+                continue
             for region in reply.regions:
                 ch.attach(region_dict(region))
             ch.connect(params_dict(reply.channel), initiator=True, timeout=max(1.0, deadline - time.monotonic()))
-        for peer in (p for p in peer_ranks if p < ctx.rank):
+        for peer in sorted(self._events):
             if not self._events[peer].wait(max(0.0, deadline - time.monotonic())):
                 raise PeerLost(f"rank {peer} never set up its side with rank {ctx.rank} "
                                f"within {ctx.timeout:.0f} s", peer=peer)
             self.live.check()
-            ctx.channels[peer].connect(self.exchanged[peer], initiator=False,
+            if peer in ctx.channels:
+                ctx.channels[peer].connect(self.exchanged[peer], initiator=False,
                                        timeout=max(1.0, deadline - time.monotonic()))
 
     # -- the higher rank's side (a control-server thread) -----------------
@@ -128,7 +143,10 @@ class Exchange:
                                  f"rank {ctx.rank} uses {ctx.provider!r}", peer=peer)
             self.live.fail(error)
             raise error
-        ch = ctx.channels[peer]
+        ch = ctx.channels.get(peer)
+        if ch is None:                       # the coordinator, for the pair credential alone
+            self._events[peer].set()
+            return pb.ExchangeReply()
         try:
             for region in request.regions:
                 ch.attach(region_dict(region))

@@ -126,7 +126,7 @@ class Liveness:
         """Tell every peer this rank reached, and has not lost, that it closes."""
         ctx = self.ctx
         for peer in ctx.credentials.peers():
-            if self.is_lost(peer):
+            if self.is_lost(peer) or peer not in ctx.channels:
                 continue
             try:
                 ctx.call(peer, "Bye", pb.ByeRequest(rank=ctx.rank, reason="close",

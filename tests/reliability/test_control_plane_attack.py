@@ -58,7 +58,7 @@ PUSH = "/rdmatensor.control.Baseline/Push"
 REFUSED = {
     EXCHANGE: {"INVALID_ARGUMENT", "PERMISSION_DENIED", "ALREADY_EXISTS"},
     GROW: {"INVALID_ARGUMENT", "FAILED_PRECONDITION", "PERMISSION_DENIED"},
-    BARRIER: {"OK", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT"},   # waits, then times out
+    BARRIER: {"PERMISSION_DENIED"},    # a barrier needs the caller's pair credential
     BYE: {"OK", "PERMISSION_DENIED"},   # refused without the pair secret; a stream channel ignores it anyway
     PUSH: {"PERMISSION_DENIED"},   # no grpc channel in a tcp session
 }
@@ -524,16 +524,19 @@ def test_raw_garbage_on_the_control_port_is_dropped():
 # ------------------------------------------------------ blocking calls
 
 def test_barrier_flood_cannot_starve_other_calls(monkeypatch):
-    """Barrier calls wait for every rank; a flood of them gets a bounded share of
-    the server's threads (the rest are refused at once), and Exchange, Grow and
-    Bye are still answered promptly meanwhile."""
+    """Barrier calls wait for every rank; a flood of them (from a rank with its
+    credential, gone rogue) gets a bounded share of the server's threads (the
+    rest are refused at once), and Exchange, Grow and Bye are still answered
+    promptly meanwhile."""
     import rdmatensor.control.service as service
     monkeypatch.setattr(service, "WORKERS", 48)       # 24 for blocking calls, the rest reserved
     pair = LivePair(PLAN, "tcp", timeout=3.0)
     try:
+        secret = pair.sessions[1].debug_state()["pair_secrets"][0]
         with grpc.insecure_channel(pair.peers[0]) as ch:
             stub = pb_grpc.ControlStub(ch)
-            flood = [stub.Barrier.future(pb.BarrierRequest(rank=1, name=f"flood-{i}"), metadata=GOOD, timeout=20)
+            flood = [stub.Barrier.future(pb.BarrierRequest(rank=1, name=f"flood-{i}", pair_secret=secret),
+                                         metadata=GOOD, timeout=20)
                      for i in range(100)]
             time.sleep(0.5)
             t0 = time.monotonic()
@@ -586,6 +589,59 @@ def test_barrier_from_a_rank_outside_the_plan_is_refused_at_once():
         took = time.monotonic() - t0
         client.close()
         assert code in ("INVALID_ARGUMENT", "PERMISSION_DENIED") and took < 0.5, (code, took)
+    finally:
+        pair.close()
+
+
+def test_a_token_holder_cannot_arrive_at_a_barrier_as_another_rank():
+    """Rank 2 shares no tensor with the coordinator (rank 0), yet its Barrier
+    calls carry a pair credential: without it, or with rank 2's own credential
+    while claiming to be rank 1, a Barrier is refused at once and counts for
+    nobody; the real barrier then needs the real ranks."""
+    plan = Plan([TensorSpec("x", (4,), np.float32, 0, 1), TensorSpec("y", (4,), np.float32, 1, 2)])
+    arrived, rank1_comes = threading.Event(), threading.Event()
+
+    def body(s, r):
+        if r == 2:
+            own = s.debug_state()["pair_secrets"][0]
+            with grpc.insecure_channel(s.peers[0]) as ch:
+                barrier = pb_grpc.ControlStub(ch).Barrier
+                t0 = time.monotonic()
+                codes = [code_of(lambda req=req: barrier(req, metadata=GOOD, timeout=5)) for req in (
+                    pb.BarrierRequest(rank=2, name="held#0"),
+                    pb.BarrierRequest(rank=2, name="held#0", pair_secret="0" * 32),
+                    pb.BarrierRequest(rank=1, name="held#0", pair_secret=own),
+                    pb.BarrierRequest(rank=1, name="held#0", pair_secret=own + "x"))]
+                took = time.monotonic() - t0
+            arrived.set()
+            s.barrier("held")
+            return codes, took
+        if r == 1:
+            assert arrived.wait(30)
+            time.sleep(0.5)
+            rank1_comes.set()
+        s.barrier("held")        # had a forged arrival counted, rank 0 would pass before rank 1 came
+        return rank1_comes.is_set()
+
+    res = check(run_ranks(3, plan, "tcp", body, timeout=10))
+    codes, took = res[2]
+    assert codes == ["PERMISSION_DENIED"] * 4 and took < 2, (codes, took)
+    assert res[0] is True
+
+
+def test_a_push_without_the_pair_credential_is_refused_and_harms_no_channel():
+    """On the grpc baseline a Push is a write: a token holder pushing as rank 0
+    is refused before any region check, so it cannot make rank 1 drop its real
+    channel (a refused write would end it)."""
+    pair = LivePair(PLAN, "grpc", timeout=5.0)
+    try:
+        client = ControlClient(pair.peers[1], TOKEN)
+        for secret in ("", "0" * 32, pair.sessions[1].debug_state()["pair_secrets"][0][:-1]):
+            with pytest.raises(AuthenticationError, match="pair credential"):
+                client.call(client.baseline.Push, pb.PushRequest(rank=0, region_id=0, key=1, payload=b"x" * 8,
+                                                                 imm=0, pair_secret=secret), timeout=5)
+        client.close()
+        assert_pair_works(pair, "after-forged-push")
     finally:
         pair.close()
 
