@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from ..errors import PeerLost, RdmaTensorError, TransportError
+from ..errors import ForeignSegment, PeerLost, RdmaTensorError, TransportError
 from ..memory import Arena, MappedArena
 from .base import WRITE_HEADER, WRITE_MAGIC, Capabilities
 from .stream import StreamChannel
@@ -68,8 +68,8 @@ class ShmChannel(StreamChannel):
         rid = int(descriptor["region_id"])
         try:
             mapped = MappedArena(descriptor["shm_name"], int(descriptor["size"]))
-        except (OSError, ValueError, RdmaTensorError) as exc:
-            raise TransportError(f"cannot map peer {self.peer}'s region {rid}: {exc}") from exc
+        except (OSError, ValueError, RdmaTensorError) as exc:   # the peer named what we cannot map
+            raise ForeignSegment(f"cannot map peer {self.peer}'s region {rid}: {exc}", peer=self.peer) from exc
         old = self._mapped.pop(rid, None)
         if old:
             old.close()
