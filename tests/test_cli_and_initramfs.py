@@ -1,7 +1,6 @@
 """Host-side checks that need no RDMA: the CLI, host SoftRoCE errors, the initramfs."""
 import gzip
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -45,7 +45,8 @@ REGISTRY: dict[str, Provider] = {p.name: p for p in (
     Provider("verbs", "verbs", "VerbsChannel", "real RDMA through pyverbs (InfiniBand, RoCE, SoftRoCE)",
              needs_rdma=True),
     Provider("shm", "shm", "ShmChannel", "same host: shared-memory arenas, memcpy + a completion on a Unix socket"),
-    Provider("tcp", "tcp", "TcpChannel", "the same contract emulated over TCP, payload received straight into the slot"),
+    Provider("tcp", "tcp", "TcpChannel",
+             "the same contract emulated over TCP, payload received straight into the slot"),
     Provider("grpc", "grpc_baseline", "GrpcChannel",
              "the baseline being replaced: tensors serialized into gRPC messages", baseline=True),
 )}

@@ -86,7 +86,8 @@ class Channel(ABC):
         self.local.pop(region_id, None)
 
     def register_source(self, arena: Arena) -> None:
-        """Memory this side will write from (verbs registers it)."""
+        """Memory this side will write from (verbs registers it). Default: nothing to do."""
+        return None
 
     @abstractmethod
     def params(self) -> dict:
@@ -108,7 +109,9 @@ class Channel(ABC):
         a handle to pass to wait() before reusing it."""
 
     def wait(self, handle, timeout: float | None = None) -> None:
-        """Block until the write behind `handle` no longer needs its source."""
+        """Block until the write behind `handle` no longer needs its source.
+        Default: writes are complete when write() returns."""
+        return None
 
     def receive(self, request) -> None:
         """Take in a write that came over the control plane (a Push). Only the

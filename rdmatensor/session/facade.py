@@ -77,8 +77,8 @@ class Session:
         host, port = ctx.peers[ctx.rank].rsplit(":", 1)
         control = ControlServicer(ctx.rank, ctx.credentials, self._exchange, self._growth, self._barriers,
                                   self._live)
-        self._server, bound = start_server(f"{host}:{port}", ctx.token, control, BaselineServicer(ctx.channels, ctx.credentials),
-                                           ctx.tls)
+        baseline = BaselineServicer(ctx.channels, ctx.credentials)
+        self._server, bound = start_server(f"{host}:{port}", ctx.token, control, baseline, ctx.tls)
         if int(port) == 0:
             ctx.peers[ctx.rank] = f"{host}:{bound}"
 

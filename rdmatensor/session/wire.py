@@ -61,7 +61,7 @@ def decode(spec: TensorSpec, plan: Plan, mem: np.ndarray) -> np.ndarray:
         hdr = mem[:header].view(np.int64)
         shape = tuple(int(d) for d in hdr[1:1 + len(spec.shape)])
         if (int(hdr[0]) != len(spec.shape) or any(d < 0 for d in shape)
-                or any(w is not None and w != d for w, d in zip(spec.shape, shape))):
+                or any(w is not None and w != d for w, d in zip(spec.shape, shape, strict=True))):
             raise IntegrityError(f"{spec.name!r}: malformed shape header {hdr[:1 + len(spec.shape)].tolist()}",
                                  peer=spec.src, tensor=spec.name)
         nbytes = int(np.prod(shape, dtype=np.int64)) * spec.dtype.itemsize if shape else spec.dtype.itemsize

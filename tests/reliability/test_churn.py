@@ -107,7 +107,7 @@ def test_failed_and_broken_sessions_leave_nothing_behind(provider, monkeypatch):
     t0 = time.monotonic()
     total = 0
     for name, (cycles, run, ok) in FAILURES.items():
-        for i in range(cycles):
+        for _ in range(cycles):
             res = run(provider)
             assert ok(res), (name, {r: repr(v) for r, v in res.items()})
             del res               # an exception's traceback holds its session until dropped

@@ -10,7 +10,6 @@ a transfer. Raw garbage on the control port is dropped by the HTTP/2 layer.
 """
 from __future__ import annotations
 
-import json
 import random
 import selectors
 import socket
@@ -26,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rdmatensor import AuthenticationError, Plan, TensorSpec, TransportError
+from rdmatensor import AuthenticationError, Plan, TensorSpec
 from rdmatensor.control import control_pb2 as pb
 from rdmatensor.control import control_pb2_grpc as pb_grpc
 from rdmatensor.control.service import TOKEN_KEY, ControlClient
@@ -273,7 +272,8 @@ def test_wrong_requests_before_setup_do_not_consume_the_exchange():
              "PERMISSION_DENIED"),
         ]
         for method, request, want in cases:
-            got = code_of(lambda: method(request, metadata=GOOD, timeout=CALL_TIMEOUT))
+            got = code_of(lambda method=method, request=request: method(request, metadata=GOOD,
+                                                                         timeout=CALL_TIMEOUT))
             assert got == want, (request, got)
         client.close()
         pair.start_rank(0)
@@ -449,7 +449,8 @@ def test_a_thousand_malformed_calls_with_the_token_are_refused_or_harmless():
         cases = barrage.cases
         elapsed = time.monotonic() - t0
         print(f"{cases} calls with the token ({structured_cases} structured) in {elapsed:.1f} s: "
-              f"{dict(sorted(barrage.codes.items()))}; barrier names left on rank 0: {s0.debug_state()['open_barriers']}")
+              f"{dict(sorted(barrage.codes.items()))}; "
+              f"barrier names left on rank 0: {s0.debug_state()['open_barriers']}")
         assert cases >= 1000
         assert not [k for k in barrage.codes if k[1] == "UNKNOWN"]
         assert (s0.debug_state()["exchanged"], s1.debug_state()["exchanged"]) == exchanged

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from rdmatensor import IntegrityError, PeerLost, Plan, TensorSpec, connect
-from rdmatensor.errors import RdmaTensorError
 
 from .peer_proc import TOKEN, fault_plan
 from ..support.providers import PROVIDERS
@@ -112,7 +111,7 @@ def test_checksums_pass_intact_tensors_and_catch_corruption(provider):
 
     def body(s, r):
         if r == 0:
-            for a, b in zip(w, seqs):
+            for a, b in zip(w, seqs, strict=False):
                 s.send("w", a)
                 s.send("seq", b)
             return s.stats()
