@@ -115,6 +115,12 @@ class Victim:
             assert_untouched(arena, self.expected[i], f"{self.provider} region {i}")
         assert_untouched(self.private, self.private_expected, f"{self.provider} unexposed arena")
 
+    def __enter__(self) -> "Victim":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
         self.ch.close()
         for m in self.mapped:
@@ -235,8 +241,7 @@ def test_random_headers_are_refused_unless_fully_valid(provider):
            length=st.one_of(st.integers(1, PAGE), st.integers(1, 2 * PAGE), st.sampled_from([2 ** 32, 2 ** 64 - 1])),
            bad_magic=st.sampled_from([False, False, False, True]))
     def case(region, key_kind, offset, length, bad_magic):
-        v = Victim(provider)
-        try:
+        with Victim(provider) as v:
             sock = v.dial()
             assert v.accepted(), v.accept_error
             right = v.descs[region]["key"] if region in (0, 1) else 1
@@ -260,8 +265,6 @@ def test_random_headers_are_refused_unless_fully_valid(provider):
                 refused(v, sock, RefusedWrite, imms=0)
                 counts["refused"] += 1
             sock.close()
-        finally:
-            v.close()
 
     case()
     print(f"{provider}: random headers {counts}")
@@ -272,22 +275,18 @@ def test_random_headers_are_refused_unless_fully_valid(provider):
 def test_zero_length_write_touches_nothing(provider):
     """A zero-length write carries only its immediate (a credit); like an RDMA
     NIC, no region or key is checked for it, and no byte moves."""
-    v = Victim(provider)
-    try:
+    with Victim(provider) as v:
         sock = v.dial()
         assert v.accepted()
         sock.sendall(header(-1, 0, make_imm(IMM_DATA, 4), 0, 0) + header(99, 123, 5, 2 ** 64 - 1, 0))
         v.wait_imms(2)
         assert v.imms == [make_imm(IMM_DATA, 4), 5] and not v.lost
         v.check_memory()
-    finally:
-        v.close()
 
 
 @pytest.mark.parametrize("provider", ["tcp", "shm"])
 def test_handshake_refuses_wrong_keys_and_is_not_delayed_by_silent_dialers(provider):
-    v = Victim(provider)
-    try:
+    with Victim(provider) as v:
         key = bytes.fromhex(v.params["key"])
         wrong = [v.dial(bytes(AUTH_BYTES)), v.dial(key[:-1] + bytes([key[-1] ^ 1])),
                  v.dial(header(0, v.descs[0]["key"], 1, 0, 0))]      # data before the key
@@ -308,14 +307,11 @@ def test_handshake_refuses_wrong_keys_and_is_not_delayed_by_silent_dialers(provi
         assert not v.lost
         v.check_memory()
         real.close()
-    finally:
-        v.close()
 
 
 @pytest.mark.parametrize("provider", ["tcp", "shm"])
 def test_truncated_header_then_silence_does_not_hang_close(provider):
-    v = Victim(provider)
-    try:
+    with Victim(provider) as v:
         sock = v.dial()
         assert v.accepted()
         sock.sendall(header(0, v.descs[0]["key"], 1, 0, 64)[:17])
@@ -327,8 +323,6 @@ def test_truncated_header_then_silence_does_not_hang_close(provider):
         assert not v.imms
         v.check_memory()
         sock.close()
-    finally:
-        v.close()
 
 
 def test_grpc_baseline_push_checks_like_a_nic():
