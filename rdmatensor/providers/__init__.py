@@ -49,6 +49,10 @@ REGISTRY: dict[str, Provider] = {p.name: p for p in (
              "the same contract emulated over TCP, payload received straight into the slot"),
     Provider("grpc", "grpc_baseline", "GrpcChannel",
              "the baseline being replaced: tensors serialized into gRPC messages", baseline=True),
+    Provider("verbs-rpc", "verbs_rpc", "VerbsRpcChannel",
+             "a baseline: RPC over the same verbs device, the way RDMA-optimized RPC libraries do it "
+             "(SEND/RECV into private buffers, chunked, protobuf-serialized, copied out)",
+             baseline=True, needs_rdma=True),
 )}
 NAMES = tuple(REGISTRY)
 

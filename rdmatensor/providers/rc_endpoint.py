@@ -192,6 +192,13 @@ class RcEndpoint:
         except (PyverbsError, PyverbsRDMAError) as exc:
             raise VerbsError(f"posting an immediate failed: {exc}") from exc
 
+    def post_prepared(self, wr, receive: bool = False) -> None:
+        """Post a work request built once and reused (see `prepared_wr`)."""
+        try:
+            (self.qp.post_recv if receive else self.qp.post_send)(wr)
+        except (PyverbsError, PyverbsRDMAError) as exc:
+            raise VerbsError(f"posting a {'receive' if receive else 'send'} failed: {exc}") from exc
+
     # -- lifetime ---------------------------------------------------------
     def close(self) -> None:
         if self._closed:
@@ -212,6 +219,17 @@ class RcEndpoint:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def prepared_wr(mr: MR, addr: int, length: int, wr_id: int, receive: bool = False):
+    """A work request over one buffer, built once: building one per post costs
+    microseconds, and Debian's pyverbs 44 never frees them (its `wr.pyx`).
+    Returns (wr, sge); a send's length is changed with `sge.length = n; wr.sg_list = sge`."""
+    sge = SGE(addr, length, mr.lkey)
+    if receive:
+        return RecvWR(wr_id=wr_id, num_sge=1, sg=[sge]), sge
+    return SendWR(wr_id=wr_id, opcode=ev.IBV_WR_SEND, num_sge=1, sg=[sge],
+                  send_flags=ev.IBV_SEND_SIGNALED), sge
 
 
 def completion_error(wc) -> str | None:

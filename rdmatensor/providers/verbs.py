@@ -102,8 +102,7 @@ class VerbsChannel(Channel):
         return self.ep.params().to_dict()
 
     def connect(self, peer_params: dict, initiator: bool, timeout: float) -> None:
-        for _ in range(self.ep.recv_depth):
-            self.ep.post_recv()
+        self._post_receives()
         try:   # proto3 drops zero fields: a PSN of 0 is legal and simply absent
             remote = RcParams(int(peer_params.get("qpn", 0)), int(peer_params.get("psn", 0)),
                               str(peer_params["gid"]), int(peer_params["mtu"]))
@@ -116,7 +115,16 @@ class VerbsChannel(Channel):
                                         name=f"rdmatensor-verbs-{self.rank}<->{self.peer}")
         self._poller.start()
 
+    def _post_receives(self) -> None:
+        for _ in range(self.ep.recv_depth):
+            self.ep.post_recv()
+
     # -- data path --------------------------------------------------------
+    def _received(self, wc) -> None:
+        """A receive completed: an immediate arrived (its payload, if any, is in place)."""
+        self.ep.post_recv()
+        self.on_imm(wc.imm_data)
+
     def _source_mr(self, src: np.ndarray):
         addr = src.ctypes.data
         for start, end, mr in self._sources:
@@ -208,8 +216,7 @@ class VerbsChannel(Channel):
                 if is_receive(wc):
                     if err:
                         raise TransportError(f"receive from peer {self.peer}: {err}")
-                    self.ep.post_recv()
-                    self.on_imm(wc.imm_data)
+                    self._received(wc)
                     continue
                 done = self._pending.pop(wc.wr_id, None)
                 self._sq.release()

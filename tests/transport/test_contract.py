@@ -73,7 +73,7 @@ def test_sizes_from_one_byte_to_64_mib(provider, nbytes):
 
 
 def test_a_thousand_small_tensors_for_100_steps(provider):
-    n, steps = 1000, 100 if provider != "verbs" else 20
+    n, steps = 1000, 20 if provider.startswith("verbs") else 100
     plan = Plan([TensorSpec(f"w{i}", (4,), np.float32, 0, 1) for i in range(n)])
 
     def body(s, r):
@@ -183,7 +183,9 @@ def test_views_are_zero_copy_and_staging_sends_copy_nothing(provider):
     res = check(run_ranks(2, plan, provider, body))
     assert res[1] == (True, True, True)
     no_copy, copies = res[0]
-    serialization = 1 if provider == "grpc" else 0    # the baseline serializes every send
+    # The baselines serialize every send: grpc into its message; verbs-rpc into
+    # bytes, into its message, then into a private send buffer.
+    serialization = {"grpc": 1, "verbs-rpc": 3}.get(provider, 0)
     assert no_copy == serialization
     assert copies <= 1 + 2 * serialization
 
