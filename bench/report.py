@@ -47,6 +47,40 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def paper_table(rows: list[dict]) -> str:
+    """The research paper's two comparisons: each one-sided provider's speed-up
+    over gRPC and over the RDMA-optimized RPC (verbs-rpc), point by point."""
+    baselines = ("grpc", "verbs-rpc")
+    fast = sorted({r["provider"] for r in rows if r["provider"] not in baselines})
+    points: dict = {}
+    for r in rows:
+        label = r.get("extra", {}).get("model") or human(r["size"])
+        points.setdefault((r["mode"], label), {})[r["provider"]] = r
+
+    def figure(r):
+        return r["lat_us"]["median"] if r["mode"] == "lat" else r["mb_per_s"]
+
+    providers = fast + [b for b in baselines if any(b in p for p in points.values())]
+    head = f"{'mode':5} {'point':>11} " + " ".join(f"{p:>10}" for p in providers)
+    for f in fast:
+        head += " " + " ".join(f"{f + '/' + b:>16}" for b in baselines if b in providers)
+    out = ["speed-up of one-sided writes (lat: us, half round trip; bw and step: MB/s;",
+           "speed-up = baseline time / provider time, above 1 is faster)", head]
+    for (mode, label), by in points.items():
+        line = f"{mode:5} {label:>11} " + " ".join(f"{_f(figure(by[p]) if p in by else None):>10}"
+                                                   for p in providers)
+        for f in fast:
+            for b in (b for b in baselines if b in providers):
+                if f in by and b in by:
+                    x, y = figure(by[f]), figure(by[b])
+                    speedup = y / x if mode == "lat" else x / y
+                    line += f" {speedup:>15.2f}x"
+                else:
+                    line += f" {'-':>16}"
+        out.append(line)
+    return "\n".join(out)
+
+
 def setup_table(rows: list[dict]) -> str:
     out = ["setup: plan + register + exchange + barrier, one peer",
            f"{'provider':8} {'tensors':>8} {'bytes':>10} {'setup s':>9} {'us/tensor':>10} {'ctl calls':>9}"]
