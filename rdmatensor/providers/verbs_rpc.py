@@ -25,9 +25,9 @@ import threading
 import numpy as np
 
 from ..control.service import pb
-from ..errors import TransportError
+from ..errors import RefusedWrite
 from ..memory import Arena
-from .base import Channel
+from .base import Capabilities, Channel
 from .verbs import VerbsChannel
 
 try:
@@ -44,7 +44,9 @@ MAX_OVERHEAD = 1024           # protobuf framing beyond the payload
 
 class VerbsRpcChannel(VerbsChannel):
     name = "verbs-rpc"
-    needs_registered_source = False     # the payload is serialized, then copied into a send buffer
+    # Writes go from any array (serialized, then copied into a private send
+    # buffer) and are complete when write() returns.
+    capabilities = Capabilities()
 
     def __init__(self, *args, max_incoming: int = 128, **kwargs):
         # Every message, credits included, takes one of the private receive buffers.
@@ -79,17 +81,18 @@ class VerbsRpcChannel(VerbsChannel):
         chunk = self._inbox.buf[index * CHUNK:index * CHUNK + length]
         if self._message is None:
             if length < FRAME.size:
-                raise TransportError(f"peer {self.peer} sent a {length}-byte message without a frame")
+                raise RefusedWrite(f"peer {self.peer} sent a {length}-byte message without a frame",
+                                   peer=self.peer)
             total = FRAME.unpack_from(chunk)[0]
             limit = max((arena.size for arena, _ in self.local.values()), default=0) + MAX_OVERHEAD
             if total > limit:
-                raise TransportError(f"peer {self.peer} announced a {total}-byte message; the "
-                                     f"largest this side takes is {limit}")
+                raise RefusedWrite(f"peer {self.peer} announced a {total}-byte message; the "
+                                     f"largest this side takes is {limit}", peer=self.peer)
             self._message, self._filled, chunk = bytearray(total), 0, chunk[FRAME.size:]
         end = self._filled + len(chunk)
         if end > len(self._message):
-            raise TransportError(f"peer {self.peer} sent more than the {len(self._message)} bytes "
-                                 f"it announced")
+            raise RefusedWrite(f"peer {self.peer} sent more than the {len(self._message)} bytes "
+                                 f"it announced", peer=self.peer)
         self._message[self._filled:end] = memoryview(chunk)      # out of the private buffer
         self._filled = end
         self.ep.post_prepared(self._recv_wrs[index], receive=True)
@@ -101,7 +104,7 @@ class VerbsRpcChannel(VerbsChannel):
         try:
             request = pb.PushRequest.FromString(bytes(message))    # deserialize (a copy)
         except Exception as exc:  # noqa: BLE001 - any parse failure is the peer's fault
-            raise TransportError(f"peer {self.peer} sent a malformed message: {exc}") from exc
+            raise RefusedWrite(f"peer {self.peer} sent a malformed message: {exc}", peer=self.peer) from exc
         if request.payload:
             length = len(request.payload)
             arena = self.check_local(request.region_id, request.key, request.offset, length)
