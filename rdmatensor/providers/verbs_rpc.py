@@ -31,7 +31,7 @@ from .base import Capabilities, Channel
 from .verbs import VerbsChannel
 
 try:
-    from .rc_endpoint import LOCAL_ONLY, prepared_wr
+    from .rc_endpoint import LOCAL_ONLY, RECV_BATCH, prepared_wr
 except Exception:  # noqa: BLE001 - VerbsChannel.viable() reports why
     pass
 
@@ -50,7 +50,7 @@ class VerbsRpcChannel(VerbsChannel):
 
     def __init__(self, *args, max_incoming: int = 128, **kwargs):
         # Every message, credits included, takes one of the private receive buffers.
-        super().__init__(*args, max_incoming=RECV_BUFFERS - 16, **kwargs)
+        super().__init__(*args, max_incoming=RECV_BUFFERS - RECV_BATCH, **kwargs)
         self.copies = 0
         self._inbox, self._outbox = Arena(RECV_BUFFERS * CHUNK), Arena(SEND_BUFFERS * CHUNK)
         inbox_mr = self.ep.register(self._inbox.buf, LOCAL_ONLY)
