@@ -2,8 +2,13 @@
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+# Held while a device context or completion channel is opened, so the event
+# descriptor each one adds to the process can be told apart (rc_endpoint).
+CONTEXT_LOCK = threading.Lock()
 
 SYSFS = Path("/sys/class/infiniband")
 # Path MTUs: verbs' enum (IBV_MTU_256 = 1 ... IBV_MTU_4096 = 5) <-> bytes. The one table.
@@ -59,7 +64,7 @@ def _active_mtus(name: str) -> dict[int, int]:
     except ImportError:
         return {}
     try:
-        with Context(name=name) as ctx:
+        with CONTEXT_LOCK, Context(name=name) as ctx:
             nports = ctx.query_device().phys_port_cnt
             return {p: MTU_BYTES.get(ctx.query_port(p).active_mtu) for p in range(1, nports + 1)}
     except Exception:  # noqa: BLE001 - a device we cannot open is still listed

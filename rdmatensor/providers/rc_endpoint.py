@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ..devices import MTU_BYTES, MTU_ENUM, active_port, list_devices
+from ..devices import CONTEXT_LOCK, MTU_BYTES, MTU_ENUM, active_port, list_devices
 from ..errors import DeviceError, TransportError, UsageError, VerbsError
 
 try:
@@ -46,7 +46,6 @@ REMOTE_WRITE = ev.IBV_ACCESS_LOCAL_WRITE | ev.IBV_ACCESS_REMOTE_WRITE
 LOCAL_ONLY = ev.IBV_ACCESS_LOCAL_WRITE
 MAX_REGION = 4 << 30
 RECV_BATCH = 16            # consumed receives given back with one post (a chain of work requests)
-_CHANNEL_LOCK = threading.Lock()
 
 @dataclass(frozen=True)
 class RcParams:
@@ -84,7 +83,8 @@ class RcEndpoint:
         self._mrs: list[MR] = []
         self._closed = False
         try:
-            self.ctx = Context(name=device)
+            with CONTEXT_LOCK:
+                self.ctx = Context(name=device)
             port_attr = self.ctx.query_port(port)
             if port_attr.state != ev.IBV_PORT_ACTIVE:
                 raise DeviceError(f"{device} port {port} is not ACTIVE")
@@ -271,10 +271,11 @@ class RcEndpoint:
         for mr in self._mrs:
             mr.close()
         self._mrs.clear()
-        for name in ("cq", "channel", "pd", "ctx"):
-            obj = getattr(self, name, None)
-            if obj is not None:
-                obj.close()
+        with CONTEXT_LOCK:      # a descriptor closed here must not confuse _completion_channel
+            for name in ("cq", "channel", "pd", "ctx"):
+                obj = getattr(self, name, None)
+                if obj is not None:
+                    obj.close()
 
     def __enter__(self) -> "RcEndpoint":
         return self
@@ -286,10 +287,11 @@ class RcEndpoint:
 def _completion_channel(context) -> tuple:
     """A completion channel and its file descriptor. pyverbs 44 does not expose
     the descriptor, so it is found as the one event descriptor the channel's
-    creation added to this process (creations are serialized here). If that is
-    ambiguous (another thread opened a device meanwhile), None: waiters then
-    poll instead of blocking, which is slower but still correct."""
-    with _CHANNEL_LOCK:
+    creation added to this process (this package opens contexts and channels
+    under CONTEXT_LOCK). If that is ambiguous (another library opened a device
+    meanwhile), None: the background thread then polls every millisecond
+    instead of blocking, which costs CPU but is still correct."""
+    with CONTEXT_LOCK:
         before = _event_fds()
         channel = CompChannel(context)
         new = set(_event_fds()) - set(before)
