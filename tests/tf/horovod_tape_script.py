@@ -1,7 +1,7 @@
 """A training script written for horovod.tensorflow (tape API): only the import
 line differs. Run as every worker of a job; writes what it saw to OUT_DIR.
 
-    python horovod_tape_script.py OUT_DIR [steps]
+    python horovod_tape_script.py OUT_DIR [steps] [parts]    # parts: all (default) or training
 """
 import hashlib
 import json
@@ -13,7 +13,9 @@ import tensorflow as tf
 
 import tf_plugin as hvd           # was: import horovod.tensorflow as hvd
 
-out_dir, steps = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 6
+out_dir = sys.argv[1]
+steps = int(sys.argv[2]) if len(sys.argv) > 2 else 6
+parts = sys.argv[3] if len(sys.argv) > 3 else "all"
 hvd.init()
 report = {"rank": hvd.rank(), "size": hvd.size(), "local_rank": hvd.local_rank(), "local_size": hvd.local_size()}
 GLOBAL_BATCH = 32
@@ -65,8 +67,11 @@ for step in range(steps):
     if step == 0:
         report["bn_all_same_after_broadcast"] = same_everywhere(model.variables + opt.variables)
         report["bn_moving_stats"] = [v.path for v in model.non_trainable_variables]
+        sent = hvd.stats()["bytes_sent"]
     calls.append(hvd.stats()["control_calls"])
 report["bn_calls"] = calls
+report["bn_bytes_per_step"] = (hvd.stats()["bytes_sent"] - sent) / (steps - 1)
+report["bn_trainable_elements"] = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
 report["bn_trained_same"] = same_everywhere(model.trainable_variables + opt.variables)
 np.savez(f"{out_dir}/bn{hvd.rank()}.npz", *[np.asarray(v) for v in model.trainable_variables + opt.variables])
 
@@ -106,13 +111,28 @@ for step in range(steps):
     local_step(images[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH],
                labels[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH])
     calls.append(hvd.stats()["control_calls"])
+    if step == 0:
+        sent = hvd.stats()["bytes_sent"]
 after = hvd.stats()
 report["mlp_calls"] = calls
+report["mlp_bytes_per_step"] = (after["bytes_sent"] - sent) / (steps - 1)
+report["mlp_trainable_elements"] = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
 report["mlp_max_diff"] = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
                              for a, b in zip(model.trainable_variables, reference.trainable_variables))
 report["mlp_trained_same"] = same_everywhere(model.trainable_variables)
 report["mlp_extensions"] = after["extensions"] - before["extensions"]
-report["mlp_bytes_per_step"] = (after["bytes_sent"] - before["bytes_sent"]) / steps
+
+
+def finish():
+    report["stats"] = hvd.stats()
+    hvd.shutdown()
+    with open(f"{out_dir}/rank{report['rank']}.json", "w") as f:
+        json.dump(report, f)
+
+
+if parts == "training":
+    finish()
+    sys.exit(0)
 
 # --- 3. The collectives one by one, eager and in a graph.
 r, n = hvd.rank(), hvd.size()
@@ -147,7 +167,4 @@ try:
 except Exception as exc:  # noqa: BLE001 - reported
     report["mismatch"] = f"{type(exc).__module__}.{type(exc).__name__}: {exc}"
 report["after_mismatch_ok"] = hvd.allgather_object(r) == list(range(n))
-report["stats"] = hvd.stats()
-hvd.shutdown()
-with open(f"{out_dir}/rank{report['rank']}.json", "w") as f:
-    json.dump(report, f)
+finish()
