@@ -5,7 +5,8 @@ runs. Each collective call names a *tensor set*: its kind (allreduce with an
 op, broadcast from a root, allgather) and, per tensor, a name, shape and
 dtype. The first time a set is seen, every rank proposes it over the
 bootstrap channel; the proposals are compared (a difference fails on every
-rank with PlanMismatch naming the first differing tensor), and the plan is
+rank with PlanMismatch naming the first differing tensor; names are not
+compared, as Keras numbers layers per process), and the plan is
 extended: a new *generation*, the union of every set so far, connected as a
 fresh session on ports the ranks agreed on in the same exchange. Buffers are
 registered and addresses swapped once per generation; a set already in the
@@ -52,25 +53,30 @@ class TensorSet:
     analysis: Analysis | None = None
 
 
-def set_key(kind: str, op: str, names, arrays) -> tuple:
+def set_key(kind: str, op: str, arrays) -> tuple:
+    """What identifies a tensor set: kind, op, and each tensor's shape and dtype in
+    order (names do not: another model of the same shapes reuses the set)."""
     dims = (lambda a: a.shape[1:]) if kind == "allgather" else (lambda a: a.shape)
-    return (kind, op, tuple((n, tuple(dims(a)), np.dtype(a.dtype)) for n, a in zip(names, arrays)))
+    return (kind, op, tuple((tuple(dims(a)), np.dtype(a.dtype)) for a in arrays))
 
 
 def entries_of(kind: str, op: str, names, arrays) -> list[dict]:
     return [{"name": n, "op": f"{kind}:{op}" if op != "" else kind,
              "shape": ([None] if kind == "allgather" else []) + list(a.shape[1 if kind == "allgather" else 0:]),
-             "dtype": np.dtype(a.dtype).name} for n, a in zip(names, arrays)]
+             "dtype": np.dtype(a.dtype).name} for n, a in zip(names, arrays, strict=True)]
 
 
 def first_difference(proposals: list[list[dict]]) -> str | None:
-    """Where the ranks' proposed tensor lists first differ (None if they agree)."""
+    """Where the ranks' proposed tensor lists first differ (None if they agree).
+    Tensors match by position, op, shape and dtype; names only say which one it
+    is (they may differ: Keras numbers layers per process)."""
     mine = proposals[0]
     for rank, theirs in enumerate(proposals[1:], 1):
-        for a, b in zip(mine, theirs):
-            if a != b:
-                diff = "; ".join(f"{k}: {a.get(k)} vs {b.get(k)}" for k in a if a.get(k) != b.get(k))
-                return f"plan mismatch between rank 0 and rank {rank}: tensor {a['name']!r} differs ({diff})"
+        for a, b in zip(mine, theirs):  # noqa: B905 - lengths compared below
+            diff = "; ".join(f"{k}: {a[k]} vs {b[k]}" for k in ("op", "shape", "dtype") if a[k] != b[k])
+            if diff:
+                also = f" (rank {rank} calls it {b['name']!r})" if b["name"] != a["name"] else ""
+                return f"plan mismatch between rank 0 and rank {rank}: tensor {a['name']!r}{also} differs ({diff})"
         if len(mine) != len(theirs):
             owner, extra = (0, mine[len(theirs)]) if len(mine) > len(theirs) else (rank, theirs[len(mine)])
             return (f"plan mismatch between rank 0 and rank {rank}: tensor {extra['name']!r} is only in "
@@ -109,10 +115,10 @@ class Collectives:
         if self.size == 1:
             return []
         with self._lock:
-            keys = [set_key(k, op, names, arrays) for k, op, names, arrays in requests]
-            missing = [(key, req) for key, req in zip(keys, requests) if key not in self._sets]
+            keys = [set_key(k, op, arrays) for k, op, _, arrays in requests]
+            missing = {key: req for key, req in zip(keys, requests, strict=True) if key not in self._sets}
             if missing:
-                self._extend(missing)
+                self._extend(list(missing.items()))
             return [self._sets[key] for key in keys]
 
     def _extend(self, missing) -> None:
@@ -149,18 +155,18 @@ class Collectives:
         shapes = [tuple(e["shape"]) for e in ts.entries]
         dtypes = [np.dtype(e["dtype"]) for e in ts.entries]
         if ts.kind == "allreduce":
-            infos = [VarInfo(str(j), s, d, False, {}) for j, (s, d) in enumerate(zip(shapes, dtypes))]
+            infos = [VarInfo(str(j), s, d, False, {}) for j, (s, d) in enumerate(zip(shapes, dtypes, strict=True))]
             buckets = [replace(b, key=f"{prefix}/{b.key}") for b in buckets_of(infos, fusion=True)]
             ts.specs = [spec for spec, _ in ring_specs(buckets, n)]
             ts.analysis = Analysis(Plan(ts.specs), "allreduce", n, 0, infos, buckets=buckets)
         elif ts.kind == "broadcast":
             root = int(ts.op)
             ts.specs = [TensorSpec(f"{prefix}/b{j}/r{dst}", s, d, root, dst)
-                        for j, (s, d) in enumerate(zip(shapes, dtypes)) if 0 not in s
+                        for j, (s, d) in enumerate(zip(shapes, dtypes, strict=True)) if 0 not in s
                         for dst in range(n) if dst != root]
         else:
             ts.specs = [TensorSpec(f"{prefix}/g{j}/r{src}/r{dst}", s, d, src, dst, capacity=max(room[j], 64))
-                        for j, (s, d) in enumerate(zip(shapes, dtypes))
+                        for j, (s, d) in enumerate(zip(shapes, dtypes, strict=True))
                         for src in range(n) for dst in range(n) if src != dst]
 
     def _retire(self, session) -> None:
@@ -212,8 +218,9 @@ class Collectives:
     def allgather(self, names, arrays) -> list[np.ndarray]:
         """Every rank's arrays concatenated along the first dimension, in rank order
         (the first dimension may differ between ranks, the others may not)."""
-        if any(np.ndim(a) == 0 for a in arrays):
-            raise ValueError(f"allgather needs tensors of rank >= 1: {[n for n, a in zip(names, arrays) if not np.ndim(a)]}")
+        scalars = [n for n, a in zip(names, arrays, strict=True) if np.ndim(a) == 0]
+        if scalars:
+            raise ValueError(f"allgather needs tensors of rank >= 1, not scalars: {scalars}")
         if self.size == 1:
             return [_contiguous(a) for a in arrays]
         (ts,) = self.ensure([("allgather", "", names, arrays)])

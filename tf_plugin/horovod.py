@@ -92,7 +92,7 @@ def _through_numpy(fn, tensors: list, shapes: list, name: str) -> list:
         return [ingest.borrow(o, tally) for o in outs]
     outs = tf.numpy_function(lambda *arrays: fn(list(arrays)), tensors, [t.dtype for t in tensors],
                              stateful=True, name=name)
-    for o, shape in zip(outs, shapes):
+    for o, shape in zip(outs, shapes, strict=True):
         o.set_shape(shape)
     return list(outs)
 
@@ -102,12 +102,12 @@ def _allreduce_many(tensors, names, average: bool, compression) -> list:
     sent = [p[0] for p in packed]
     reduced = _through_numpy(lambda arrays: world().collectives.allreduce(names, arrays, average),
                              sent, [t.shape for t in sent], "rdmatensor_allreduce")
-    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, packed)]
+    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, packed, strict=True)]
 
 
 def _allgather_many(tensors, names) -> list:
     tensors = [tf.convert_to_tensor(t) for t in tensors]
-    for n, t in zip(names, tensors):
+    for n, t in zip(names, tensors, strict=True):
         if t.shape.rank == 0:
             raise ValueError(f"allgather of {n!r}: a scalar has no first dimension to concatenate")
     return _through_numpy(lambda arrays: world().collectives.allgather(names, arrays), tensors,
@@ -144,11 +144,12 @@ def reduce_gradients(grads, sources, compression=NoneCompressor, sparse_as_dense
     dense = [j for j, g in enumerate(flat) if g is not None and not isinstance(g, tf.IndexedSlices)]
     sparse = [j for j, g in enumerate(flat) if isinstance(g, tf.IndexedSlices)]
     if dense:
-        for j, r in zip(dense, _allreduce_many([flat[j] for j in dense], [names[j] for j in dense], average,
-                                               compression)):
+        reduced = _allreduce_many([flat[j] for j in dense], [names[j] for j in dense], average, compression)
+        for j, r in zip(dense, reduced, strict=True):
             out[j] = r
     if sparse:
-        for j, r in zip(sparse, _allgather_slices([flat[j] for j in sparse], [names[j] for j in sparse], average)):
+        gathered = _allgather_slices([flat[j] for j in sparse], [names[j] for j in sparse], average)
+        for j, r in zip(sparse, gathered, strict=True):
             out[j] = r
     return tf.nest.pack_sequence_as(grads, out)
 
@@ -248,5 +249,5 @@ def broadcast_variables(variables, root_rank: int):
                           [v.shape for v in values], "rdmatensor_broadcast_variables")
     if world().rank == root_rank:
         return None if tf.executing_eagerly() else tf.group(*outs)
-    assigns = [v.assign(o) for v, o in zip(variables, outs)]
+    assigns = [v.assign(o) for v, o in zip(variables, outs, strict=True)]
     return None if tf.executing_eagerly() else tf.group(*assigns)

@@ -54,7 +54,7 @@ def training_step(x, y, first_batch):
         loss_value = loss_fn(y, model(x, training=True))
     tape = hvd.DistributedGradientTape(tape, compression=hvd.Compression.fp16)
     grads = tape.gradient(loss_value, model.trainable_variables)
-    opt.apply_gradients(zip(grads, model.trainable_variables))
+    opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
     if first_batch:
         hvd.broadcast_variables(model.variables, root_rank=0)
         hvd.broadcast_variables(opt.variables, root_rank=0)
@@ -93,7 +93,7 @@ def dist_step(x, y):
     with tf.GradientTape() as tape:
         loss_value = loss_fn(y, model(x))
     grads = hvd.DistributedGradientTape(tape).gradient(loss_value, model.trainable_variables)
-    opt.apply_gradients(zip(grads, model.trainable_variables))
+    opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
     return loss_value
 
 
@@ -102,7 +102,7 @@ def local_step(x, y):
     with tf.GradientTape() as tape:
         loss_value = loss_fn(y, reference(x))
     ref_opt.apply_gradients(zip(tape.gradient(loss_value, reference.trainable_variables),
-                                reference.trainable_variables))
+                                reference.trainable_variables, strict=True))
 
 
 calls, before = [], hvd.stats()
@@ -118,7 +118,7 @@ report["mlp_calls"] = calls
 report["mlp_bytes_per_step"] = (after["bytes_sent"] - sent) / (steps - 1)
 report["mlp_trainable_elements"] = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
 report["mlp_max_diff"] = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-                             for a, b in zip(model.trainable_variables, reference.trainable_variables))
+                             for a, b in zip(model.trainable_variables, reference.trainable_variables, strict=True))
 report["mlp_trained_same"] = same_everywhere(model.trainable_variables)
 report["mlp_extensions"] = after["extensions"] - before["extensions"]
 

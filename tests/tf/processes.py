@@ -48,7 +48,7 @@ def run_workers(script: Path, n: int, provider: str, out_dir: Path, args=(), tim
         log.seek(0)
         outputs.append(log.read())
         log.close()
-    for rank, (p, out) in enumerate(zip(procs, outputs)):
+    for rank, (p, out) in enumerate(zip(procs, outputs, strict=True)):
         why = f"was killed: the job outlived {timeout:.0f} s" if timed_out and p.returncode < 0 else \
             f"exited with {p.returncode}"
         assert p.returncode == 0, f"rank {rank} {why}:\n{out[-6000:]}"
