@@ -53,11 +53,13 @@ class TensorSet:
     analysis: Analysis | None = None
 
 
-def set_key(kind: str, op: str, arrays) -> tuple:
-    """What identifies a tensor set: kind, op, and each tensor's shape and dtype in
-    order (names do not: another model of the same shapes reuses the set)."""
+def set_key(kind: str, op: str, names, arrays) -> tuple:
+    """What identifies a tensor set in this process: kind, op, and each tensor's
+    name, shape and dtype in order. Names make a set specific (a call that
+    differs from any before is proposed to every rank, so a difference between
+    ranks is seen there), though ranks need not agree on them."""
     dims = (lambda a: a.shape[1:]) if kind == "allgather" else (lambda a: a.shape)
-    return (kind, op, tuple((tuple(dims(a)), np.dtype(a.dtype)) for a in arrays))
+    return (kind, op, tuple((n, tuple(dims(a)), np.dtype(a.dtype)) for n, a in zip(names, arrays, strict=True)))
 
 
 def entries_of(kind: str, op: str, names, arrays) -> list[dict]:
@@ -115,7 +117,7 @@ class Collectives:
         if self.size == 1:
             return []
         with self._lock:
-            keys = [set_key(k, op, arrays) for k, op, _, arrays in requests]
+            keys = [set_key(k, op, names, arrays) for k, op, names, arrays in requests]
             missing = {key: req for key, req in zip(keys, requests, strict=True) if key not in self._sets}
             if missing:
                 self._extend(list(missing.items()))
@@ -256,7 +258,7 @@ class Collectives:
         with self._lock:
             current = self.session.stats() if self.session is not None else {}
             totals = {k: self._retired[k] + current.get(k, 0) for k in COUNTED}
-            return dict(totals, generations=self.generations, extensions=max(0, self.generations - 1),
+            return dict(totals, provider=current.get("provider"), generations=self.generations, extensions=max(0, self.generations - 1),
                         tensor_sets=len(self._order), tensors=len(self.session.plan) if self.session else 0,
                         plugin_copies=self.meter.copies, comm_seconds=self.meter.comm_seconds)
 

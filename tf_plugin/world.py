@@ -13,6 +13,7 @@ Where the job comes from:
 """
 from __future__ import annotations
 
+import atexit
 import enum
 import os
 import pickle
@@ -85,6 +86,7 @@ def init(model=None, provider: str | None = None, cluster: Cluster | None = None
         boot = Bootstrap(rank, peers, provider, token, timeout)
         hosts = [_host(a) for a in cluster.workers]
         _world = World(rank, size, *local_of(cluster), boot, Collectives(boot, hosts, provider, token, timeout))
+        atexit.register(shutdown)          # peers hear a goodbye, not a silence, when a script just ends
     if model is not None:
         from .horovod import plan_ahead
         plan_ahead(model)
@@ -144,11 +146,13 @@ def stats() -> dict:
     recvs, copies (the sessions'), plugin_copies, dynamic, grows, over every plan
     generation and the bootstrap channel; generations (sessions the growing plan
     connected), extensions (generations after the first), tensor_sets, tensors (in
-    the current plan), exchanges (bootstrap collectives: plan agreements, objects)."""
+    the current plan), exchanges (bootstrap collectives: plan agreements, objects),
+    provider (None in a job of one)."""
     w = world()
     out = w.collectives.stats()
     boot = w.bootstrap.stats()
     for k in ("control_calls", "bytes_sent", "bytes_received", "writes", "recvs", "copies", "dynamic", "grows"):
         out[k] += boot.get(k, 0)
     out["exchanges"] = w.bootstrap.exchanges
+    out["provider"] = out["provider"] or boot.get("provider")
     return out

@@ -50,6 +50,16 @@ def test_horovod_tape_script_on_two_processes(tmp_path):
         assert "shape: [2] vs [3]" in rep["mismatch"]
         s = rep["stats"]
         assert s["generations"] == s["tensor_sets"] and s["extensions"] == s["generations"] - 1
+        assert s["provider"] == "tcp"
+
+
+@pytest.mark.rdma
+def test_horovod_tape_script_over_verbs(rdma_port, tmp_path):
+    """The tape script's training part, over real RDMA (SoftRoCE in the VM under `make test`)."""
+    run_workers(SCRIPT, 2, "verbs", tmp_path, args=(3, "training"), timeout=600)
+    for rank, rep in enumerate(reports(tmp_path)):
+        check_training(rep, rank)
+        assert rep["stats"]["provider"] == "verbs"
 
 
 def test_single_process_job_without_tf_config(monkeypatch):

@@ -28,8 +28,8 @@ def test_keras_fit_with_distributed_optimizer_and_callbacks(tmp_path):
         calls = rep["calls"]
         assert calls[:steps] == [calls[0]] * steps and calls[steps:] == [calls[steps]] * (len(calls) - steps)
         # backward_passes_per_step=2: one update (and one collective) per two batches, ranks identical;
-        # the gradient set is the first model's (same shapes): only the broadcast set is new
+        # a new model: its broadcast and its gradients extend the plan once each
         assert rep["aggregated_iterations"] == steps // 2 and rep["aggregated_same"]
-        assert rep["aggregated_extensions"] == 1
+        assert rep["aggregated_extensions"] == 2
     assert reps[0]["checkpoint_matches"] is True
     assert (tmp_path / "ckpt.weights.h5").exists()
