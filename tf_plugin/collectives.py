@@ -258,8 +258,9 @@ class Collectives:
         with self._lock:
             current = self.session.stats() if self.session is not None else {}
             totals = {k: self._retired[k] + current.get(k, 0) for k in COUNTED}
-            return dict(totals, provider=current.get("provider"), generations=self.generations, extensions=max(0, self.generations - 1),
-                        tensor_sets=len(self._order), tensors=len(self.session.plan) if self.session else 0,
+            return dict(totals, provider=current.get("provider"), generations=self.generations,
+                        extensions=max(0, self.generations - 1), tensor_sets=len(self._order),
+                        tensors=len(self.session.plan) if self.session else 0,
                         plugin_copies=self.meter.copies, comm_seconds=self.meter.comm_seconds)
 
     def close(self) -> None:

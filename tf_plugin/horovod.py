@@ -210,7 +210,11 @@ def grouped_allreduce(tensors, average=None, device_dense: str = "", device_spar
     base = name or "allreduce"
     names = [base if len(tensors) == 1 else f"{base}/{j}" for j in range(len(tensors))]
     if any(isinstance(t, tf.IndexedSlices) for t in tensors):
-        return reduce_gradients(tensors, [types.SimpleNamespace(name=n) for n in names], compression, False, op)
+        out = reduce_gradients(tensors, [types.SimpleNamespace(name=n) for n in names], compression, False, op)
+        factor = prescale_factor * postscale_factor
+        return out if factor == 1.0 else [
+            tf.IndexedSlices(t.values * tf.cast(factor, t.values.dtype), t.indices, t.dense_shape)
+            if isinstance(t, tf.IndexedSlices) else t * tf.cast(factor, t.dtype) for t in out]
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if prescale_factor != 1.0:
         tensors = [t * tf.cast(prescale_factor, t.dtype) for t in tensors]

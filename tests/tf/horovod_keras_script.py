@@ -59,6 +59,10 @@ class Record(keras.callbacks.Callback):
 
 
 model = build(hvd.rank())
+generations = hvd.stats()["generations"]
+hvd.init(model)                                      # plan its gradients and variables ahead, in one exchange
+report = {"planned_ahead_generations": hvd.stats()["generations"] - generations}
+extensions = hvd.stats()["extensions"]
 local, seen = Record(), Record()
 callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), local, hvd.callbacks.MetricAverageCallback(),
              hvd.callbacks.LearningRateWarmupCallback(initial_lr=0.05 * hvd.size(), warmup_epochs=WARMUP, verbose=1),
@@ -67,11 +71,12 @@ if hvd.rank() == 0:                                  # checkpoints on rank 0 onl
     callbacks.append(keras.callbacks.ModelCheckpoint(os.path.join(out_dir, "ckpt.weights.h5"),
                                                      save_weights_only=True))
 history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, callbacks=callbacks, verbose=0, shuffle=False)
-report = {"rank": hvd.rank(), "size": hvd.size(), "history": history.history["loss"],
-          "local_losses": local.local, "all_local_losses": hvd.allgather_object(local.local),
-          "lrs": seen.lrs, "steps_per_epoch": len(seen.lrs) // EPOCHS, "calls": seen.calls,
-          "trained_same": same_everywhere(model.trainable_variables + model.optimizer.variables),
-          "iterations": int(model.optimizer.iterations)}
+report.update({"rank": hvd.rank(), "size": hvd.size(), "history": history.history["loss"],
+               "fit_extensions": hvd.stats()["extensions"] - extensions,
+               "local_losses": local.local, "all_local_losses": hvd.allgather_object(local.local),
+               "lrs": seen.lrs, "steps_per_epoch": len(seen.lrs) // EPOCHS, "calls": seen.calls,
+               "trained_same": same_everywhere(model.trainable_variables + model.optimizer.variables),
+               "iterations": int(model.optimizer.iterations)})
 if hvd.rank() == 0:
     restored = build(123)
     restored.load_weights(os.path.join(out_dir, "ckpt.weights.h5"))

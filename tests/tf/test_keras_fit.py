@@ -31,5 +31,8 @@ def test_keras_fit_with_distributed_optimizer_and_callbacks(tmp_path):
         # a new model: its broadcast and its gradients extend the plan once each
         assert rep["aggregated_iterations"] == steps // 2 and rep["aggregated_same"]
         assert rep["aggregated_extensions"] == 2
+        # hvd.init(model) planned the gradients ahead: fit only added the variables of model and
+        # optimizer (the callback's broadcast) and the metrics
+        assert rep["planned_ahead_generations"] == 1 and rep["fit_extensions"] == 2
     assert reps[0]["checkpoint_matches"] is True
     assert (tmp_path / "ckpt.weights.h5").exists()
