@@ -132,6 +132,9 @@ class Collectives:
             payload = json.dumps({"sets": proposal, "hints": hints, "port": reservation.port}).encode()
             got = [json.loads(raw) for raw in self.bootstrap.allgather("plan", payload)]
             problem = first_difference([[e for s in g["sets"] for e in s] for g in got])
+            if problem is None and any([len(s) for s in g["sets"]] != [len(s) for s in proposal] for g in got):
+                problem = (f"plan mismatch: the ranks group their tensors into different collectives "
+                           f"({[[len(s) for s in g['sets']] for g in got]} tensors per collective, by rank)")
             if problem:
                 raise PlanMismatch(problem)
             new = []
