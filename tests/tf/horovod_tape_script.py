@@ -1,7 +1,7 @@
 """A training script written for horovod.tensorflow (tape API): only the import
 line differs. Run as every worker of a job; writes what it saw to OUT_DIR.
 
-    python horovod_tape_script.py OUT_DIR [steps] [parts]    # parts: all (default) or training
+    python horovod_tape_script.py OUT_DIR [steps] [parts]    # parts: all (default), training or tape
 """
 import hashlib
 import json
@@ -73,7 +73,19 @@ report["bn_calls"] = calls
 report["bn_bytes_per_step"] = (hvd.stats()["bytes_sent"] - sent) / (steps - 1)
 report["bn_trainable_elements"] = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
 report["bn_trained_same"] = same_everywhere(model.trainable_variables + opt.variables)
-np.savez(f"{out_dir}/bn{hvd.rank()}.npz", *[np.asarray(v) for v in model.trainable_variables + opt.variables])
+
+
+def finish():
+    report["stats"] = hvd.stats()
+    hvd.shutdown()
+    with open(f"{out_dir}/rank{report['rank']}.json", "w") as f:
+        json.dump(report, f)
+
+
+if parts == "tape":
+    finish()
+    sys.exit(0)
+
 
 # --- 2. Two workers equal one process on the global batch: the same start on every rank (an eager
 # broadcast), each rank trains on its half; a local copy trains on the whole batch.
@@ -121,13 +133,6 @@ report["mlp_max_diff"] = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))
                              for a, b in zip(model.trainable_variables, reference.trainable_variables, strict=True))
 report["mlp_trained_same"] = same_everywhere(model.trainable_variables)
 report["mlp_extensions"] = after["extensions"] - before["extensions"]
-
-
-def finish():
-    report["stats"] = hvd.stats()
-    hvd.shutdown()
-    with open(f"{out_dir}/rank{report['rank']}.json", "w") as f:
-        json.dump(report, f)
 
 
 if parts == "training":

@@ -17,21 +17,26 @@ def reports(out_dir, n=2):
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(n)]
 
 
-def check_training(rep, rank):
+def check_tape(rep, rank):
     assert (rep["rank"], rep["size"], rep["local_rank"], rep["local_size"]) == (rank, 2, rank, 2)
     # BatchNorm model without an input shape, broadcast inside the first step's tf.function:
     # moving statistics and optimizer slots are rank 0's on every rank after it ...
     assert rep["bn_moving_stats"] and rep["bn_all_same_after_broadcast"]
     # ... and the ranks end with bit-identical trainable variables and optimizer state
-    assert rep["bn_trained_same"] and rep["mlp_trained_same"]
+    assert rep["bn_trained_same"]
     # fp16 compression: the ring moves half the bytes (plus alignment padding of the fused bucket)
     assert rep["bn_bytes_per_step"] < 0.7 * 4 * rep["bn_trainable_elements"]
+    # the first step extends the plan; from then on, no control call at all
+    assert rep["bn_calls"] == [rep["bn_calls"][0]] * len(rep["bn_calls"])
+
+
+def check_training(rep, rank):
+    check_tape(rep, rank)
+    assert rep["mlp_trained_same"]
     # no compression, 2 ranks: each rank sends exactly its model's bytes per step
     assert rep["mlp_bytes_per_step"] == 4 * rep["mlp_trainable_elements"]
     # two workers equal one process on the global batch
     assert rep["mlp_max_diff"] < 1e-5
-    # the first step extends the plan; from then on, no control call at all
-    assert rep["bn_calls"] == [rep["bn_calls"][0]] * len(rep["bn_calls"])
     assert rep["mlp_calls"] == [rep["mlp_calls"][0]] * len(rep["mlp_calls"])
     assert rep["mlp_extensions"] == 1
 
@@ -55,10 +60,11 @@ def test_horovod_tape_script_on_two_processes(tmp_path):
 
 @pytest.mark.rdma
 def test_horovod_tape_script_over_verbs(rdma_port, tmp_path):
-    """The tape script's training part, over real RDMA (SoftRoCE in the VM under `make test`)."""
-    run_workers(SCRIPT, 2, "verbs", tmp_path, args=(3, "training"), timeout=600)
+    """The tape script's in-graph part (BatchNorm, fp16, broadcast inside tf.function) over real
+    RDMA: SoftRoCE in the VM under `make test`, where each process imports TensorFlow in ~50 s."""
+    run_workers(SCRIPT, 2, "verbs", tmp_path, args=(3, "tape"), timeout=600)
     for rank, rep in enumerate(reports(tmp_path)):
-        check_training(rep, rank)
+        check_tape(rep, rank)
         assert rep["stats"]["provider"] == "verbs"
 
 
