@@ -103,3 +103,15 @@ def test_package_import_is_cheap_and_names_resolve():
             "assert not [n for n in hvd.__all__ if os.path.exists(os.path.join(here, n + '.py'))]; print('ok')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_local_rank_from_the_launcher_or_from_tf_config(monkeypatch):
+    from tf_plugin.cluster import Cluster
+    from tf_plugin.world import local_of
+    cluster = Cluster(("a:1", "b:2", "a:3", "a:4"), task_index=2)
+    monkeypatch.delenv("RDMATENSOR_LOCAL_RANK", raising=False)
+    monkeypatch.delenv("RDMATENSOR_LOCAL_SIZE", raising=False)
+    assert local_of(cluster) == (1, 3)               # the workers of TF_CONFIG on host "a"
+    monkeypatch.setenv("RDMATENSOR_LOCAL_RANK", "0")
+    monkeypatch.setenv("RDMATENSOR_LOCAL_SIZE", "1")
+    assert local_of(cluster) == (0, 1)               # what the launcher says wins
