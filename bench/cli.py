@@ -158,7 +158,8 @@ def _in_vm(argv: list[str], a) -> int:
         if value:
             argv = [os.path.abspath(value) if x == value else x for x in argv]
     print("rdmatensor-bench: verbs needs RDMA; running inside a SoftRoCE VM", file=sys.stderr)
-    return vm_run([sys.executable, "-m", "bench.cli", *argv, "--in-vm"], timeout=7200, shares=shares).returncode
+    command = [sys.executable, "-m", f"{__package__}.cli", *argv, "--in-vm"]
+    return vm_run(command, timeout=7200, shares=shares).returncode
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,7 +203,7 @@ def _measure(a, argv, points, setups, providers, skipped) -> int:
         span = len(points) + len(setups) + 1
         base = random.randint(20000, 32000 - 2 * span)
         a.peers = f"127.0.0.1:{base},127.0.0.1:{base + span}"
-        child = subprocess.Popen([sys.executable, "-m", "bench.cli", *argv, "--rank", "1", "--peers", a.peers,
+        child = subprocess.Popen([sys.executable, "-m", f"{__package__}.cli", *argv, "--rank", "1", "--peers", a.peers,
                                   "--providers", ",".join(providers), *(["--in-vm"] if a.in_vm else [])])
     device = _device() if "verbs" in providers and not a.no_references else None
     rows, setup_rows = [], []

@@ -181,7 +181,7 @@ def _step(s, rank: int, p: Point) -> Result | None:
     bufs = [s.buffer(n) for n in names]
 
     def step():
-        for n, b in zip(names, bufs):
+        for n, b in zip(names, bufs, strict=False):
             s.send(n, b)
         s.recv("ack").release()
     t0 = time.perf_counter()

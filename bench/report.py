@@ -77,7 +77,7 @@ def plot(path: str, rows: list[dict]) -> None:
             ax_bw.plot([b[0] for b in bw], [b[1] for b in bw], "o-", color=colors[provider], label=provider)
             refs = [(b[0], b[2]) for b in bw if b[2]]
             if refs:
-                ax_bw.plot(*zip(*refs), "--", color=colors[provider], alpha=0.6,
+                ax_bw.plot(*zip(*refs, strict=False), "--", color=colors[provider], alpha=0.6,
                            label=f"{provider} reference")
         lat = sorted((r["size"], r["lat_us"]["median"], (r.get("reference") or {}).get("lat_us"))
                      for r in rows if r["mode"] == "lat" and r["provider"] == provider)
@@ -85,7 +85,7 @@ def plot(path: str, rows: list[dict]) -> None:
             ax_lat.plot([x[0] for x in lat], [x[1] for x in lat], "o-", color=colors[provider], label=provider)
             refs = [(x[0], x[2]) for x in lat if x[2]]
             if refs:
-                ax_lat.plot(*zip(*refs), "--", color=colors[provider], alpha=0.6,
+                ax_lat.plot(*zip(*refs, strict=False), "--", color=colors[provider], alpha=0.6,
                             label=f"{provider} reference")
     for ax, title, ylabel in ((ax_bw, "bandwidth", "MB/s"), (ax_lat, "latency (half round trip, median)", "µs")):
         ax.set_xscale("log", base=2)

@@ -232,7 +232,7 @@ def variables_of(step) -> list[VarInfo]:
     """Trace the step's gradients: one VarInfo per trainable variable."""
     import tensorflow as tf
     infos, seen = [], set()
-    for v, g in zip(step.variables, step.traced_gradients()):
+    for v, g in zip(step.variables, step.traced_gradients(), strict=False):
         key = var_key(v)
         while key in seen:
             key += "_"
@@ -322,7 +322,7 @@ def analyze_pipeline(stages: dict, capacity: int | None = None) -> Analysis:
     for r in recvs:
         s = plan.specs.get(r.name)
         if s is None or s.src != r.src or s.dst != r.dst or s.dtype != r.dtype or len(s.shape) != len(r.shape) \
-                or any(a is not None and b is not None and a != b for a, b in zip(s.shape, r.shape)):
+                or any(a is not None and b is not None and a != b for a, b in zip(s.shape, r.shape, strict=False)):
             raise PlanError(f"recv {r.canonical()} matches no send (sent: {s.canonical() if s else 'nothing'})")
     workers = len(plan.ranks())
     return Analysis(plan, "pipeline", workers, 0, [], {s.name: "activation" for s in specs}, set())

@@ -31,9 +31,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from rdmatensor.providers import REGISTRY
+
 from .cluster import Cluster
 
-PROVIDERS = ("auto", "verbs", "shm", "tcp", "grpc", "tf-grpc")
+PROVIDERS = ("auto", *REGISTRY, "tf-grpc")
 IN_VM = "TF_PLUGIN_IN_VM"     # set on the command re-run inside the VM: never re-run twice
 
 

@@ -58,7 +58,7 @@ class RingAllReduce:
         members are 64-byte aligned views, fit for TensorFlow with no copy.
         Every ring step writes the chunks of all buckets before waiting for
         any: 2(N-1) round trips per step, however many buckets there are."""
-        by_key = {k: np.ascontiguousarray(a) for k, a in zip(keys, arrays)}
+        by_key = {k: np.ascontiguousarray(a) for k, a in zip(keys, arrays, strict=False)}
         flats = []
         for b in self.analysis.buckets:
             buf = self._fused.get(b.key)
@@ -72,7 +72,7 @@ class RingAllReduce:
         with self.meter.comm():
             outs = self._ring([b.key for b in self.analysis.buckets], flats, average)
         result = {}
-        for b, out in zip(self.analysis.buckets, outs):
+        for b, out in zip(self.analysis.buckets, outs, strict=False):
             for key, offset, n in b.members:
                 result[key] = out[offset:offset + n].reshape(self.shapes[key])
         return [result[k] if k in result else np.zeros_like(by_key[k]) for k in keys]
@@ -91,7 +91,7 @@ class RingAllReduce:
         outs = [ingest.aligned_empty(f.shape, f.dtype) for f in flats]
         live = [i for i, f in enumerate(flats) if f.size]
         if n == 1:
-            for f, o in zip(flats, outs):
+            for f, o in zip(flats, outs, strict=False):
                 np.copyto(o, f)
             return outs
         bounds = {i: [slice(lo, hi) for lo, hi in ring_bounds(flats[i].size, n)] for i in live}
@@ -145,7 +145,7 @@ class RingAllReduce:
             raise ValueError("the plan broadcasts from rank 0")
         keys = self._keys(variables, len(variables))
         with self.meter.comm():
-            for key, var in zip(keys, variables):
+            for key, var in zip(keys, variables, strict=False):
                 if self.size == 1 or 0 in var.shape:
                     continue
                 if self.rank == 0:
@@ -180,6 +180,6 @@ class RingGradientTape:
         keys = ring._keys(sources, len(grads))
         out = tf.numpy_function(lambda *a: ring.allreduce_arrays(keys, a), grads,
                                 [g.dtype for g in grads], stateful=True, name="rdmatensor_allreduce")
-        for o, g in zip(out, grads):
+        for o, g in zip(out, grads, strict=False):
             o.set_shape(g.shape)
         return out

@@ -67,7 +67,7 @@ def run_rank(cluster, config: dict, token: str | None = None) -> dict:
                 train_step = in_graph_step(model, opt, ring, models.loss_fn, models.input_specs(name))
                 loop = lambda k: result["losses"].append(float(train_step(*shard(k))))  # noqa: E731
             else:
-                apply = tf_function(lambda grads: opt.apply_gradients(zip(grads, step.variables)))
+                apply = tf_function(lambda grads: opt.apply_gradients(zip(grads, step.variables, strict=False)))
 
                 def loop(k):
                     loss, grads = step.grads(*shard(k))
@@ -116,7 +116,7 @@ def in_graph_step(model, opt, ring, loss_fn, signature):
         with tf.GradientTape() as tape:
             loss = loss_fn(y, model(x))
         grads = RingGradientTape(tape, ring).gradient(loss, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
+        opt.apply_gradients(zip(grads, model.trainable_variables, strict=False))
         return loss
     return train_step
 

@@ -44,7 +44,7 @@ def run_rank(cluster, config: dict) -> dict:
             loss = models.loss_fn(y, model(x))
             scaled = loss / n            # the optimizer sums gradients over replicas
         grads = tape.gradient(scaled, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
+        opt.apply_gradients(zip(grads, model.trainable_variables, strict=False))
         return loss
 
     @tf.function(input_signature=[x_spec, y_spec])

@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ..devices import active_port, list_devices
-from ..errors import DeviceError, RdmaTensorError, TransportError
+from ..devices import MTU_BYTES, MTU_ENUM, active_port, list_devices
+from ..errors import DeviceError, TransportError, UsageError, VerbsError
 
 try:
     import pyverbs.enums as ev
@@ -34,13 +34,6 @@ REMOTE_WRITE = ev.IBV_ACCESS_LOCAL_WRITE | ev.IBV_ACCESS_REMOTE_WRITE
 # Staging memory we send from: local access only.
 LOCAL_ONLY = ev.IBV_ACCESS_LOCAL_WRITE
 MAX_REGION = 4 << 30
-
-_MTU_ENUM = {256: 1, 512: 2, 1024: 3, 2048: 4, 4096: 5}
-
-
-class VerbsError(TransportError):
-    """A verbs call or a work completion failed."""
-
 
 @dataclass(frozen=True)
 class RcParams:
@@ -110,9 +103,9 @@ class RcEndpoint:
     def register(self, array: np.ndarray, access: int = REMOTE_WRITE) -> MR:
         """Register a C-contiguous array's memory (kept alive by the caller)."""
         if not array.flags.c_contiguous:
-            raise RdmaTensorError("only C-contiguous memory can be registered")
+            raise UsageError("only C-contiguous memory can be registered")
         if array.nbytes == 0 or array.nbytes > MAX_REGION:
-            raise RdmaTensorError(f"a region must hold 1 byte to 4 GiB, not {array.nbytes}")
+            raise UsageError(f"a region must hold 1 byte to 4 GiB, not {array.nbytes}")
         try:
             mr = MR(self.pd, array.nbytes, access, address=array.ctypes.data)
         except (PyverbsError, PyverbsRDMAError) as exc:
@@ -131,15 +124,15 @@ class RcEndpoint:
 
     # -- connection -------------------------------------------------------
     def params(self) -> RcParams:
-        return RcParams(self.qp.qp_num, self.psn, str(self.gid), 256 << (self.active_mtu - 1))
+        return RcParams(self.qp.qp_num, self.psn, str(self.gid), MTU_BYTES[self.active_mtu])
 
     def connect(self, remote: RcParams) -> None:
-        mtu = min(remote.mtu, 256 << (self.active_mtu - 1))
+        mtu = min(remote.mtu, MTU_BYTES[self.active_mtu])
         attr = QPAttr(port_num=self.port)
         attr.qp_access_flags = REMOTE_WRITE
         gr = GlobalRoute(dgid=GID(remote.gid), sgid_index=self.gid_index)
         attr.ah_attr = AHAttr(gr=gr, is_global=1, port_num=self.port)
-        attr.path_mtu = _MTU_ENUM[mtu]
+        attr.path_mtu = MTU_ENUM[mtu]
         attr.dest_qp_num = remote.qpn
         attr.rq_psn = remote.psn
         attr.sq_psn = self.psn
@@ -165,8 +158,8 @@ class RcEndpoint:
     def post_write(self, mr: MR, addr: int, length: int, remote: RemoteRegion, remote_offset: int,
                    imm: int | None = None, wr_id: int = 0) -> None:
         if remote_offset < 0 or remote_offset + length > remote.length:
-            raise RdmaTensorError(f"write of {length} bytes at offset {remote_offset} is outside "
-                                  f"the {remote.length}-byte remote region")
+            raise TransportError(f"write of {length} bytes at offset {remote_offset} is outside "
+                                 f"the {remote.length}-byte remote region")
         sge = SGE(addr, length, mr.lkey)
         opcode = ev.IBV_WR_RDMA_WRITE if imm is None else ev.IBV_WR_RDMA_WRITE_WITH_IMM
         wr = SendWR(wr_id=wr_id, opcode=opcode, num_sge=1, sg=[sge],

@@ -5,8 +5,9 @@ into the peer's registered receive arena: the receiver's CPU only sees the
 immediate. Credits go back as one-byte SENDs with an immediate. One RC queue
 pair per peer.
 
-Writes are posted, not waited for: a completion handle is returned, and the
-send queue is bounded by a semaphore. Completions are reaped by whichever
+Writes are posted, not waited for: write() returns a completion handle that
+the session waits for only before it reuses the staging memory the write
+reads, and the send queue is bounded by a semaphore. Completions are reaped by whichever
 thread calls progress(): a thread waiting for a tensor polls the CQ itself
 (no hand-off between threads on the fast path), and a background poller
 catches everything else.
@@ -21,11 +22,12 @@ import numpy as np
 
 from ..errors import PeerLost, TransportError
 from ..memory import Arena
-from .base import Channel
+from .base import Capabilities, Channel
 
 try:
     from .rc_endpoint import (LOCAL_ONLY, REMOTE_WRITE, RcEndpoint, RcParams, RemoteRegion,
                               completion_error, is_receive)
+    from ..devices import MTU_ENUM
     _IMPORT_ERROR = None
 except Exception as exc:  # noqa: BLE001 - reported by viable()
     _IMPORT_ERROR = exc
@@ -44,18 +46,21 @@ class Completion:
 
 class VerbsChannel(Channel):
     name = "verbs"
-    needs_registered_source = True
+    capabilities = Capabilities(needs_registered_source=True, posted_writes=True)
 
     @classmethod
     def viable(cls) -> tuple[bool, str]:
         if _IMPORT_ERROR is not None:
             return False, str(_IMPORT_ERROR)
-        from ..devices import active_port
+        from ..devices import active_port, list_devices
         found = active_port()
-        if not found:
-            return False, ("no RDMA device with an ACTIVE port (use `rdmatensor softroce vm`, or "
-                           "`rdmatensor softroce up` where the kernel has rdma_rxe)")
-        return True, f"{found[0].name} port {found[1].number}"
+        if found:
+            dev, port = found
+            return True, f"{dev.name} port {port.number} ACTIVE ({port.link_layer})"
+        if list_devices(gids=False):
+            return False, "RDMA devices present but no port is ACTIVE"
+        return False, ("no RDMA device (run inside `rdmatensor softroce vm`, "
+                       "or `rdmatensor softroce up` where the kernel has rdma_rxe)")
 
     def __init__(self, *args, max_incoming: int = 128, **kwargs):
         super().__init__(*args, **kwargs)
@@ -104,7 +109,7 @@ class VerbsChannel(Channel):
                               str(peer_params["gid"]), int(peer_params["mtu"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise TransportError(f"peer {self.peer} sent unusable verbs parameters: {exc!r}") from exc
-        if remote.mtu not in (256, 512, 1024, 2048, 4096):
+        if remote.mtu not in MTU_ENUM:
             raise TransportError(f"peer {self.peer} sent an invalid path MTU {remote.mtu}")
         self.ep.connect(remote)
         self._poller = threading.Thread(target=self._poll_loop, daemon=True,
@@ -138,15 +143,13 @@ class VerbsChannel(Channel):
                 raise
         return done
 
-    def write(self, region_id: int, offset: int, src: np.ndarray, imm: int, wait: bool = True):
+    def write(self, region_id: int, offset: int, src: np.ndarray, imm: int) -> Completion:
+        """Post the write and return its handle: `src` stays in use until wait(handle)."""
         desc = self.check_remote(region_id, offset, src.nbytes)
         mr = self._source_mr(src)
         remote = RemoteRegion(int(desc["addr"]), int(desc["size"]), int(desc["key"]))
-        done = self._post(lambda wr_id: self.ep.post_write(
+        return self._post(lambda wr_id: self.ep.post_write(
             mr, src.ctypes.data, src.nbytes, remote, offset, imm=imm, wr_id=wr_id))
-        if wait:
-            self.wait(done)
-        return done
 
     def notify(self, imm: int) -> None:
         self._post(lambda wr_id: self.ep.post_send_imm(imm, wr_id=wr_id))
@@ -180,8 +183,18 @@ class VerbsChannel(Channel):
                     event.wait(min(deadline - now, 0.0005))
         return True
 
-    def progress(self) -> bool:
-        """Reap completions if no other thread is; True if any were found."""
+    def progress(self, block_for: float = 0.0) -> bool:
+        """Reap completions if no other thread is; True if any were found. A
+        completion queue without a completion channel has nothing to block on:
+        `block_for` is spent polling."""
+        deadline = time.monotonic() + block_for
+        while True:
+            found = self._reap()
+            if found or time.monotonic() >= deadline:
+                return found
+            time.sleep(0)
+
+    def _reap(self) -> bool:
         if threading.current_thread() is not self._poller:
             self._last_inline = time.monotonic()
         if not self._poll_lock.acquire(blocking=False):

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..transport.ranks import free_ports
+from ..support.ranks import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 
