@@ -55,7 +55,14 @@ def local_of(cluster: Cluster) -> tuple[int, int]:
     """(local rank, local size): the launcher's environment, else this host's workers in TF_CONFIG."""
     env_rank, env_size = os.environ.get("RDMATENSOR_LOCAL_RANK"), os.environ.get("RDMATENSOR_LOCAL_SIZE")
     if env_rank is not None and env_size is not None:
-        return int(env_rank), int(env_size)
+        try:
+            local_rank, local_size = int(env_rank), int(env_size)
+        except ValueError:
+            local_rank = local_size = -1
+        if not 0 <= local_rank < local_size:
+            raise UsageError(f"RDMATENSOR_LOCAL_RANK={env_rank!r}, RDMATENSOR_LOCAL_SIZE={env_size!r}: "
+                             f"expected integers with 0 <= local rank < local size")
+        return local_rank, local_size
     mine = _host(cluster.workers[cluster.rank])
     here = [r for r, a in enumerate(cluster.workers) if _host(a) == mine]
     return here.index(cluster.rank), len(here)

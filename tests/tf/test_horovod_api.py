@@ -115,3 +115,6 @@ def test_local_rank_from_the_launcher_or_from_tf_config(monkeypatch):
     monkeypatch.setenv("RDMATENSOR_LOCAL_RANK", "0")
     monkeypatch.setenv("RDMATENSOR_LOCAL_SIZE", "1")
     assert local_of(cluster) == (0, 1)               # what the launcher says wins
+    monkeypatch.setenv("RDMATENSOR_LOCAL_RANK", "2")
+    with pytest.raises(Exception, match="RDMATENSOR_LOCAL_RANK='2'"):
+        local_of(cluster)
