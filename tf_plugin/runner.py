@@ -26,7 +26,7 @@ DEFAULTS = dict(mode="allreduce", model="mlp", provider="auto", steps=20, seed=0
 def run_rank(cluster, config: dict, token: str | None = None) -> dict:
     from rdmatensor import connect
     from . import models
-    from .allreduce import RingAllReduce
+    from .ring import RingAllReduce
     from .analyzer import analyze
     from .meter import Meter
     from .ps import ParameterServer, PSWorker
@@ -109,13 +109,13 @@ def in_graph_step(model, opt, ring, loss_fn, signature):
     numpy_function holds one of TensorFlow's inter-op threads, and ranks sharing
     a process (and its pool of as many threads as cores) can starve each other."""
     import tensorflow as tf
-    from .allreduce import DistributedGradientTape
+    from .ring import RingGradientTape
 
     @tf.function(input_signature=signature)
     def train_step(x, y):
         with tf.GradientTape() as tape:
             loss = loss_fn(y, model(x))
-        grads = DistributedGradientTape(tape, ring).gradient(loss, model.trainable_variables)
+        grads = RingGradientTape(tape, ring).gradient(loss, model.trainable_variables)
         opt.apply_gradients(zip(grads, model.trainable_variables, strict=False))
         return loss
     return train_step
