@@ -17,7 +17,8 @@ Every rank runs CMD with, in its environment:
 Ranks fill the hosts in order (-H a:2,b:2: ranks 0-1 on a, 2-3 on b), workers
 first, then parameter servers; each gets a port below the ephemeral range.
 Local ranks run in their own process group; remote ones through
-`ssh -o BatchMode=yes HOST 'cd CWD && exec env VAR=... CMD'`.
+`ssh -o BatchMode=yes HOST sh -c SCRIPT`, a script that runs CMD with its
+variables in CWD and stops it when the ssh connection ends (remote_script).
 
 Every line a rank prints (stdout or stderr) is copied whole to the same
 stream of the launcher, prefixed with `[rank] `. When a rank fails, the
@@ -147,12 +148,32 @@ def rank_env(placements: Sequence[Placement], me: Placement, token: str, provide
     return env
 
 
+def remote_script(env: dict[str, str], command: Sequence[str], cwd: str, grace: float = 5.0) -> str:
+    """The POSIX shell script a remote host runs for one rank.
+
+    The rank runs in its own session (setsid), and a watcher waits for the
+    end of its standard input, which is the ssh connection: when the launcher
+    closes it or the ssh client dies, the watcher stops the rank's process
+    group (SIGTERM, SIGKILL after `grace`), so nothing outlives the job there
+    either. The script exits with the rank's status."""
+    run = "exec env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())) + " " + shlex.join(command)
+    # A background list reads /dev/null unless redirected: the watcher reads the connection as fd 3.
+    return (f"cd {shlex.quote(cwd)} || exit 127\n"
+            "exec 3<&0\n"
+            f"setsid sh -c {shlex.quote(run)} </dev/null 3<&- & rank=$!\n"
+            f"(while read -r _; do :; done; kill -TERM -$rank; sleep {grace:g}; kill -KILL -$rank) "
+            "<&3 >/dev/null 2>&1 &\n"
+            "watcher=$!\n"
+            "wait $rank; status=$?\n"
+            "kill $watcher 2>/dev/null\n"
+            "exit $status\n")
+
+
 def ssh_command(host: str, env: dict[str, str], command: Sequence[str], cwd: str,
-                ssh_port: int | None = None) -> list[str]:
-    """The ssh command line that runs `command` on `host` with `env`, in `cwd`."""
-    remote = (f"cd {shlex.quote(cwd)} && exec env "
-              + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())) + " " + shlex.join(command))
-    return ["ssh", "-o", "BatchMode=yes", *(["-p", str(ssh_port)] if ssh_port else []), host, remote]
+                ssh_port: int | None = None, grace: float = 5.0) -> list[str]:
+    """The ssh command line that runs `command` on `host` with `env`, in `cwd` (see remote_script)."""
+    return ["ssh", "-o", "BatchMode=yes", *(["-p", str(ssh_port)] if ssh_port else []), host,
+            "sh -c " + shlex.quote(remote_script(env, command, cwd, grace))]
 
 
 # ----------------------------------------------------------------- the job
@@ -214,7 +235,7 @@ class Job:
         if p.local:
             return list(self.command), dict(os.environ, **env)
         env.update({k: os.environ[k] for k in self.forward if k in os.environ})
-        return ssh_command(p.host, env, self.command, os.getcwd(), self.ssh_port), None
+        return ssh_command(p.host, env, self.command, os.getcwd(), self.ssh_port, self.grace), None
 
     def start(self) -> bool:
         """Start every rank; False (the ones started are stopped) when one cannot start."""
@@ -223,7 +244,9 @@ class Job:
         for p in self.placements:
             argv, env = self.argv_of(p)
             try:
-                self.started.append((p, subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
+                # a remote rank lives as long as its ssh's standard input stays open (remote_script)
+                stdin = subprocess.DEVNULL if p.local else subprocess.PIPE
+                self.started.append((p, subprocess.Popen(argv, env=env, stdin=stdin,
                                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                                          start_new_session=True, preexec_fn=_die_with_parent)))
             except OSError as exc:
@@ -284,6 +307,8 @@ class Job:
         for _, proc in self.started:
             _signal_group(proc.pid, signal.SIGKILL)     # leftovers in a finished rank's group
             proc.wait()
+            if proc.stdin:
+                proc.stdin.close()
         for r in self.readers:
             r.join(timeout=2.0)
 

@@ -4,6 +4,7 @@ The ranks here are small plain Python scripts (no TensorFlow): the launcher is
 what is tested, with real processes, signals and process groups."""
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -224,7 +225,12 @@ def test_hosts_fill_in_order_with_local_ranks_and_ssh_for_remote_hosts():
     cmd = run.ssh_command("node1", {"A": "x y", "B": "it's"}, ["python", "train.py", "--lr", "0.1"], "/data/my job",
                           ssh_port=2222)
     assert cmd[:6] == ["ssh", "-o", "BatchMode=yes", "-p", "2222", "node1"] and len(cmd) == 7
-    assert cmd[6] == ("cd '/data/my job' && exec env A='x y' B='it'\"'\"'s' python train.py --lr 0.1")
+    script_text = run.remote_script({"A": "x y", "B": "it's"}, ["python", "train.py", "--lr", "0.1"], "/data/my job")
+    assert cmd[6] == "sh -c " + shlex.quote(script_text)
+    assert script_text.startswith("cd '/data/my job' || exit 127\n")
+    setsid, sh, dash_c, rank_command = shlex.split(script_text.splitlines()[2])[:4]
+    assert (setsid, sh, dash_c) == ("setsid", "sh", "-c")
+    assert shlex.split(rank_command) == ["exec", "env", "A=x y", "B=it's", "python", "train.py", "--lr", "0.1"]
     job = run.Job(placements, ["python", "train.py"], provider="tcp", forward=["FORWARDED_VAR"], token="tok")
     os.environ["FORWARDED_VAR"] = "1"
     try:
@@ -235,3 +241,44 @@ def test_hosts_fill_in_order_with_local_ranks_and_ssh_for_remote_hosts():
     assert "FORWARDED_VAR=1" in argv[4] and "RDMATENSOR_TOKEN=tok" in argv[4] and "PYTHONUNBUFFERED=1" in argv[4]
     argv, env_local = job.argv_of(placements[0])
     assert argv == ["python", "train.py"] and env_local["RDMATENSOR_PROVIDER"] == "tcp"
+
+
+def remote_rank(tmp_path, body: str, env=None):
+    """A rank started the way a remote host starts it (the ssh remote script, run by sh
+    here instead of sshd), its standard input standing for the ssh connection."""
+    text = run.remote_script(env or {"RANK_VAR": "r1"}, [sys.executable, script(tmp_path, "remote.py", body)],
+                             str(tmp_path), grace=1)
+    return subprocess.Popen(["sh", "-c", text], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_remote_script_runs_the_rank_in_its_directory_with_its_variables_and_status(tmp_path):
+    proc = remote_rank(tmp_path, """
+        import os, sys
+        print(os.getcwd(), os.environ["RANK_VAR"])
+        sys.exit(3)
+    """)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 3 and out.split() == [str(tmp_path), "r1"]
+
+
+def test_remote_rank_stops_when_its_connection_ends(tmp_path):
+    """Closing the connection (the launcher stopping, or the ssh client dying) stops the
+    rank's whole process group on the remote host."""
+    pids = tmp_path / "pids"
+    proc = remote_rank(tmp_path, f"""
+        import os, subprocess, time
+        child = subprocess.Popen(["sleep", "60"])
+        open({str(pids)!r}, "w").write(f"{{os.getpid()}} {{child.pid}}")
+        time.sleep(60)
+    """)
+    deadline = time.monotonic() + 20
+    while not pids.exists() or len(pids.read_text().split()) < 2:
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    proc.stdin.close()
+    proc.wait(timeout=20)
+    assert time.monotonic() - t0 < 5 and proc.returncode == 128 + signal.SIGTERM
+    for pid in map(int, pids.read_text().split()):
+        assert gone(pid), f"process {pid} outlived its connection"
