@@ -282,3 +282,14 @@ def test_remote_rank_stops_when_its_connection_ends(tmp_path):
     assert time.monotonic() - t0 < 5 and proc.returncode == 128 + signal.SIGTERM
     for pid in map(int, pids.read_text().split()):
         assert gone(pid), f"process {pid} outlived its connection"
+
+
+@pytest.mark.vm
+def test_softroce_vm_runs_every_rank_in_one_vm_with_an_active_rdma_port(vm_ready):
+    probe = ("import os; from rdmatensor.devices import active_port; "
+             "print(os.environ['RDMATENSOR_RANK'], os.environ['RDMATENSOR_PROVIDER'], active_port()[0].name)")
+    proc, _ = launcher("-np", "2", "--provider", "verbs", "--softroce-vm", "--timeout", "120",
+                       sys.executable, "-c", probe, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(x for x in proc.stdout.splitlines() if x.startswith("[")) == ["[0] 0 verbs rxe0",
+                                                                                "[1] 1 verbs rxe0"]
