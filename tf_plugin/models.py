@@ -12,8 +12,8 @@ threads, so every rank builds the same initial weights):
 - embed: 16 token ids (vocabulary 1000) -> embedding 16 -> mean -> 10; its
          embedding gradient is sparse, with a dynamic number of rows
 
-Real models (built after keras.utils.set_random_seed(seed), the global RNG:
-the trainers broadcast rank 0's weights, or the parameter servers own them):
+Real models (built after keras.utils.set_random_seed(seed), the global RNG,
+one build at a time so that ranks sharing a process build the same weights):
 
 - resnet50, vgg16, densenet121, mobilenetv2: keras.applications, weights=None,
   10 classes, image_size x image_size x 3 synthetic images (default 32)
@@ -23,6 +23,8 @@ the trainers broadcast rank 0's weights, or the parameter servers own them):
          embedding gradient is sparse (the rows of the batch's tokens)
 """
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 
@@ -34,6 +36,7 @@ IMAGE_SAMPLES = 256           # 154 MB of images at 224 x 224
 MIN_IMAGE_SIZE = 32           # the smallest input keras.applications accepts
 VOCAB = 1000
 LM_VOCAB, LM_SEQ, LM_DIM, LM_HEADS, LM_FF, LM_BLOCKS = 8000, 32, 128, 4, 512, 2
+_GLOBAL_RNG = threading.Lock()    # seeding and drawing from Keras' global RNG, one build at a time
 
 
 def _init(seed: int, i: int):
@@ -45,13 +48,13 @@ def build(name: str, seed: int = 0, image_size: int = 32):
     """A built Keras model (explicit layer names; seeded)."""
     import keras
     L = keras.layers
-    if name in APPLICATIONS:
-        keras.utils.set_random_seed(seed)
-        return getattr(keras.applications, APPLICATIONS[name])(
-            weights=None, input_shape=(image_size, image_size, 3), classes=10)
-    if name == "lm":
-        keras.utils.set_random_seed(seed)
-        return _transformer_lm()
+    if name in APPLICATIONS or name == "lm":
+        with _GLOBAL_RNG:
+            keras.utils.set_random_seed(seed)
+            if name == "lm":
+                return _transformer_lm()
+            return getattr(keras.applications, APPLICATIONS[name])(
+                weights=None, input_shape=(image_size, image_size, 3), classes=10)
     if name == "mlp":
         layers = [keras.Input((784,), name="x"),
                   L.Dense(64, activation="relu", kernel_initializer=_init(seed, 0), name="hidden"),

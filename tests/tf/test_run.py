@@ -147,14 +147,19 @@ def test_a_rank_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path):
     assert seconds < 15 and gone(int(pidfile.read_text()))
 
 
-def test_timeout_stops_every_rank_with_status_124(tmp_path):
+def sleeper(tmp_path):
+    """A rank that records its pid, then sleeps for a minute; (script, pid file)."""
     pids = tmp_path / "pids"
-    body = script(tmp_path, "sleep.py", f"""
+    return script(tmp_path, "sleep.py", f"""
         import os, time
         with open({str(pids)!r}, "a") as f:
             f.write(f"{{os.getpid()}}\\n")
         time.sleep(60)
-    """)
+    """), pids
+
+
+def test_timeout_stops_every_rank_with_status_124(tmp_path):
+    body, pids = sleeper(tmp_path)
     proc, seconds = launcher("-np", "2", "--timeout", "2", sys.executable, body)
     assert proc.returncode == 124, proc.stderr
     assert "did not finish within its 2 s timeout (--timeout)" in proc.stderr
@@ -163,13 +168,7 @@ def test_timeout_stops_every_rank_with_status_124(tmp_path):
 
 
 def test_sigterm_to_the_launcher_stops_the_ranks(tmp_path):
-    pids = tmp_path / "pids"
-    body = script(tmp_path, "sleep.py", f"""
-        import os, time
-        with open({str(pids)!r}, "a") as f:
-            f.write(f"{{os.getpid()}}\\n")
-        time.sleep(60)
-    """)
+    body, pids = sleeper(tmp_path)
     proc = subprocess.Popen([*LAUNCHER, "-np", "2", sys.executable, body], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 20
