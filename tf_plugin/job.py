@@ -251,20 +251,16 @@ class Row:
     provider: str
     summary: Summary
     efficiency: float | None      # floor (none) median step time / this median step time
-    vs_tf: float | None           # this steps/s over TensorFlow's own (tf-grpc)
-    vs_baseline: float | None     # this steps/s over the first baseline in the run (tf-grpc, else grpc)
+    ratio: float | None           # this steps/s over the baseline's
 
 
 def compare(summaries: list[Summary]) -> tuple[str | None, list[Row]]:
-    """Rows side by side: the scaling efficiency against `none` and the ratio to
-    TensorFlow's own strategy, each where that backend ran in the same run."""
+    """Rows side by side: the scaling efficiency against `none` (when it ran) and
+    steps/s over the baseline: TensorFlow's own strategy (tf-grpc), else
+    rdmatensor's gRPC baseline, whichever ran in the same run."""
     by = {s.provider: s for s in summaries}
-    floor, tf = by.get("none"), by.get("tf-grpc")
+    floor = by.get("none")
     baseline = next((b for b in ("tf-grpc", "grpc") if b in by), None)
-    rows = []
-    for s in summaries:
-        eff = floor.median_step_ms / s.median_step_ms if floor and s.median_step_ms else None
-        vs_tf = s.steps_per_s / tf.steps_per_s if tf and tf.steps_per_s else None
-        base = by[baseline].steps_per_s if baseline else 0.0
-        rows.append(Row(s.provider, s, eff, vs_tf, s.steps_per_s / base if base else None))
-    return baseline, rows
+    base = by[baseline].steps_per_s if baseline else 0.0
+    return baseline, [Row(s.provider, s, floor.median_step_ms / s.median_step_ms if floor and s.median_step_ms
+                          else None, s.steps_per_s / base if base else None) for s in summaries]

@@ -49,10 +49,12 @@ def test_summary_and_comparison_arithmetic():
     baseline, rows = compare([floor, shm, tf])
     assert baseline == "tf-grpc"
     by = {r.provider: r for r in rows}
-    assert by["shm"].efficiency == pytest.approx(0.8) and by["shm"].vs_tf == pytest.approx(3.2)
-    assert by["tf-grpc"].efficiency == pytest.approx(0.25) and by["tf-grpc"].vs_tf == pytest.approx(1.0)
-    _, alone = compare([shm])
-    assert alone[0].efficiency is None and alone[0].vs_tf is None
+    assert by["shm"].efficiency == pytest.approx(0.8) and by["shm"].ratio == pytest.approx(3.2)
+    assert by["tf-grpc"].efficiency == pytest.approx(0.25) and by["tf-grpc"].ratio == pytest.approx(1.0)
+    grpc = job("grpc", 250.0)
+    assert compare([shm, grpc])[0] == "grpc" and compare([shm, grpc])[1][0].ratio == pytest.approx(2.0)
+    baseline, alone = compare([shm])
+    assert baseline is None and alone[0].efficiency is None and alone[0].ratio is None
 
 
 def test_floor_beside_tcp_in_one_run(tmp_path, close_to_reference):
