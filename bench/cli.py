@@ -5,6 +5,8 @@ gRPC and with each provider's physical reference, in one run.
     rdmatensor-bench bw --providers verbs    # verbs here has no RDMA: runs in a SoftRoCE VM
     rdmatensor-bench lat --sizes 8,4K --seconds 2 --json out.json --plot out.png
     rdmatensor-bench step --step-tensors 20x256K,4x4M
+    rdmatensor-bench step --model resnet50   # a real model's gradient set (bench/model_grads.json)
+    rdmatensor-bench paper --json paper.json # one-sided writes against gRPC and an RDMA-optimized RPC
     # across two machines, like perftest (same command on both, rank 1 first):
     rdmatensor-bench bw --providers verbs --rank 1 --peers HOST0:47500,HOST1:47500
     rdmatensor-bench bw --providers verbs --rank 0 --peers HOST0:47500,HOST1:47500
@@ -12,7 +14,9 @@ gRPC and with each provider's physical reference, in one run.
 Modes: lat (ping-pong; half the round trip: min, median, p99, max), bw (a
 window of writes in flight; MB/s, Gb/s, messages/s), step (a training step's
 tensors per iteration), setup (connect cost against the number of tensors),
-all (lat, bw and setup). Every row carries its ratio to gRPC and to its
+all (lat, bw and setup), paper (lat, bw and real models' steps for verbs,
+verbs-rpc and grpc on one SoftRoCE device, with the research paper's two
+ratios: one-sided over gRPC, one-sided over RDMA-optimized RPC). Every row carries its ratio to gRPC and to its
 reference (perftest for verbs, memcpy for shm, raw sockets for tcp).
 """
 from __future__ import annotations
@@ -26,7 +30,7 @@ from dataclasses import asdict
 
 from rdmatensor.providers import NAMES, provider_class
 
-from . import report
+from . import model_grads, report
 from .points import Point, run_point
 from .references import reference
 from .setup_cost import run_setup
@@ -36,6 +40,10 @@ DEFAULT_BW_SIZES = "8,64,512,4K,32K,256K,1M,4M,16M,64M"
 DEFAULT_LAT_SIZES = "8,64,512,4K,32K,256K,1M"
 DEFAULT_STEP = "8x4K,8x64K,4x1M,2x4M"      # a small model's gradients
 DEFAULT_SETUP = "10,100,1000,10000"
+PAPER_PROVIDERS = "verbs,verbs-rpc,grpc"
+PAPER_LAT_SIZES = "8,4K,64K,1M"
+PAPER_BW_SIZES = "4K,64K,1M,4M,16M"
+PAPER_MODELS = ("resnet50", "vgg16", "densenet121", "lstm_lm")
 
 
 def parse_size(text: str) -> int:
@@ -68,8 +76,9 @@ def parse_step(text: str) -> tuple:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rdmatensor-bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", nargs="?", default="all", choices=("all", "lat", "bw", "step", "setup"))
-    p.add_argument("--providers", default=",".join(NAMES), help="comma-separated (default %(default)s)")
+    p.add_argument("mode", nargs="?", default="all", choices=("all", "lat", "bw", "step", "setup", "paper"))
+    p.add_argument("--providers", help=f"comma-separated (default {','.join(NAMES)}; "
+                                       f"paper: {PAPER_PROVIDERS})")
     p.add_argument("--sizes", type=parse_sizes, help=f"bw sizes (default {DEFAULT_BW_SIZES})")
     p.add_argument("--lat-sizes", type=parse_sizes, help=f"lat sizes (default {DEFAULT_LAT_SIZES}; "
                                                           "--sizes sets both when only it is given)")
@@ -78,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-iters", type=int, default=100000)
     p.add_argument("--step-tensors", type=parse_step, default=parse_step(DEFAULT_STEP),
                    help=f"step mode: COUNTxSIZE,... (default {DEFAULT_STEP})")
+    p.add_argument("--model", choices=model_grads.names(),
+                   help="step mode: the gradient set of this model instead of --step-tensors")
     p.add_argument("--setup-counts", default=DEFAULT_SETUP, help="setup mode: tensor counts")
     p.add_argument("--setup-bytes", type=parse_size, default=parse_size("1K"), help="bytes per tensor (setup)")
     p.add_argument("--no-references", action="store_true", help="skip perftest/memcpy/socket references")
@@ -104,8 +115,16 @@ def points_for(a, providers: list[str]) -> list[Point]:
     if a.mode in ("all", "bw"):
         pts += [Point("bw", pr, s, checksum=c, **common) for s in bw_sizes for pr in providers for c in crcs]
     if a.mode == "step":
-        pts += [Point("step", pr, sum(a.step_tensors), tensors=a.step_tensors, checksum=c, **common)
+        tensors = model_grads.tensor_sizes(a.model) if a.model else a.step_tensors
+        pts += [Point("step", pr, sum(tensors), tensors=tensors, checksum=c, model=a.model or "", **common)
                 for pr in providers for c in crcs]
+    if a.mode == "paper":
+        pts += [Point("lat", pr, s, **common) for s in parse_sizes(PAPER_LAT_SIZES) for pr in providers]
+        pts += [Point("bw", pr, s, **common) for s in parse_sizes(PAPER_BW_SIZES) for pr in providers]
+        for model in PAPER_MODELS:       # whole steps of real models: one warm-up, a few measured
+            tensors = model_grads.tensor_sizes(model)
+            pts += [Point("step", pr, sum(tensors), tensors=tensors, model=model, seconds=a.seconds,
+                          warmup=1, max_iters=a.max_iters) for pr in providers]
     return pts
 
 
@@ -158,12 +177,14 @@ def _in_vm(argv: list[str], a) -> int:
         if value:
             argv = [os.path.abspath(value) if x == value else x for x in argv]
     print("rdmatensor-bench: verbs needs RDMA; running inside a SoftRoCE VM", file=sys.stderr)
-    return vm_run([sys.executable, "-m", "bench.cli", *argv, "--in-vm"], timeout=7200, shares=shares).returncode
+    command = [sys.executable, "-m", f"{__package__}.cli", *argv, "--in-vm"]
+    return vm_run(command, timeout=7200, shares=shares).returncode
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = build_parser().parse_args(argv)
+    a.providers = a.providers or (PAPER_PROVIDERS if a.mode == "paper" else ",".join(NAMES))
     asked = [x.strip() for x in a.providers.split(",") if x.strip()]
     unknown = [x for x in asked if x not in NAMES]
     if unknown:
@@ -171,8 +192,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     providers, skipped = _viable(asked)
-    explicit_verbs = "verbs" in asked and a.providers != ",".join(NAMES)
-    if not a.in_vm and a.rank is None and "verbs" in skipped and (a.softroce_vm or explicit_verbs):
+    explicit_verbs = any(n.startswith("verbs") for n in asked) and a.providers != ",".join(NAMES)
+    needs_vm = any(n.startswith("verbs") for n in skipped)
+    if not a.in_vm and a.rank is None and needs_vm and (a.softroce_vm or explicit_verbs):
         return _in_vm(argv, a)
     for name, why in skipped.items():
         print(f"rdmatensor-bench: skipping {name}: {why}", file=sys.stderr)
@@ -202,7 +224,7 @@ def _measure(a, argv, points, setups, providers, skipped) -> int:
         span = len(points) + len(setups) + 1
         base = random.randint(20000, 32000 - 2 * span)
         a.peers = f"127.0.0.1:{base},127.0.0.1:{base + span}"
-        child = subprocess.Popen([sys.executable, "-m", "bench.cli", *argv, "--rank", "1", "--peers", a.peers,
+        child = subprocess.Popen([sys.executable, "-m", f"{__package__}.cli", *argv, "--rank", "1", "--peers", a.peers,
                                   "--providers", ",".join(providers), *(["--in-vm"] if a.in_vm else [])])
     device = _device() if "verbs" in providers and not a.no_references else None
     rows, setup_rows = [], []
@@ -234,6 +256,9 @@ def _measure(a, argv, points, setups, providers, skipped) -> int:
     _ratios(rows)
     targets = evaluate_targets(rows, setup_rows)
     print(report.table(rows))
+    if a.mode == "paper":
+        print()
+        print(report.paper_table(rows))
     if setup_rows:
         print()
         print(report.setup_table(setup_rows))
@@ -254,17 +279,24 @@ def _measure(a, argv, points, setups, providers, skipped) -> int:
 
 
 def _ratios(rows: list[dict]) -> None:
+    """Each row against the baselines measured at the same point (gRPC, and the
+    RDMA-optimized RPC when it ran): above 1 means faster than the baseline."""
     def key(r):
-        return r["mode"], r["size"]
-    grpc = {key(r): r for r in rows if r["provider"] == "grpc"}
+        return r["mode"], r["size"], r.get("extra", {}).get("model", "")
+    for baseline in ("grpc", "verbs-rpc"):
+        base = {key(r): r for r in rows if r["provider"] == baseline}
+        field = "ratio_to_" + baseline.replace("-", "_")
+        for r in rows:
+            b = base.get(key(r))
+            if r["mode"] == "lat":     # kept as a time ratio: below 1 is faster
+                r[field] = r["lat_us"]["median"] / b["lat_us"]["median"] if b else None
+            else:
+                r[field] = r["mb_per_s"] / b["mb_per_s"] if b else None
     for r in rows:
-        g = grpc.get(key(r))
         ref = r.get("reference") or {}
         if r["mode"] == "lat":
-            r["ratio_to_grpc"] = r["lat_us"]["median"] / g["lat_us"]["median"] if g else None
             r["ratio_to_reference"] = (r["lat_us"]["median"] / ref["lat_us"]) if ref.get("lat_us") else None
         else:
-            r["ratio_to_grpc"] = r["mb_per_s"] / g["mb_per_s"] if g else None
             r["ratio_to_reference"] = (r["mb_per_s"] / ref["mb_per_s"]) if ref.get("mb_per_s") else None
 
 

@@ -28,6 +28,7 @@ class Point:
     warmup: int = 5
     max_iters: int = 100000
     checksum: bool = False       # CRC32 on every tensor (Plan(checksum=True))
+    model: str = ""              # step mode: the model whose gradient set `tensors` is
 
     @property
     def label(self) -> str:
@@ -181,7 +182,7 @@ def _step(s, rank: int, p: Point) -> Result | None:
     bufs = [s.buffer(n) for n in names]
 
     def step():
-        for n, b in zip(names, bufs):
+        for n, b in zip(names, bufs, strict=False):
             s.send(n, b)
         s.recv("ack").release()
     t0 = time.perf_counter()
@@ -197,4 +198,5 @@ def _step(s, rank: int, p: Point) -> Result | None:
     total = sum(samples)
     return Result("step", p.provider, p.size, iters, lat_us=_lat_stats(samples),
                   mb_per_s=p.size * iters / total / 1e6, gb_per_s=p.size * iters * 8 / total / 1e9,
-                  msg_per_s=len(names) * iters / total, extra={"tensors": len(names)})
+                  msg_per_s=len(names) * iters / total,
+                  extra={"tensors": len(names), **({"model": p.model} if p.model else {})})

@@ -1,6 +1,7 @@
 """Output: a perftest-like table, JSON (schema in the README), a PNG plot."""
 from __future__ import annotations
 
+import functools
 import json
 import platform
 import time
@@ -17,33 +18,80 @@ def _f(x, fmt=".1f"):
     return "-" if x is None else format(x, fmt)
 
 
+def _latency(key: str, r: dict) -> str:
+    return f"{r['lat_us'][key]:.1f}"
+
+
+def _reference(r: dict, field: str) -> str:
+    ref = r.get("reference") or {}
+    return (ref.get("name", "") + " " + _f(ref.get(field))) if ref else "-"
+
+
+# (heading, width, cell) per column; a width below zero aligns left.
+_LAT_COLUMNS = [
+    ("provider", -9, lambda r: r["provider"]), ("size", 7, lambda r: human(r["size"])),
+    ("iters", 7, lambda r: r["iterations"]),
+    *[(k, 9, functools.partial(_latency, k)) for k in ("min", "median", "p99", "max")],
+    ("x grpc", 7, lambda r: _f(r.get("ratio_to_grpc"), ".3f")), ("reference", 16, lambda r: _reference(r, "lat_us")),
+    ("x ref", 6, lambda r: _f(r.get("ratio_to_reference"), ".2f"))]
+_BW_COLUMNS = [
+    ("mode", -5, lambda r: r["mode"]), ("provider", -9, lambda r: r["provider"]),
+    ("size", 7, lambda r: human(r["size"])), ("iters", 7, lambda r: r["iterations"]),
+    ("MB/s", 10, lambda r: f"{r['mb_per_s']:.1f}"), ("Gb/s", 8, lambda r: f"{r['gb_per_s']:.3f}"),
+    ("msg/s", 10, lambda r: f"{r['msg_per_s']:.0f}"), ("x grpc", 7, lambda r: _f(r.get("ratio_to_grpc"), ".2f")),
+    ("reference", 20, lambda r: _reference(r, "mb_per_s")),
+    ("x ref", 6, lambda r: _f(r.get("ratio_to_reference"), ".2f")), ("copies", 6, lambda r: r.get("copies", 0))]
+
+
+def _render(columns, rows: list[dict]) -> list[str]:
+    def line(cells):
+        return " ".join(f"{str(c):<{-w}}" if w < 0 else f"{str(c):>{w}}" for c, (_, w, _) in zip(cells, columns,
+                                                                                                  strict=True))
+    return [line([h for h, _, _ in columns])] + [line([cell(r) for _, _, cell in columns]) for r in rows]
+
+
 def table(rows: list[dict]) -> str:
     out = []
     lat = [r for r in rows if r["mode"] == "lat"]
     if lat:
-        out.append("latency: half round trip, microseconds")
-        out.append(f"{'provider':8} {'size':>7} {'iters':>7} {'min':>9} {'median':>9} {'p99':>9} {'max':>9}"
-                   f" {'x grpc':>7} {'reference':>16} {'x ref':>6}")
-        for r in lat:
-            ref = r.get("reference") or {}
-            out.append(f"{r['provider']:8} {human(r['size']):>7} {r['iterations']:>7} "
-                       f"{r['lat_us']['min']:>9.1f} {r['lat_us']['median']:>9.1f} {r['lat_us']['p99']:>9.1f} "
-                       f"{r['lat_us']['max']:>9.1f} {_f(r.get('ratio_to_grpc'), '.3f'):>7} "
-                       f"{(ref.get('name', '') + ' ' + _f(ref.get('lat_us'))) if ref else '-':>16} "
-                       f"{_f(r.get('ratio_to_reference'), '.2f'):>6}")
+        out += ["latency: half round trip, microseconds", *_render(_LAT_COLUMNS, lat)]
     bw = [r for r in rows if r["mode"] in ("bw", "step")]
     if bw:
-        out.append("")
-        out.append("bandwidth")
-        out.append(f"{'mode':5} {'provider':8} {'size':>7} {'iters':>7} {'MB/s':>10} {'Gb/s':>8} {'msg/s':>10}"
-                   f" {'x grpc':>7} {'reference':>20} {'x ref':>6} {'copies':>6}")
-        for r in bw:
-            ref = r.get("reference") or {}
-            out.append(f"{r['mode']:5} {r['provider']:8} {human(r['size']):>7} {r['iterations']:>7} "
-                       f"{r['mb_per_s']:>10.1f} {r['gb_per_s']:>8.3f} {r['msg_per_s']:>10.0f} "
-                       f"{_f(r.get('ratio_to_grpc'), '.2f'):>7} "
-                       f"{(ref.get('name', '') + ' ' + _f(ref.get('mb_per_s'))) if ref else '-':>20} "
-                       f"{_f(r.get('ratio_to_reference'), '.2f'):>6} {r.get('copies', 0):>6}")
+        out += ["", "bandwidth", *_render(_BW_COLUMNS, bw)]
+    return "\n".join(out)
+
+
+def paper_table(rows: list[dict]) -> str:
+    """The research paper's two comparisons: each one-sided provider's speed-up
+    over gRPC and over the RDMA-optimized RPC (verbs-rpc), point by point."""
+    baselines = ("grpc", "verbs-rpc")
+    fast = sorted({r["provider"] for r in rows if r["provider"] not in baselines})
+    points: dict = {}
+    for r in rows:
+        label = r.get("extra", {}).get("model") or human(r["size"])
+        points.setdefault((r["mode"], label), {})[r["provider"]] = r
+
+    def figure(r):
+        return r["lat_us"]["median"] if r["mode"] == "lat" else r["mb_per_s"]
+
+    providers = fast + [b for b in baselines if any(b in p for p in points.values())]
+    head = f"{'mode':5} {'point':>11} " + " ".join(f"{p:>10}" for p in providers)
+    for f in fast:
+        head += " " + " ".join(f"{f + '/' + b:>16}" for b in baselines if b in providers)
+    out = ["speed-up of one-sided writes (lat: us, half round trip; bw and step: MB/s;",
+           "speed-up = baseline time / provider time, above 1 is faster)", head]
+    for (mode, label), by in points.items():
+        line = f"{mode:5} {label:>11} " + " ".join(f"{_f(figure(by[p]) if p in by else None):>10}"
+                                                   for p in providers)
+        for f in fast:
+            for b in (b for b in baselines if b in providers):
+                if f in by and b in by:
+                    x, y = figure(by[f]), figure(by[b])
+                    speedup = y / x if mode == "lat" else x / y
+                    line += f" {speedup:>15.2f}x"
+                else:
+                    line += f" {'-':>16}"
+        out.append(line)
     return "\n".join(out)
 
 
@@ -69,24 +117,19 @@ def plot(path: str, rows: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (ax_bw, ax_lat) = plt.subplots(1, 2, figsize=(12, 4.5))
-    colors = {"verbs": "tab:red", "shm": "tab:green", "tcp": "tab:blue", "grpc": "tab:gray"}
-    for provider in colors:
-        bw = sorted((r["size"], r["mb_per_s"], (r.get("reference") or {}).get("mb_per_s"))
-                    for r in rows if r["mode"] == "bw" and r["provider"] == provider)
-        if bw:
-            ax_bw.plot([b[0] for b in bw], [b[1] for b in bw], "o-", color=colors[provider], label=provider)
-            refs = [(b[0], b[2]) for b in bw if b[2]]
+    colors = {"verbs": "tab:red", "verbs-rpc": "tab:orange", "shm": "tab:green", "tcp": "tab:blue",
+              "grpc": "tab:gray"}
+    for provider, color in colors.items():
+        for ax, mode, value, ref_field in ((ax_bw, "bw", lambda r: r["mb_per_s"], "mb_per_s"),
+                                           (ax_lat, "lat", lambda r: r["lat_us"]["median"], "lat_us")):
+            points = sorted((r["size"], value(r), (r.get("reference") or {}).get(ref_field))
+                            for r in rows if r["mode"] == mode and r["provider"] == provider)
+            if not points:
+                continue
+            ax.plot([p[0] for p in points], [p[1] for p in points], "o-", color=color, label=provider)
+            refs = [(p[0], p[2]) for p in points if p[2]]
             if refs:
-                ax_bw.plot(*zip(*refs), "--", color=colors[provider], alpha=0.6,
-                           label=f"{provider} reference")
-        lat = sorted((r["size"], r["lat_us"]["median"], (r.get("reference") or {}).get("lat_us"))
-                     for r in rows if r["mode"] == "lat" and r["provider"] == provider)
-        if lat:
-            ax_lat.plot([x[0] for x in lat], [x[1] for x in lat], "o-", color=colors[provider], label=provider)
-            refs = [(x[0], x[2]) for x in lat if x[2]]
-            if refs:
-                ax_lat.plot(*zip(*refs), "--", color=colors[provider], alpha=0.6,
-                            label=f"{provider} reference")
+                ax.plot(*zip(*refs, strict=True), "--", color=color, alpha=0.6, label=f"{provider} reference")
     for ax, title, ylabel in ((ax_bw, "bandwidth", "MB/s"), (ax_lat, "latency (half round trip, median)", "µs")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")

@@ -23,17 +23,17 @@ import time
 
 import numpy as np
 
-from rdmatensor.providers.rc_endpoint import LOCAL_ONLY, RcEndpoint, RcParams, RemoteRegion
+from rdmatensor.providers.rc_endpoint import LOCAL_ONLY, RECV_BATCH, RcEndpoint, RcParams, RemoteRegion, is_receive
 
 IMM = 0x5EED0001
 DEADLINE = 60.0
 
 
-def _wait(ep, wr_id):
+def _wait(ep, wanted):
     end = time.monotonic() + DEADLINE
     while time.monotonic() < end:
         for wc in ep.poll():
-            if wc.wr_id == wr_id:
+            if wanted(wc):
                 return wc
         time.sleep(0.0002)
     raise TimeoutError(f"no completion within {DEADLINE:.0f} s")
@@ -50,7 +50,7 @@ def server(port, size):
     with RcEndpoint() as ep, socket.create_server(("0.0.0.0", port)) as lsock:
         buf = np.zeros(size, dtype=np.uint8)
         mr = ep.register(buf)
-        ep.post_recv(wr_id=1)
+        ep.post_recv(RECV_BATCH)      # receives go in batches; the write consumes one
         lsock.settimeout(DEADLINE)
         conn, _ = lsock.accept()
         region = ep.remote_region(buf, mr)
@@ -59,7 +59,7 @@ def server(port, size):
         ep.connect(RcParams(**peer["rc"]))
         f.write("ready\n")
         f.flush()
-        wc = _wait(ep, 1)
+        wc = _wait(ep, is_receive)
         f.write("done\n")
         f.flush()
         conn.close()
@@ -87,7 +87,7 @@ def client(host, port, size, seed):
         remote = RemoteRegion(peer["addr"], peer["length"], peer["rkey"])
         t0 = time.perf_counter()
         ep.post_write(mr, data.ctypes.data, size, remote, 0, imm=IMM, wr_id=7)
-        _wait(ep, 7)
+        _wait(ep, lambda wc: wc.wr_id == 7)
         seconds = time.perf_counter() - t0
         if f.readline().strip() != "done":
             raise RuntimeError("server did not confirm")

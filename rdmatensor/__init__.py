@@ -6,14 +6,15 @@
         with session.recv("grad/w") as view: ...      # on rank 0: read-only, zero-copy
 """
 from .control.service import TlsConfig
-from .errors import (AuthenticationError, IntegrityError, PeerLost, PlanError, PlanMismatch, ProviderUnavailable,
-                     RdmaTensorError, RecvTimeout, TensorMismatch, TransportError, UnknownTensor,
-                     UsageError)
+from .errors import (AuthenticationError, BadRequest, CreditViolation, IntegrityError, PeerLost, PlanError,
+                     PlanMismatch, ProviderUnavailable, RdmaTensorError, RecvTimeout, RefusedWrite, RemoteError,
+                     SendTimeout, TensorMismatch, Timeout, TransportError, UnknownTensor, UsageError)
 from .plan import Plan, TensorSpec
 from .session import Received, Session, connect
 
 __version__ = "0.1.0"
 __all__ = ["Plan", "TensorSpec", "connect", "Session", "Received", "TlsConfig", "RdmaTensorError",
            "PlanError", "PlanMismatch", "TensorMismatch", "UnknownTensor", "AuthenticationError",
-           "PeerLost", "IntegrityError", "TransportError", "UsageError", "RecvTimeout", "ProviderUnavailable",
+           "PeerLost", "TransportError", "RemoteError", "RefusedWrite", "IntegrityError", "CreditViolation",
+           "BadRequest", "UsageError", "Timeout", "SendTimeout", "RecvTimeout", "ProviderUnavailable",
            "__version__"]

@@ -2,11 +2,18 @@
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+# Held while a device context or completion channel is opened, so the event
+# descriptor each one adds to the process can be told apart (rc_endpoint).
+CONTEXT_LOCK = threading.Lock()
+
 SYSFS = Path("/sys/class/infiniband")
-_MTU_BYTES = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}
+# Path MTUs: verbs' enum (IBV_MTU_256 = 1 ... IBV_MTU_4096 = 5) <-> bytes. The one table.
+MTU_BYTES = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}
+MTU_ENUM = {nbytes: enum for enum, nbytes in MTU_BYTES.items()}
 
 
 @dataclass
@@ -57,9 +64,9 @@ def _active_mtus(name: str) -> dict[int, int]:
     except ImportError:
         return {}
     try:
-        with Context(name=name) as ctx:
+        with CONTEXT_LOCK, Context(name=name) as ctx:
             nports = ctx.query_device().phys_port_cnt
-            return {p: _MTU_BYTES.get(ctx.query_port(p).active_mtu) for p in range(1, nports + 1)}
+            return {p: MTU_BYTES.get(ctx.query_port(p).active_mtu) for p in range(1, nports + 1)}
     except Exception:  # noqa: BLE001 - a device we cannot open is still listed
         return {}
 
@@ -113,31 +120,9 @@ def active_port() -> tuple[Device, Port] | None:
 
 
 def provider_viability() -> dict[str, tuple[bool, str]]:
-    """Which data providers can run here, and why not where not."""
-    result = {}
-    try:
-        import pyverbs  # noqa: F401
-        found = active_port()
-        if found:
-            dev, port = found
-            result["verbs"] = (True, f"{dev.name} port {port.number} ACTIVE ({port.link_layer})")
-        elif list_devices():
-            result["verbs"] = (False, "RDMA devices present but no port is ACTIVE")
-        else:
-            result["verbs"] = (False, "no RDMA device (run inside `rdmatensor softroce vm`, "
-                                      "or `rdmatensor softroce up` where the kernel has rdma_rxe)")
-    except ImportError:
-        result["verbs"] = (False, "pyverbs is not importable (install python3-pyverbs and use a "
-                                  "virtualenv made with --system-site-packages)")
-    shm_ok = os.access("/dev/shm", os.W_OK)
-    result["shm"] = (shm_ok, "peers on this host share /dev/shm" if shm_ok else "/dev/shm is not writable")
-    result["tcp"] = (True, "sockets are always available")
-    try:
-        import grpc  # noqa: F401
-        result["grpc"] = (True, "grpcio installed (baseline)")
-    except ImportError:
-        result["grpc"] = (False, "grpcio is not installed")
-    return result
+    """Which data providers can run here, and why not where not (each provider says)."""
+    from .providers import REGISTRY
+    return {name: info.viable() for name, info in REGISTRY.items()}
 
 
 def as_dict(devices: list[Device]) -> list[dict]:

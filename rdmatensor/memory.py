@@ -14,7 +14,7 @@ import stat
 
 import numpy as np
 
-from .errors import UsageError
+from .errors import ForeignSegment, UsageError
 from .plan import MAX_ARENA_BYTES, Slot
 
 PAGE = mmap.PAGESIZE
@@ -35,9 +35,9 @@ def _map_shared(name: str, size: int, create: bool) -> mmap.mmap:
         else:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                raise UsageError(f"{name} is not a shared segment of this user")
+                raise ForeignSegment(f"{name} is not a shared segment of this user")
             if st.st_size < size:
-                raise UsageError(f"shared segment {name} holds {st.st_size} bytes, expected {size}")
+                raise ForeignSegment(f"shared segment {name} holds {st.st_size} bytes, expected {size}")
         return mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
     finally:
         os.close(fd)
@@ -109,7 +109,7 @@ class MappedArena:
 
     def __init__(self, name: str, size: int):
         if "/" in name or not name.startswith("rdmatensor-"):
-            raise UsageError(f"{name!r} is not an rdmatensor segment name")
+            raise ForeignSegment(f"{name!r} is not an rdmatensor segment name")
         self._map = _map_shared(name, size, create=False)
         self.size = size
         self.buf = np.frombuffer(self._map, dtype=np.uint8, count=size)

@@ -97,7 +97,7 @@ class TensorSpec:
 
     def matches(self, array: np.ndarray) -> bool:
         return array.dtype == self.dtype and len(array.shape) == len(self.shape) and all(
-            want is None or want == got for want, got in zip(self.shape, array.shape))
+            want is None or want == got for want, got in zip(self.shape, array.shape, strict=False))
 
     def canonical(self) -> dict:
         return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype.str,
@@ -196,7 +196,7 @@ class Plan:
     def first_difference(self, other_specs: list[dict]) -> str:
         """Name the first tensor on which this plan and a peer's disagree."""
         mine = [s.canonical() for s in self.specs.values()]
-        for a, b in zip(mine, other_specs):
+        for a, b in zip(mine, other_specs, strict=False):
             if a != b:
                 diff = [k for k in a if a.get(k) != b.get(k)]
                 return f"tensor {a['name']!r} differs ({', '.join(diff)}: {a} vs {b})"

@@ -1,5 +1,7 @@
 """Run the whole test suite and report it as one.
 
+0. lint:  ruff over the tree (pyproject.toml's [tool.ruff]); unclean code fails the run
+          before any test starts;
 1. host:  every test not marked `rdma`, natively (including the `vm` tests,
           which boot SoftRoCE VMs themselves);
 2. rdma:  the tests marked `rdma`, natively where this host has an ACTIVE
@@ -11,7 +13,6 @@ Ends with one line: `total: N passed, N failed, N skipped`.
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import time
@@ -58,6 +59,11 @@ def main() -> int:
             suites.append(("rdma", [py, "-m", "rdmatensor", "softroce", "vm", "--share", str(results),
                                     "--", *pytest_rdma],
                            "inside a SoftRoCE VM (this host has no ACTIVE RDMA port)"))
+
+    print("=== lint: ruff check", flush=True)
+    if subprocess.run([py, "-m", "ruff", "check", "."], cwd=ROOT).returncode != 0:
+        print("=== lint failed: fix what ruff reports (no test ran)", flush=True)
+        return 1
 
     ok = True
     summary = []

@@ -1,7 +1,6 @@
 """Host-side checks that need no RDMA: the CLI, host SoftRoCE errors, the initramfs."""
 import gzip
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +9,7 @@ import pytest
 
 from rdmatensor import softroce
 from rdmatensor.errors import SoftRoceError
+from rdmatensor.providers import REGISTRY
 from rdmatensor.softroce import initramfs
 
 
@@ -21,7 +21,7 @@ def test_devices_json_lists_every_provider():
     res = rdmatensor("devices", "--json")
     assert res.returncode == 0, res.stderr
     info = json.loads(res.stdout)
-    assert set(info["providers"]) == {"verbs", "shm", "tcp", "grpc"}
+    assert set(info["providers"]) == set(REGISTRY)
     for name, p in info["providers"].items():
         assert isinstance(p["viable"], bool) and p["reason"], name
     assert info["providers"]["tcp"]["viable"]

@@ -10,7 +10,7 @@ def test_slots_are_aligned_and_disjoint():
     plan = Plan([TensorSpec(f"t{i}", (i + 1, 3), np.float32, 0, 1) for i in range(50)]
                 + [TensorSpec("d", (None,), np.int8, 0, 1)])
     slots = sorted(plan.pairs[(0, 1)].slots, key=lambda s: s.offset)
-    for a, b in zip(slots, slots[1:]):
+    for a, b in zip(slots, slots[1:], strict=False):
         assert a.offset % ALIGN == 0 and a.offset + a.size <= b.offset
     assert plan.slots["t9"].size >= 10 * 3 * 4
     assert plan.slots["d"].size >= plan.specs["d"].header_bytes() + 4096

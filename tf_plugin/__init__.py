@@ -1,17 +1,48 @@
 """TensorFlow distributed-training plugin built on rdmatensor.
 
-One concept per module (importing this package does not import TensorFlow):
+`import tf_plugin as hvd` gives horovod.tensorflow's API (init, rank, size,
+DistributedGradientTape, broadcast_variables, allreduce, ...); `import
+tf_plugin.keras as hvd` gives horovod.tensorflow.keras'. The names are
+loaded on first use: importing this package does not import TensorFlow.
+
+One concept per module:
 
     cluster     TF_CONFIG -> Cluster (ranks: workers, then parameter servers)
+    world       this process in the job: init, rank, size, local rank, objects, stats (no TensorFlow)
+    bootstrap   small objects between the workers, before any tensor plan
+    collectives the plan grown from the tensor sets the job calls, and allreduce/broadcast/allgather
+    horovod     horovod.tensorflow's tensor API: DistributedGradientTape, broadcast_variables, ...
+    keras       horovod.tensorflow.keras: DistributedOptimizer, callbacks
     models      demo models (mlp, cnn, embed), synthetic data, single-process reference
     step        the traced loss-and-gradients function the analyzer and trainers share
     analyzer    analyze(model | tf.function, mode, workers, ps) -> Analysis(plan, explain())
     ingest      received slot -> tf.Tensor with no copy (DLPack); when the slot is released
     ops         send(tensor, name, dst) / recv(name, src, dtype, shape) inside tf.function
     ps          parameter-server training (PSWorker, ParameterServer)
-    allreduce   ring all-reduce; DistributedGradientTape, broadcast_variables (Horovod-like)
+    allreduce   the ring all-reduce over an analyzed plan (RingAllReduce)
     meter       time in communication, copies made by the plugin
     runner      one rank (run_rank), or all ranks as threads (run_threads); summaries
     tf_baseline TensorFlow's MultiWorkerMirroredStrategy on the same model, for comparison
     launch      the rdmatensor-train command (python -m tf_plugin.launch)
 """
+import importlib
+
+_WORLD = ("init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "broadcast_object",
+          "allgather_object", "stats", "Average", "Sum", "ReduceOp")
+_HOROVOD = ("DistributedGradientTape", "broadcast_variables", "allreduce", "grouped_allreduce", "allgather",
+            "broadcast", "Compression")
+_API = {**dict.fromkeys(_WORLD, "world"), **dict.fromkeys(_HOROVOD, "horovod")}
+__all__ = list(_API)
+
+
+def __getattr__(name: str):
+    module = _API.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_API))

@@ -80,7 +80,8 @@ def buckets_of(infos, fusion: bool) -> list["Bucket"]:
             n = int(np.prod(v.shape))
             members.append((v.key, offset, n))
             offset += -(-n // step) * step
-        buckets.append(Bucket(f"fused/{dtype.name}", dtype, tuple(members), offset))
+        end = members[-1][1] + members[-1][2]        # no padding after the last member
+        buckets.append(Bucket(f"fused/{dtype.name}", dtype, tuple(members), end))
     return buckets
 
 
@@ -97,6 +98,22 @@ def ring_chunk(phase: str, step: int, rank: int, ranks: int, receiving: bool = F
     chunk r + 1 fully reduced. All-gather: send (r + 1 - s), receive (r - s)."""
     src = rank - 1 if receiving else rank
     return (src - step) % ranks if phase == "rs" else (src + 1 - step) % ranks
+
+
+def ring_specs(buckets, ranks: int) -> list[tuple[TensorSpec, str]]:
+    """Every chunk the ring all-reduce of `buckets` writes over `ranks` ranks, with
+    what it is: per bucket, phase (reduce-scatter, all-gather), step and rank."""
+    out = []
+    for b in buckets:
+        bounds = ring_bounds(b.size, ranks)
+        what = f"{len(b.members)} gradients" if len(b.members) > 1 else "gradient"
+        for phase in ("rs", "ag"):
+            for s in range(ranks - 1):
+                for r in range(ranks):
+                    lo, hi = bounds[ring_chunk(phase, s, r, ranks)]
+                    out.append((TensorSpec(ring_name(b.key, phase, s, r), (hi - lo,), b.dtype, r, (r + 1) % ranks),
+                                f"ring chunk, {what} ({'reduce-scatter' if phase == 'rs' else 'all-gather'})"))
+    return out
 
 
 # ------------------------------------------------------------------ result
@@ -215,7 +232,7 @@ def variables_of(step) -> list[VarInfo]:
     """Trace the step's gradients: one VarInfo per trainable variable."""
     import tensorflow as tf
     infos, seen = [], set()
-    for v, g in zip(step.variables, step.traced_gradients()):
+    for v, g in zip(step.variables, step.traced_gradients(), strict=False):
         key = var_key(v)
         while key in seen:
             key += "_"
@@ -273,15 +290,8 @@ def analyze(target, mode: str = "allreduce", workers: int = 2, ps: int = 0, inpu
             if v.sparse:
                 raise PlanError(f"{v.key}: allreduce needs dense gradients (sparse='dense')")
         buckets = buckets_of(infos, fusion)
-        for b in buckets:
-            bounds = ring_bounds(b.size, n)
-            what = f"{len(b.members)} gradients" if len(b.members) > 1 else "gradient"
-            for phase in ("rs", "ag"):
-                for s in range(n - 1):
-                    for r in range(n):
-                        lo, hi = bounds[ring_chunk(phase, s, r, n)]
-                        add(TensorSpec(ring_name(b.key, phase, s, r), (hi - lo,), b.dtype, r, (r + 1) % n),
-                            f"ring chunk, {what} ({'reduce-scatter' if phase == 'rs' else 'all-gather'})")
+        for spec, kind in ring_specs(buckets, n):
+            add(spec, kind)
         for v in infos:
             if 0 in v.shape:
                 continue
@@ -312,7 +322,7 @@ def analyze_pipeline(stages: dict, capacity: int | None = None) -> Analysis:
     for r in recvs:
         s = plan.specs.get(r.name)
         if s is None or s.src != r.src or s.dst != r.dst or s.dtype != r.dtype or len(s.shape) != len(r.shape) \
-                or any(a is not None and b is not None and a != b for a, b in zip(s.shape, r.shape)):
+                or any(a is not None and b is not None and a != b for a, b in zip(s.shape, r.shape, strict=False)):
             raise PlanError(f"recv {r.canonical()} matches no send (sent: {s.canonical() if s else 'nothing'})")
     workers = len(plan.ranks())
     return Analysis(plan, "pipeline", workers, 0, [], {s.name: "activation" for s in specs}, set())

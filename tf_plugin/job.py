@@ -2,8 +2,8 @@
 the job's figures (Summary), and the backends a job can run on (BACKENDS).
 
 Backends:
-    auto, verbs, shm, tcp, grpc   rdmatensor's providers (rdmatensor.providers.NAMES; grpc is
-                                  its serialized baseline), trained by runner.run_rank
+    auto, verbs, shm, tcp, ...    rdmatensor's providers (rdmatensor.providers.REGISTRY, baselines
+                                  such as grpc included), trained by runner.run_rank
     tf-grpc                       TensorFlow's own MultiWorkerMirroredStrategy (tf_baseline.py)
     none                          the same ranks training with no communication at all: the
                                   compute floor every other backend is measured against
@@ -19,7 +19,7 @@ import importlib
 import statistics
 from dataclasses import dataclass, field
 
-from rdmatensor.providers import NAMES as PROVIDER_NAMES
+from rdmatensor.providers import REGISTRY
 
 from . import models
 
@@ -45,9 +45,11 @@ class Backend:
 
 
 def _backends() -> dict[str, Backend]:
-    table = {name: Backend(name, "rdmatensor", f"rdmatensor over {name}", MODES, "tf_plugin.runner:run_rank")
-             for name in ("auto", *PROVIDER_NAMES)}
-    table["grpc"] = dataclasses.replace(table["grpc"], about="rdmatensor's serialized gRPC baseline")
+    table = {"auto": Backend("auto", "rdmatensor", "rdmatensor, the provider chosen by auto", MODES,
+                             "tf_plugin.runner:run_rank")}
+    for name, provider in REGISTRY.items():
+        table[name] = Backend(name, "rdmatensor", f"rdmatensor over {name}: {provider.description}", MODES,
+                              "tf_plugin.runner:run_rank")
     table["tf-grpc"] = Backend("tf-grpc", "tensorflow", "TensorFlow's own MultiWorkerMirroredStrategy (gRPC ring)",
                                ("allreduce",), "tf_plugin.tf_baseline:run_rank", threads=False)
     table["none"] = Backend("none", "none", "no communication: the compute floor", MODES,

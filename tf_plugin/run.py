@@ -9,7 +9,7 @@ Every rank runs CMD with, in its environment:
     RDMATENSOR_TOKEN           a fresh random token shared by the job's ranks
     RDMATENSOR_PROVIDER        the provider, when --provider is given
     RDMATENSOR_RANK, RDMATENSOR_SIZE                   rank in the cluster, number of ranks
-    RDMATENSOR_LOCAL_RANK, RDMATENSOR_LOCAL_SIZE       rank among the ranks of its host
+    RDMATENSOR_LOCAL_RANK, RDMATENSOR_LOCAL_SIZE       rank among its host's tasks of its type
     HOROVOD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE, OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE
                                the same for workers, as Horovod's and Open MPI's launchers name them
     PYTHONUNBUFFERED=1         so that a Python rank's lines arrive as it prints them
@@ -61,7 +61,7 @@ class Placement:
     index: int              # within its task type
     host: str               # as given in -H
     address: str            # host:port in TF_CONFIG
-    local_rank: int
+    local_rank: int         # among this host's tasks of the same type (workers, or ps)
     local_size: int
     local: bool             # runs on this machine (no ssh)
 
@@ -104,17 +104,17 @@ def place(np: int, hosts: Sequence[tuple[str, int]], ps: int = 0, ports: Sequenc
         raise LaunchError(f"-np {np}" + (f" + --ps {ps}" if ps else "") + f" = {total} ranks, but the hosts "
                           f"have {slots} slot(s): " + ",".join(f"{h}:{s}" for h, s in hosts))
     where = [h for h, s in hosts for _ in range(s)][:total]
-    counts = {h: where.count(h) for h in dict.fromkeys(where)}
-    everything_local = all(is_local(h) for h in counts)
+    kinds = ["worker"] * np + ["ps"] * ps
+    everything_local = all(is_local(h) for h in where)
     ports = list(ports) if ports is not None else _ports(total)
-    out, seen = [], {h: 0 for h in counts}
-    for rank, host in enumerate(where):
+    out = []
+    for rank, (host, kind) in enumerate(zip(where, kinds, strict=True)):
         local = is_local(host)
         addr_host = "127.0.0.1" if local and everything_local else (socket.gethostname() if local else host)
-        kind, index = ("worker", rank) if rank < np else ("ps", rank - np)
-        out.append(Placement(rank, kind, index, host, f"{addr_host}:{ports[rank]}", seen[host], counts[host],
-                             local))
-        seen[host] += 1
+        # local rank and size count this host's tasks of the same type: among workers, Horovod's meaning
+        same = [r for r, (h, k) in enumerate(zip(where, kinds, strict=True)) if h == host and k == kind]
+        out.append(Placement(rank, kind, rank if kind == "worker" else rank - np, host,
+                             f"{addr_host}:{ports[rank]}", same.index(rank), len(same), local))
     return out
 
 
@@ -140,10 +140,9 @@ def rank_env(placements: Sequence[Placement], me: Placement, token: str, provide
     if provider:
         env["RDMATENSOR_PROVIDER"] = provider
     if me.task_type == "worker":
-        local_workers = [p for p in placements if p.host == me.host and p.task_type == "worker"]
-        for prefix, names in (("HOROVOD_", ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE")),
-                              ("OMPI_COMM_WORLD_", ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE"))):
-            for name, value in zip(names, (me.rank, workers, local_workers.index(me), len(local_workers)), strict=True):
+        for prefix in ("HOROVOD_", "OMPI_COMM_WORLD_"):
+            for name, value in (("RANK", me.rank), ("SIZE", workers), ("LOCAL_RANK", me.local_rank),
+                                ("LOCAL_SIZE", me.local_size)):
                 env[prefix + name] = str(value)
     return env
 

@@ -90,7 +90,7 @@ def _loop(cfg: JobConfig, cluster, session, analysis, step, model, signature, me
         return lambda k: losses.append(worker.train_step(*shard(k)))
     ring = None
     if cfg.provider != "none":
-        from .allreduce import RingAllReduce
+        from .ring import RingAllReduce
         ring = RingAllReduce(session, analysis, meter)
     opt = models.optimizer(cfg.lr)
     opt.build(step.variables)
@@ -120,14 +120,14 @@ def in_graph_step(model, opt, ring, loss_fn, signature):
     TensorFlow's inter-op threads, and ranks sharing a process (and its pool of
     as many threads as cores) can starve each other."""
     import tensorflow as tf
-    from .allreduce import DistributedGradientTape
+    from .ring import RingGradientTape
 
     @tf.function(input_signature=signature)
     def train_step(x, y):
         with tf.GradientTape() as tape:
             loss = loss_fn(y, model(x))
         if ring is not None:
-            tape = DistributedGradientTape(tape, ring)
+            tape = RingGradientTape(tape, ring)
         grads = tape.gradient(loss, model.trainable_variables)
         opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
         return loss

@@ -1,5 +1,5 @@
-"""Control-plane server and client: token authentication, optional TLS, and
-gRPC status codes mapped to rdmatensor's typed errors."""
+"""Control-plane server and client: token authentication, optional TLS, a
+bounded share of threads for calls that wait; errors cross as in `status.py`."""
 from __future__ import annotations
 
 import hmac
@@ -9,9 +9,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from ..errors import AuthenticationError, PeerLost, PlanMismatch, RdmaTensorError, TransportError
+from ..errors import TransportError
 from . import control_pb2 as pb
 from . import control_pb2_grpc as pb_grpc
+from .status import rpc_error
 
 TOKEN_KEY = "rdmatensor-token"
 MAX_MESSAGE = 1 << 30          # the grpc baseline carries whole tensors
@@ -144,8 +145,8 @@ class ControlServer:
 class ControlClient:
     """Stubs to one peer's control server, with the token attached to every call."""
 
-    def __init__(self, address: str, token: str, tls: TlsConfig | None = None):
-        self.address = address
+    def __init__(self, address: str, token: str, tls: TlsConfig | None = None, peer: int | None = None):
+        self.address, self.peer = address, peer
         if tls:
             creds = grpc.ssl_channel_credentials(tls.root_ca, tls.private_key, tls.cert_chain)
             opts = _OPTIONS + ([("grpc.ssl_target_name_override", tls.server_name)]
@@ -163,21 +164,10 @@ class ControlClient:
         try:
             return method(request, timeout=timeout, metadata=self.metadata, wait_for_ready=wait_for_ready)
         except grpc.RpcError as exc:
-            raise rpc_error(exc, self.address) from None
+            raise rpc_error(exc, self.address, self.peer) from None
 
     def close(self) -> None:
         self.channel.close()
-
-
-def rpc_error(exc: grpc.RpcError, address: str) -> RdmaTensorError:
-    code, details = exc.code(), exc.details()
-    if code == grpc.StatusCode.UNAUTHENTICATED:
-        return AuthenticationError(f"{address} refused our token: {details}")
-    if code == grpc.StatusCode.FAILED_PRECONDITION:
-        return PlanMismatch(details)
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
-        return PeerLost(f"peer at {address} unreachable: {code.name} {details}")
-    return TransportError(f"control call to {address} failed: {code.name} {details}")
 
 
 __all__ = ["pb", "pb_grpc", "start_server", "ControlServer", "ControlClient", "TlsConfig", "rpc_error"]

@@ -1,39 +1,66 @@
 """Data providers: one way each to do a one-sided write into a peer's memory.
 
-    verbs  real RDMA through pyverbs (InfiniBand, RoCE, SoftRoCE)
-    shm    same host: shared-memory arenas, memcpy + a completion on a Unix socket
-    tcp    the same contract emulated over TCP, payload received straight into the slot
-    grpc   the baseline being replaced: tensors serialized into gRPC messages
+`REGISTRY` is the one list of providers: everything that names them (`auto`,
+`rdmatensor devices`, the launchers, the benchmark, the tests) reads it.
+Adding a provider means its own file, one entry here, and its channel
+parameters in control.proto.
 
 `auto` picks verbs where an ACTIVE RDMA port exists, else shm when every peer
 is on this host, else tcp.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import socket
+from dataclasses import dataclass
 
 from ..errors import ProviderUnavailable
 from .base import Channel
 
 log = logging.getLogger("rdmatensor")
-NAMES = ("verbs", "shm", "tcp", "grpc")
+
+
+@dataclass(frozen=True)
+class Provider:
+    name: str
+    module: str          # within this package
+    cls: str
+    description: str
+    baseline: bool = False      # measured against, never chosen by auto
+    needs_rdma: bool = False    # runs only where an RDMA device is (tests mark it `rdma`)
+
+    def load(self) -> type[Channel]:
+        return getattr(importlib.import_module(f"{__name__}.{self.module}"), self.cls)
+
+    def viable(self) -> tuple[bool, str]:
+        """Whether it can run here, and why (not), as the provider itself says."""
+        try:
+            return self.load().viable()
+        except Exception as exc:  # noqa: BLE001 - a provider that cannot even load is not viable
+            return False, f"cannot load: {exc}"
+
+
+REGISTRY: dict[str, Provider] = {p.name: p for p in (
+    Provider("verbs", "verbs", "VerbsChannel", "real RDMA through pyverbs (InfiniBand, RoCE, SoftRoCE)",
+             needs_rdma=True),
+    Provider("shm", "shm", "ShmChannel", "same host: shared-memory arenas, memcpy + a completion on a Unix socket"),
+    Provider("tcp", "tcp", "TcpChannel",
+             "the same contract emulated over TCP, payload received straight into the slot"),
+    Provider("grpc", "grpc_baseline", "GrpcChannel",
+             "the baseline being replaced: tensors serialized into gRPC messages", baseline=True),
+    Provider("verbs-rpc", "verbs_rpc", "VerbsRpcChannel",
+             "a baseline: RPC over the same verbs device, the way RDMA-optimized RPC libraries do it "
+             "(SEND/RECV into private buffers, chunked, protobuf-serialized, copied out)",
+             baseline=True, needs_rdma=True),
+)}
+NAMES = tuple(REGISTRY)
 
 
 def provider_class(name: str) -> type[Channel]:
-    if name == "verbs":
-        from .verbs import VerbsChannel
-        return VerbsChannel
-    if name == "shm":
-        from .shm import ShmChannel
-        return ShmChannel
-    if name == "tcp":
-        from .tcp import TcpChannel
-        return TcpChannel
-    if name == "grpc":
-        from .grpc_baseline import GrpcChannel
-        return GrpcChannel
-    raise ProviderUnavailable(f"unknown provider {name!r}; choose auto or one of {', '.join(NAMES)}")
+    if name not in REGISTRY:
+        raise ProviderUnavailable(f"unknown provider {name!r}; choose auto or one of {', '.join(NAMES)}")
+    return REGISTRY[name].load()
 
 
 def is_local_host(host: str) -> bool:
@@ -55,16 +82,14 @@ def choose(name: str, peer_hosts: list[str]) -> type[Channel]:
         if not ok:
             raise ProviderUnavailable(f"provider {name!r} is not viable here: {why}")
         return cls
-    verbs = provider_class("verbs")
-    ok, why = verbs.viable()
+    ok, why = REGISTRY["verbs"].viable()
     if ok:
         log.info("provider auto -> verbs: %s", why)
-        return verbs
+        return provider_class("verbs")
     if all(is_local_host(h) for h in peer_hosts):
-        shm = provider_class("shm")
-        ok_shm, why_shm = shm.viable()
+        ok_shm, _ = REGISTRY["shm"].viable()
         if ok_shm:
             log.info("provider auto -> shm: every peer is on this host (verbs: %s)", why)
-            return shm
+            return provider_class("shm")
     log.info("provider auto -> tcp: verbs: %s; peers on other hosts or no shm", why)
     return provider_class("tcp")

@@ -7,28 +7,51 @@ that the receiver's channel reports when the bytes are in place. A zero-length
 write carries only the immediate (credits). No provider performs a write
 outside an exposed region or with a wrong key: it is refused and reported.
 
-Lifecycle: construct -> expose()/register_source() -> params() -> exchange over
-the control plane -> connect(peer_params) + attach(peer regions) -> write()/notify()
--> close(). `on_imm(imm)` and `on_lost(error)` are called from the channel's
-own thread; `on_lost` is called at most once.
+Lifecycle: construct -> configure() -> expose()/register_source() -> params()
+-> exchange over the control plane -> connect(peer_params) + attach(peer
+regions) -> write()/notify() -> close(). `on_imm(imm)` and `on_lost(error)`
+are called from the channel's own thread (or a waiting user thread, see
+wait_for()); `on_lost` is called at most once.
+
+What a session needs to know about a provider is in `capabilities`; it never
+asks for a provider by name.
 """
 from __future__ import annotations
 
 import secrets
 import struct
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
-from ..errors import PeerLost, TransportError
+from ..errors import PeerLost, RefusedWrite, TransportError
 from ..memory import Arena
+
+
+@dataclass(frozen=True)
+class ControlPlane:
+    """What the session hands a provider about its control plane (configure())."""
+    address: str                        # this rank's control server, "host:port"
+    token: str
+    tls: object                         # TlsConfig or None
+    pair_secret: Callable[[], str]      # this pair's credential, once exchanged
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    # Receive arenas must be shared-memory segments (the peer maps them).
+    shared_arenas: bool = False
+    # write() reads only from memory given to register_source().
+    needs_registered_source: bool = False
+    # write() returns while the NIC may still read its source: wait(handle) before reusing it.
+    posted_writes: bool = False
 
 
 class Channel(ABC):
     name = "?"
-    # True when write() can only read from memory given to register_source().
-    needs_registered_source = False
+    capabilities = Capabilities()
 
     def __init__(self, rank: int, peer: int, host: str, on_imm: Callable[[int], None],
                  on_lost: Callable[[Exception], None], max_incoming: int = 128):
@@ -39,14 +62,22 @@ class Channel(ABC):
         self._lost = False
         self.local: dict[int, tuple[Arena, int]] = {}    # region id -> (arena, key)
         self.remote: dict[int, dict] = {}                # region id -> descriptor
+        self.copies = 0      # payload copies the provider makes itself (serialization)
 
     @classmethod
     def viable(cls) -> tuple[bool, str]:
+        """Whether this provider can run here, and why (not)."""
         return True, ""
 
     # -- setup ------------------------------------------------------------
+    def configure(self, control: ControlPlane) -> None:
+        """What the session knows that a provider may need about the control
+        plane (the grpc baseline carries its data there). Default: nothing."""
+        return None
+
     def expose(self, region_id: int, arena: Arena) -> dict:
-        """Make `arena` writable by the peer; returns the descriptor the peer needs."""
+        """Make `arena` writable by the peer; returns the full descriptor the
+        peer needs (region_id, size, key, and addr or shm_name where used)."""
         key = secrets.randbits(32) or 1
         self.local[region_id] = (arena, key)
         return {"region_id": region_id, "size": arena.size, "key": key}
@@ -55,7 +86,8 @@ class Channel(ABC):
         self.local.pop(region_id, None)
 
     def register_source(self, arena: Arena) -> None:
-        """Memory this side will write from (verbs registers it)."""
+        """Memory this side will write from (verbs registers it). Default: nothing to do."""
+        return None
 
     @abstractmethod
     def params(self) -> dict:
@@ -73,14 +105,23 @@ class Channel(ABC):
     @abstractmethod
     def write(self, region_id: int, offset: int, src: np.ndarray, imm: int):
         """Place `src` (uint8, contiguous) at `offset` in the peer's region and
-        deliver `imm`. Returns None once `src` may be reused, or a handle to
-        pass to wait() before reusing it."""
+        deliver `imm`. Returns None once `src` may be reused, or (posted_writes)
+        a handle to pass to wait() before reusing it."""
 
     def wait(self, handle, timeout: float | None = None) -> None:
-        """Block until the write behind `handle` no longer needs its source."""
+        """Block until the write behind `handle` no longer needs its source.
+        Default: writes are complete when write() returns."""
+        return None
 
-    def progress(self) -> bool:
-        """Process pending completions now, on the calling thread; True if any."""
+    def receive(self, request) -> None:
+        """Take in a write that came over the control plane (a Push). Only the
+        grpc baseline carries data there; every other provider refuses it."""
+        raise RefusedWrite(f"the {self.name} channel of rank {self.peer} takes no writes over the "
+                           f"control plane", peer=self.peer)
+
+    def progress(self, block_for: float = 0.0) -> bool:
+        """Process pending completions now, on the calling thread, first waiting
+        up to `block_for` seconds for one; True if any."""
         return False
 
     def wait_for(self, event, timeout: float) -> bool:
@@ -95,29 +136,30 @@ class Channel(ABC):
 
     def peer_said_bye(self) -> None:
         """The peer closed in order; report it once everything it sent is in."""
-        self.lost(PeerLost(f"peer {self.peer} closed the session"))
+        self.lost(PeerLost(f"peer {self.peer} closed the session", peer=self.peer))
 
     # -- helpers ----------------------------------------------------------
     def check_remote(self, region_id: int, offset: int, length: int) -> dict:
         desc = self.remote.get(region_id)
         if desc is None:
-            raise TransportError(f"peer {self.peer} exposed no region {region_id}")
+            raise TransportError(f"peer {self.peer} exposed no region {region_id}", peer=self.peer)
         if offset < 0 or length < 0 or offset + length > desc["size"]:
             raise TransportError(f"write [{offset}, {offset + length}) is outside peer {self.peer}'s "
-                                 f"{desc['size']}-byte region {region_id}")
+                                 f"{desc['size']}-byte region {region_id}", peer=self.peer)
         return desc
 
     def check_local(self, region_id: int, key: int, offset: int, length: int) -> Arena:
         """What an emulated NIC checks before it lets a write land."""
         entry = self.local.get(region_id)
         if entry is None:
-            raise TransportError(f"peer {self.peer} wrote to region {region_id}, which is not exposed")
+            raise RefusedWrite(f"peer {self.peer} wrote to region {region_id}, which is not exposed",
+                               peer=self.peer)
         arena, want = entry
         if key != want:
-            raise TransportError(f"peer {self.peer} wrote to region {region_id} with a wrong key")
+            raise RefusedWrite(f"peer {self.peer} wrote to region {region_id} with a wrong key", peer=self.peer)
         if offset < 0 or length < 0 or offset + length > arena.size:
-            raise TransportError(f"peer {self.peer} wrote [{offset}, {offset + length}) outside the "
-                                 f"{arena.size}-byte region {region_id}")
+            raise RefusedWrite(f"peer {self.peer} wrote [{offset}, {offset + length}) outside the "
+                               f"{arena.size}-byte region {region_id}", peer=self.peer)
         return arena
 
     def lost(self, error: Exception) -> None:

@@ -4,21 +4,32 @@ queue and memory regions, through pyverbs.
 This is the verbs layer the `verbs` provider is built on: register memory
 once, exchange `RcParams` out of band, then post one-sided writes. Resources
 close children first (QP, MRs, CQ, PD, context), and `close()` is idempotent.
+
+The hot path builds nothing: the work requests for writes, immediates and
+receives are built once and reused (building one costs microseconds, and
+Debian's pyverbs 44 never frees them: `__dealloc` in its `wr.pyx`), receives
+are given back in batches with one doorbell, and the completion queue has a
+completion channel whose file descriptor a thread can block on with the GIL
+released (`wait_event`).
 """
 from __future__ import annotations
 
+import itertools
+import os
 import random
+import select
+import threading
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ..devices import active_port, list_devices
-from ..errors import DeviceError, RdmaTensorError, TransportError
+from ..devices import CONTEXT_LOCK, MTU_BYTES, MTU_ENUM, active_port, list_devices
+from ..errors import DeviceError, TransportError, UsageError, VerbsError
 
 try:
     import pyverbs.enums as ev
     from pyverbs.addr import AHAttr, GID, GlobalRoute
-    from pyverbs.cq import CQ
+    from pyverbs.cq import CQ, CompChannel
     from pyverbs.device import Context
     from pyverbs.mr import MR
     from pyverbs.pd import PD
@@ -34,13 +45,7 @@ REMOTE_WRITE = ev.IBV_ACCESS_LOCAL_WRITE | ev.IBV_ACCESS_REMOTE_WRITE
 # Staging memory we send from: local access only.
 LOCAL_ONLY = ev.IBV_ACCESS_LOCAL_WRITE
 MAX_REGION = 4 << 30
-
-_MTU_ENUM = {256: 1, 512: 2, 1024: 3, 2048: 4, 4096: 5}
-
-
-class VerbsError(TransportError):
-    """A verbs call or a work completion failed."""
-
+RECV_BATCH = 16            # consumed receives given back with one post (a chain of work requests)
 
 @dataclass(frozen=True)
 class RcParams:
@@ -78,7 +83,8 @@ class RcEndpoint:
         self._mrs: list[MR] = []
         self._closed = False
         try:
-            self.ctx = Context(name=device)
+            with CONTEXT_LOCK:
+                self.ctx = Context(name=device)
             port_attr = self.ctx.query_port(port)
             if port_attr.state != ev.IBV_PORT_ACTIVE:
                 raise DeviceError(f"{device} port {port} is not ACTIVE")
@@ -88,7 +94,12 @@ class RcEndpoint:
             self.depth = min(depth, attr.max_qp_wr)
             self.recv_depth = min(recv_depth or depth, attr.max_qp_wr)
             self.pd = PD(self.ctx)
-            self.cq = CQ(self.ctx, min(self.depth + self.recv_depth, attr.max_cqe))
+            self.channel, self.event_fd = _completion_channel(self.ctx)
+            self.cq = CQ(self.ctx, min(self.depth + self.recv_depth, attr.max_cqe), None, self.channel, 0)
+            self.cq.req_notify()
+            self._events = select.poll()
+            if self.event_fd is not None:
+                self._events.register(self.event_fd, select.POLLIN)
             cap = QPCap(max_send_wr=self.depth, max_recv_wr=self.recv_depth, max_send_sge=1, max_recv_sge=1)
             init = QPInitAttr(qp_type=ev.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap, sq_sig_all=1)
             self.qp = QP(self.pd, init)
@@ -101,6 +112,7 @@ class RcEndpoint:
             self._recv_scratch = MR(self.pd, 64, ev.IBV_ACCESS_LOCAL_WRITE)
             self._send_scratch = MR(self.pd, 64, ev.IBV_ACCESS_LOCAL_WRITE)
             self._mrs += [self._recv_scratch, self._send_scratch]
+            self._prepare_work_requests()
         except (PyverbsError, PyverbsRDMAError) as exc:
             self.close()
             raise VerbsError(f"cannot set up a queue pair on {device} port {port}: {exc}") from exc
@@ -110,9 +122,9 @@ class RcEndpoint:
     def register(self, array: np.ndarray, access: int = REMOTE_WRITE) -> MR:
         """Register a C-contiguous array's memory (kept alive by the caller)."""
         if not array.flags.c_contiguous:
-            raise RdmaTensorError("only C-contiguous memory can be registered")
+            raise UsageError("only C-contiguous memory can be registered")
         if array.nbytes == 0 or array.nbytes > MAX_REGION:
-            raise RdmaTensorError(f"a region must hold 1 byte to 4 GiB, not {array.nbytes}")
+            raise UsageError(f"a region must hold 1 byte to 4 GiB, not {array.nbytes}")
         try:
             mr = MR(self.pd, array.nbytes, access, address=array.ctypes.data)
         except (PyverbsError, PyverbsRDMAError) as exc:
@@ -131,15 +143,15 @@ class RcEndpoint:
 
     # -- connection -------------------------------------------------------
     def params(self) -> RcParams:
-        return RcParams(self.qp.qp_num, self.psn, str(self.gid), 256 << (self.active_mtu - 1))
+        return RcParams(self.qp.qp_num, self.psn, str(self.gid), MTU_BYTES[self.active_mtu])
 
     def connect(self, remote: RcParams) -> None:
-        mtu = min(remote.mtu, 256 << (self.active_mtu - 1))
+        mtu = min(remote.mtu, MTU_BYTES[self.active_mtu])
         attr = QPAttr(port_num=self.port)
         attr.qp_access_flags = REMOTE_WRITE
         gr = GlobalRoute(dgid=GID(remote.gid), sgid_index=self.gid_index)
         attr.ah_attr = AHAttr(gr=gr, is_global=1, port_num=self.port)
-        attr.path_mtu = _MTU_ENUM[mtu]
+        attr.path_mtu = MTU_ENUM[mtu]
         attr.dest_qp_num = remote.qpn
         attr.rq_psn = remote.psn
         attr.sq_psn = self.psn
@@ -157,25 +169,67 @@ class RcEndpoint:
                              f"(gid {remote.gid}) failed: {exc}") from exc
 
     # -- data path --------------------------------------------------------
-    def post_recv(self, wr_id: int = 0) -> None:
-        """A receive for the immediate of an incoming write (no payload lands here)."""
-        sge = SGE(self._recv_scratch.buf, 64, self._recv_scratch.lkey)
-        self.qp.post_recv(RecvWR(wr_id=wr_id, num_sge=1, sg=[sge]))
+    def _prepare_work_requests(self) -> None:
+        scratch = self._recv_scratch
+        # pyverbs wants an SGE on every receive, though a write's immediate
+        # never lands in it: all receives share the scratch region.
+        self._recv_wrs = [RecvWR(wr_id=0, num_sge=1, sg=[SGE(scratch.buf, 64, scratch.lkey)])
+                          for _ in range(RECV_BATCH)]
+        for wr, nxt in itertools.pairwise(self._recv_wrs):
+            wr.next_wr = nxt
+        self._recv_owed = 0
+        self._write_sge = SGE(scratch.buf, 0, scratch.lkey)
+        self._write_wr = SendWR(opcode=ev.IBV_WR_RDMA_WRITE_WITH_IMM, num_sge=1, sg=[self._write_sge],
+                                send_flags=ev.IBV_SEND_SIGNALED)
+        self._imm_wr = SendWR(opcode=ev.IBV_WR_SEND_WITH_IMM, num_sge=1,
+                              sg=[SGE(self._send_scratch.buf, 1, self._send_scratch.lkey)],
+                              send_flags=ev.IBV_SEND_SIGNALED)
+
+    def post_recv(self, count: int = 1) -> None:
+        """Give back `count` receives for the immediates of incoming writes (no
+        payload lands in them), in batches of RECV_BATCH, each one doorbell: up
+        to RECV_BATCH - 1 are owed at any time, so size `recv_depth` for that."""
+        self._recv_owed += count
+        try:
+            while self._recv_owed >= RECV_BATCH:
+                self.qp.post_recv(self._recv_wrs[0])
+                self._recv_owed -= RECV_BATCH
+        except (PyverbsError, PyverbsRDMAError) as exc:
+            raise VerbsError(f"posting receives failed: {exc}") from exc
 
     def post_write(self, mr: MR, addr: int, length: int, remote: RemoteRegion, remote_offset: int,
                    imm: int | None = None, wr_id: int = 0) -> None:
+        """RDMA WRITE (WITH IMM) of [addr, addr+length) into the remote region.
+        Not thread-safe: callers serialize posts (the verbs channel does)."""
         if remote_offset < 0 or remote_offset + length > remote.length:
-            raise RdmaTensorError(f"write of {length} bytes at offset {remote_offset} is outside "
-                                  f"the {remote.length}-byte remote region")
-        sge = SGE(addr, length, mr.lkey)
-        opcode = ev.IBV_WR_RDMA_WRITE if imm is None else ev.IBV_WR_RDMA_WRITE_WITH_IMM
-        wr = SendWR(wr_id=wr_id, opcode=opcode, num_sge=1, sg=[sge],
-                    imm_data=imm or 0, send_flags=ev.IBV_SEND_SIGNALED)
+            raise TransportError(f"write of {length} bytes at offset {remote_offset} is outside "
+                                 f"the {remote.length}-byte remote region")
+        sge, wr = self._write_sge, self._write_wr
+        sge.addr, sge.length, sge.lkey = addr, length, mr.lkey
+        wr.sg_list = sge
+        wr.opcode = ev.IBV_WR_RDMA_WRITE if imm is None else ev.IBV_WR_RDMA_WRITE_WITH_IMM
+        wr.imm_data = imm or 0
+        wr.wr_id = wr_id
         wr.set_wr_rdma(remote.rkey, remote.addr + remote_offset)
         try:
             self.qp.post_send(wr)
         except (PyverbsError, PyverbsRDMAError) as exc:
             raise VerbsError(f"posting a {length}-byte write failed: {exc}") from exc
+
+    def wait_event(self, timeout: float) -> bool:
+        """Block until the completion queue reports new work, at most `timeout`
+        seconds, with the GIL released; True if it did. Re-arms the queue, so
+        the caller polls once more afterwards. One thread at a time. Without a
+        completion channel (see _completion_channel) this only sleeps briefly."""
+        if self.event_fd is None:
+            threading.Event().wait(min(timeout, 0.001))
+            return False
+        if not self._events.poll(timeout * 1000):
+            return False
+        self.channel.get_cq_event(self.cq)
+        self.cq.ack_events(1)
+        self.cq.req_notify()
+        return True
 
     def poll(self, max_entries: int = 16, check: bool = True) -> list:
         """Completed work. With `check`, a failed completion raises with its status named;
@@ -190,14 +244,22 @@ class RcEndpoint:
         return wcs
 
     def post_send_imm(self, imm: int, wr_id: int = 0) -> None:
-        """A one-byte SEND carrying only an immediate (consumes one posted receive)."""
-        sge = SGE(self._send_scratch.buf, 1, self._send_scratch.lkey)
-        wr = SendWR(wr_id=wr_id, opcode=ev.IBV_WR_SEND_WITH_IMM, num_sge=1, sg=[sge],
-                    imm_data=imm, send_flags=ev.IBV_SEND_SIGNALED)
+        """A one-byte SEND carrying only an immediate (consumes one posted receive).
+        Not thread-safe, like post_write."""
+        wr = self._imm_wr
+        wr.imm_data = imm
+        wr.wr_id = wr_id
         try:
             self.qp.post_send(wr)
         except (PyverbsError, PyverbsRDMAError) as exc:
             raise VerbsError(f"posting an immediate failed: {exc}") from exc
+
+    def post_prepared(self, wr, receive: bool = False) -> None:
+        """Post a work request built once and reused (see `prepared_wr`)."""
+        try:
+            (self.qp.post_recv if receive else self.qp.post_send)(wr)
+        except (PyverbsError, PyverbsRDMAError) as exc:
+            raise VerbsError(f"posting a {'receive' if receive else 'send'} failed: {exc}") from exc
 
     # -- lifetime ---------------------------------------------------------
     def close(self) -> None:
@@ -209,16 +271,54 @@ class RcEndpoint:
         for mr in self._mrs:
             mr.close()
         self._mrs.clear()
-        for name in ("cq", "pd", "ctx"):
-            obj = getattr(self, name, None)
-            if obj is not None:
-                obj.close()
+        with CONTEXT_LOCK:      # a descriptor closed here must not confuse _completion_channel
+            for name in ("cq", "channel", "pd", "ctx"):
+                obj = getattr(self, name, None)
+                if obj is not None:
+                    obj.close()
 
     def __enter__(self) -> "RcEndpoint":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _completion_channel(context) -> tuple:
+    """A completion channel and its file descriptor. pyverbs 44 does not expose
+    the descriptor, so it is found as the one event descriptor the channel's
+    creation added to this process (this package opens contexts and channels
+    under CONTEXT_LOCK). If that is ambiguous (another library opened a device
+    meanwhile), None: the background thread then polls every millisecond
+    instead of blocking, which costs CPU but is still correct."""
+    with CONTEXT_LOCK:
+        before = _event_fds()
+        channel = CompChannel(context)
+        new = set(_event_fds()) - set(before)
+    return channel, (new.pop() if len(new) == 1 else None)
+
+
+def _event_fds() -> dict[int, str]:
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue                      # closed meanwhile (listdir's own descriptor, for one)
+        if "infinibandevent" in link:
+            found[int(name)] = link
+    return found
+
+
+def prepared_wr(mr: MR, addr: int, length: int, wr_id: int, receive: bool = False):
+    """A work request over one buffer, built once: building one per post costs
+    microseconds, and Debian's pyverbs 44 never frees them (its `wr.pyx`).
+    Returns (wr, sge); a send's length is changed with `sge.length = n; wr.sg_list = sge`."""
+    sge = SGE(addr, length, mr.lkey)
+    if receive:
+        return RecvWR(wr_id=wr_id, num_sge=1, sg=[sge]), sge
+    return SendWR(wr_id=wr_id, opcode=ev.IBV_WR_SEND, num_sge=1, sg=[sge],
+                  send_flags=ev.IBV_SEND_SIGNALED), sge
 
 
 def completion_error(wc) -> str | None:

@@ -11,22 +11,22 @@ import time
 
 import numpy as np
 
-from ..errors import PeerLost, RdmaTensorError, TransportError
+from ..errors import ForeignSegment, PeerLost, RdmaTensorError, TransportError
 from ..memory import Arena, MappedArena
-from .base import WRITE_HEADER, WRITE_MAGIC
+from .base import WRITE_HEADER, WRITE_MAGIC, Capabilities
 from .stream import StreamChannel
 
 
 class ShmChannel(StreamChannel):
     name = "shm"
     payload_inline = False
-    shared_arenas = True      # the session allocates receive arenas in shared memory
+    capabilities = Capabilities(shared_arenas=True)
 
     @classmethod
     def viable(cls) -> tuple[bool, str]:
         if not os.access("/dev/shm", os.W_OK):
             return False, "/dev/shm is not writable"
-        return True, ""
+        return True, "peers on this host share /dev/shm"
 
     def __init__(self, *args, **kwargs):
         self._path = f"\0rdmatensor-{secrets.token_hex(12)}"   # abstract: no file to clean up
@@ -68,8 +68,8 @@ class ShmChannel(StreamChannel):
         rid = int(descriptor["region_id"])
         try:
             mapped = MappedArena(descriptor["shm_name"], int(descriptor["size"]))
-        except (OSError, ValueError, RdmaTensorError) as exc:
-            raise TransportError(f"cannot map peer {self.peer}'s region {rid}: {exc}") from exc
+        except (OSError, ValueError, RdmaTensorError) as exc:   # the peer named what we cannot map
+            raise ForeignSegment(f"cannot map peer {self.peer}'s region {rid}: {exc}", peer=self.peer) from exc
         old = self._mapped.pop(rid, None)
         if old:
             old.close()

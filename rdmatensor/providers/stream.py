@@ -17,10 +17,11 @@ import selectors
 import socket
 import threading
 import time
+from abc import abstractmethod
 
 import numpy as np
 
-from ..errors import PeerLost, TransportError
+from ..errors import PeerLost, RefusedWrite, TransportError
 from .base import WRITE_HEADER, WRITE_MAGIC, Channel
 
 AUTH_BYTES = 32
@@ -56,15 +57,18 @@ class StreamChannel(Channel):
         self._header = bytearray(WRITE_HEADER.size)
         self._last_inline = 0.0
 
-    # transport-specific
+    # -- what each stream transport provides -----------------------------
+    @abstractmethod
     def _listen(self) -> socket.socket:
-        raise NotImplementedError
+        """A listening socket for the peer's data connection."""
 
+    @abstractmethod
     def _dial(self, params: dict, timeout: float) -> socket.socket:
-        raise NotImplementedError
+        """Connect to the peer's listener described by its `params`."""
 
+    @abstractmethod
     def _address(self) -> dict:
-        raise NotImplementedError
+        """Where this side listens, as channel parameters."""
 
     def params(self) -> dict:
         return {**self._address(), "key": self._key.hex()}
@@ -185,7 +189,7 @@ class StreamChannel(Channel):
             raise PeerLost(f"peer {self.peer} closed the connection")
         magic, region, key, imm, offset, length = WRITE_HEADER.unpack(header)
         if magic != WRITE_MAGIC:
-            raise TransportError(f"peer {self.peer} sent a malformed write header")
+            raise RefusedWrite(f"peer {self.peer} sent a malformed write header", peer=self.peer)
         if length:
             arena = self.check_local(region, key, offset, length)
             if self.payload_inline:

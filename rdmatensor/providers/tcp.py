@@ -15,6 +15,10 @@ from .stream import StreamChannel
 class TcpChannel(StreamChannel):
     name = "tcp"
 
+    @classmethod
+    def viable(cls) -> tuple[bool, str]:
+        return True, "sockets are always available"
+
     def _listen(self) -> socket.socket:
         sock = socket.create_server((self.host, 0))
         return sock

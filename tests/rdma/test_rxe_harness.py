@@ -1,7 +1,6 @@
 """On a real RDMA device (SoftRoCE in the VM here): the device is up, pyverbs
 registers numpy memory, a one-sided write lands intact, perftest runs."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -14,7 +14,7 @@ import numpy as np
 
 from rdmatensor import connect
 
-from ..transport.ranks import TOKEN, free_ports
+from ..support.ranks import TOKEN, free_ports
 
 CANARY = 0xA5
 

@@ -14,7 +14,7 @@ import pytest
 
 from rdmatensor import AuthenticationError, PeerLost, Plan, PlanMismatch, TensorSpec
 
-from ..transport.ranks import check, run_ranks
+from ..support.ranks import check, run_ranks
 from .helpers import SegmentTracker, rss_kib, settle, shm_mappings, snapshot
 
 PLAN = Plan([TensorSpec("a", (256,), np.float32, 0, 1), TensorSpec("b", (None,), np.float32, 1, 0)])
@@ -83,7 +83,7 @@ def test_a_thousand_sessions_leave_nothing_behind(provider, monkeypatch):
 def _lose_channel(s, r):
     """Rank 0 breaks its data connection under the session; rank 1 sees PeerLost."""
     if r == 0:
-        s._channels[1]._sock.shutdown(2)
+        s.debug_state()["channels"][1]._sock.shutdown(2)
         return True
     with pytest.raises(PeerLost):
         s.recv("a", timeout=10)
@@ -107,7 +107,7 @@ def test_failed_and_broken_sessions_leave_nothing_behind(provider, monkeypatch):
     t0 = time.monotonic()
     total = 0
     for name, (cycles, run, ok) in FAILURES.items():
-        for i in range(cycles):
+        for _ in range(cycles):
             res = run(provider)
             assert ok(res), (name, {r: repr(v) for r, v in res.items()})
             del res               # an exception's traceback holds its session until dropped

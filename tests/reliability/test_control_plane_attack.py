@@ -10,7 +10,6 @@ a transfer. Raw garbage on the control port is dropped by the HTTP/2 layer.
 """
 from __future__ import annotations
 
-import json
 import random
 import selectors
 import socket
@@ -26,12 +25,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rdmatensor import AuthenticationError, Plan, TensorSpec, TransportError
+from rdmatensor import AuthenticationError, Plan, TensorSpec
 from rdmatensor.control import control_pb2 as pb
 from rdmatensor.control import control_pb2_grpc as pb_grpc
 from rdmatensor.control.service import TOKEN_KEY, ControlClient
 
-from ..transport.ranks import TOKEN, check, run_ranks
+from ..support.ranks import TOKEN, check, run_ranks
 from .helpers import LivePair, fd_count
 
 PLAN = Plan([TensorSpec("a", (1024,), np.float32, 0, 1),
@@ -58,7 +57,7 @@ PUSH = "/rdmatensor.control.Baseline/Push"
 REFUSED = {
     EXCHANGE: {"INVALID_ARGUMENT", "PERMISSION_DENIED", "ALREADY_EXISTS"},
     GROW: {"INVALID_ARGUMENT", "FAILED_PRECONDITION", "PERMISSION_DENIED"},
-    BARRIER: {"OK", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT"},   # waits, then times out
+    BARRIER: {"PERMISSION_DENIED"},    # a barrier needs the caller's pair credential
     BYE: {"OK", "PERMISSION_DENIED"},   # refused without the pair secret; a stream channel ignores it anyway
     PUSH: {"PERMISSION_DENIED"},   # no grpc channel in a tcp session
 }
@@ -90,7 +89,7 @@ def exchange_request(rank=0, peer=1, digest=None, provider="tcp", regions=()):
 
 def secrets_of(session, peer: int) -> list[str]:
     """What an attacker must never learn: channel key, region keys, segment names."""
-    ch = session._channels[peer]
+    ch = session.debug_state()["channels"][peer]
     out = [ch._key.hex()]
     for _, (arena, key) in ch.local.items():
         out += [str(key), f"{key:x}", f"{key:08x}"]
@@ -104,8 +103,9 @@ def assert_pair_works(pair: LivePair, tag: str) -> None:
     dynamic (growing) and a reverse tensor plus a barrier all go through."""
     s0, s1 = pair.sessions[0], pair.sessions[1]
     for s in (s0, s1):
-        assert s._error is None and not s._peer_errors, (s._error, s._peer_errors)
-    assert s1._recv["d"].grown is None, "a Grow nobody legitimate sent took effect"
+        state = s.debug_state()
+        assert state["error"] is None and not state["peer_errors"], (state["error"], state["peer_errors"])
+    assert s1.debug_state()["recv_slots"]["d"].grown is None, "a Grow nobody legitimate sent took effect"
     small, big = np.arange(7, dtype=np.int32), np.arange(5000, dtype=np.int32)
 
     def r0(s):
@@ -272,7 +272,8 @@ def test_wrong_requests_before_setup_do_not_consume_the_exchange():
              "PERMISSION_DENIED"),
         ]
         for method, request, want in cases:
-            got = code_of(lambda: method(request, metadata=GOOD, timeout=CALL_TIMEOUT))
+            got = code_of(lambda method=method, request=request: method(request, metadata=GOOD,
+                                                                         timeout=CALL_TIMEOUT))
             assert got == want, (request, got)
         client.close()
         pair.start_rank(0)
@@ -362,7 +363,7 @@ def test_a_thousand_malformed_calls_with_the_token_are_refused_or_harmless():
     pair = LivePair(PLAN, "tcp", timeout=3.0)
     barrage = Barrage(pair)
     s0, s1 = pair.sessions[0], pair.sessions[1]
-    exchanged = (dict(s0._exchanged), dict(s1._exchanged))
+    exchanged = (s0.debug_state()["exchanged"], s1.debug_state()["exchanged"])
     t0 = time.monotonic()
     try:
         # 1. Structured: every field of every request drawn at random (hypothesis).
@@ -418,14 +419,14 @@ def test_a_thousand_malformed_calls_with_the_token_are_refused_or_harmless():
             barrage.send(target, method, bytes(data), {"INTERNAL"} | REFUSED[method])
 
         # 4. The named cases.
-        secret = s0._pair_secrets[1]
+        secret = s0.debug_state()["pair_secrets"][1]
         c = ControlClient(pair.peers[1], TOKEN)
         duplicate = pb.ExchangeRequest(rank=0, peer=1, plan_digest=PLAN.digest, plan_specs=PLAN.to_json(),
                                        channel=pb.ChannelParams(provider="tcp", host="127.0.0.1", port=1,
-                                                                key=s0._channels[1]._key.hex()),
+                                                                key=s0.debug_state()["channels"][1]._key.hex()),
                                        pair_secret="5e" * 16,
                                        regions=[pb.Region(region_id=rid, size=a.size, key=k)
-                                                for rid, (a, k) in s0._channels[1].local.items()])
+                                                for rid, (a, k) in s0.debug_state()["channels"][1].local.items()])
         named = [(1, EXCHANGE, duplicate, "ALREADY_EXISTS"),                # duplicated exchange
                  (1, EXCHANGE, exchange_request(peer=0), "INVALID_ARGUMENT"),  # wrong peer rank
                  (0, EXCHANGE, exchange_request(rank=1, peer=0), "PERMISSION_DENIED"),
@@ -448,10 +449,11 @@ def test_a_thousand_malformed_calls_with_the_token_are_refused_or_harmless():
         cases = barrage.cases
         elapsed = time.monotonic() - t0
         print(f"{cases} calls with the token ({structured_cases} structured) in {elapsed:.1f} s: "
-              f"{dict(sorted(barrage.codes.items()))}; barrier names left on rank 0: {len(s0._barriers)}")
+              f"{dict(sorted(barrage.codes.items()))}; "
+              f"barrier names left on rank 0: {s0.debug_state()['open_barriers']}")
         assert cases >= 1000
         assert not [k for k in barrage.codes if k[1] == "UNKNOWN"]
-        assert (dict(s0._exchanged), dict(s1._exchanged)) == exchanged
+        assert (s0.debug_state()["exchanged"], s1.debug_state()["exchanged"]) == exchanged
         assert_pair_works(pair, "after-barrage")
     finally:
         barrage.close()
@@ -523,16 +525,19 @@ def test_raw_garbage_on_the_control_port_is_dropped():
 # ------------------------------------------------------ blocking calls
 
 def test_barrier_flood_cannot_starve_other_calls(monkeypatch):
-    """Barrier calls wait for every rank; a flood of them gets a bounded share of
-    the server's threads (the rest are refused at once), and Exchange, Grow and
-    Bye are still answered promptly meanwhile."""
+    """Barrier calls wait for every rank; a flood of them (from a rank with its
+    credential, gone rogue) gets a bounded share of the server's threads (the
+    rest are refused at once), and Exchange, Grow and Bye are still answered
+    promptly meanwhile."""
     import rdmatensor.control.service as service
     monkeypatch.setattr(service, "WORKERS", 48)       # 24 for blocking calls, the rest reserved
     pair = LivePair(PLAN, "tcp", timeout=3.0)
     try:
+        secret = pair.sessions[1].debug_state()["pair_secrets"][0]
         with grpc.insecure_channel(pair.peers[0]) as ch:
             stub = pb_grpc.ControlStub(ch)
-            flood = [stub.Barrier.future(pb.BarrierRequest(rank=1, name=f"flood-{i}"), metadata=GOOD, timeout=20)
+            flood = [stub.Barrier.future(pb.BarrierRequest(rank=1, name=f"flood-{i}", pair_secret=secret),
+                                         metadata=GOOD, timeout=20)
                      for i in range(100)]
             time.sleep(0.5)
             t0 = time.monotonic()
@@ -589,11 +594,64 @@ def test_barrier_from_a_rank_outside_the_plan_is_refused_at_once():
         pair.close()
 
 
+def test_a_token_holder_cannot_arrive_at_a_barrier_as_another_rank():
+    """Rank 2 shares no tensor with the coordinator (rank 0), yet its Barrier
+    calls carry a pair credential: without it, or with rank 2's own credential
+    while claiming to be rank 1, a Barrier is refused at once and counts for
+    nobody; the real barrier then needs the real ranks."""
+    plan = Plan([TensorSpec("x", (4,), np.float32, 0, 1), TensorSpec("y", (4,), np.float32, 1, 2)])
+    arrived, rank1_comes = threading.Event(), threading.Event()
+
+    def body(s, r):
+        if r == 2:
+            own = s.debug_state()["pair_secrets"][0]
+            with grpc.insecure_channel(s.peers[0]) as ch:
+                barrier = pb_grpc.ControlStub(ch).Barrier
+                t0 = time.monotonic()
+                codes = [code_of(lambda req=req: barrier(req, metadata=GOOD, timeout=5)) for req in (
+                    pb.BarrierRequest(rank=2, name="held#0"),
+                    pb.BarrierRequest(rank=2, name="held#0", pair_secret="0" * 32),
+                    pb.BarrierRequest(rank=1, name="held#0", pair_secret=own),
+                    pb.BarrierRequest(rank=1, name="held#0", pair_secret=own + "x"))]
+                took = time.monotonic() - t0
+            arrived.set()
+            s.barrier("held")
+            return codes, took
+        if r == 1:
+            assert arrived.wait(30)
+            time.sleep(0.5)
+            rank1_comes.set()
+        s.barrier("held")        # had a forged arrival counted, rank 0 would pass before rank 1 came
+        return rank1_comes.is_set()
+
+    res = check(run_ranks(3, plan, "tcp", body, timeout=10))
+    codes, took = res[2]
+    assert codes == ["PERMISSION_DENIED"] * 4 and took < 2, (codes, took)
+    assert res[0] is True
+
+
+def test_a_push_without_the_pair_credential_is_refused_and_harms_no_channel():
+    """On the grpc baseline a Push is a write: a token holder pushing as rank 0
+    is refused before any region check, so it cannot make rank 1 drop its real
+    channel (a refused write would end it)."""
+    pair = LivePair(PLAN, "grpc", timeout=5.0)
+    try:
+        client = ControlClient(pair.peers[1], TOKEN)
+        for secret in ("", "0" * 32, pair.sessions[1].debug_state()["pair_secrets"][0][:-1]):
+            with pytest.raises(AuthenticationError, match="pair credential"):
+                client.call(client.baseline.Push, pb.PushRequest(rank=0, region_id=0, key=1, payload=b"x" * 8,
+                                                                 imm=0, pair_secret=secret), timeout=5)
+        client.close()
+        assert_pair_works(pair, "after-forged-push")
+    finally:
+        pair.close()
+
+
 def test_a_spurious_grow_does_not_redirect_a_slot():
     pair = LivePair(PLAN, "tcp", timeout=5.0)
     try:
         client = ControlClient(pair.peers[1], TOKEN)       # a third party with the token
-        with pytest.raises(TransportError, match="pair credential"):
+        with pytest.raises(AuthenticationError, match="pair credential"):
             client.call(client.control.Grow, pb.GrowRequest(rank=0, slot=DYN_SLOT, nbytes=100), timeout=5)
         client.close()
         small = np.arange(7, dtype=np.int32)
@@ -653,11 +711,11 @@ def _hostile_replies(provider: str, tmp_path):
         ("path not hex", pb.ExchangeReply(channel=pb.ChannelParams(provider="shm", path="xyz", host_id=host_id(),
                                                                    key=good_key)), "TransportError"),
         ("no such segment", pb.ExchangeReply(channel=ch, regions=[region("rdmatensor-" + "0" * 24)]),
-         "TransportError"),
-        ("path escape", pb.ExchangeReply(channel=ch, regions=[region("../../etc/passwd")]), "TransportError"),
-        ("symlink to a file", pb.ExchangeReply(channel=ch, regions=[region(link)]), "TransportError"),
-        ("fifo", pb.ExchangeReply(channel=ch, regions=[region(fifo)]), "TransportError"),
-        ("size 0", pb.ExchangeReply(channel=ch, regions=[region(link, 0)]), "TransportError"),
+         "ForeignSegment"),
+        ("path escape", pb.ExchangeReply(channel=ch, regions=[region("../../etc/passwd")]), "ForeignSegment"),
+        ("symlink to a file", pb.ExchangeReply(channel=ch, regions=[region(link)]), "ForeignSegment"),
+        ("fifo", pb.ExchangeReply(channel=ch, regions=[region(fifo)]), "ForeignSegment"),
+        ("size 0", pb.ExchangeReply(channel=ch, regions=[region(link, 0)]), "ForeignSegment"),
     ]
     return cases, [link, fifo], planted
 
@@ -671,7 +729,7 @@ def test_hostile_exchange_replies_give_typed_errors_and_leave_nothing(provider, 
     from rdmatensor import RdmaTensorError, connect
     from rdmatensor.control.service import start_server
     from .helpers import settle, snapshot
-    from ..transport.ranks import free_ports
+    from ..support.ranks import free_ports
     base = snapshot()
     fake = _FakeRank1()
     server, port = start_server("127.0.0.1:0", TOKEN, fake, pb_grpc.BaselineServicer())

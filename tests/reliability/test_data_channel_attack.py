@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rdmatensor import PeerLost, Plan, TensorSpec, TransportError, connect
+from rdmatensor import PeerLost, Plan, RefusedWrite, TensorSpec, connect
 from rdmatensor.control import control_pb2 as pb
 from rdmatensor.control import control_pb2_grpc as pb_grpc
 from rdmatensor.control.service import ControlClient, start_server
@@ -31,7 +31,7 @@ from rdmatensor.providers.shm import ShmChannel, host_id
 from rdmatensor.providers.stream import AUTH_BYTES, HANDSHAKE_TIMEOUT
 from rdmatensor.providers.tcp import TcpChannel
 
-from ..transport.ranks import TOKEN, free_ports
+from ..support.ranks import TOKEN, free_ports
 from .helpers import assert_untouched, canary_arena
 
 PROVIDERS = {"tcp": TcpChannel, "shm": ShmChannel}
@@ -115,6 +115,12 @@ class Victim:
             assert_untouched(arena, self.expected[i], f"{self.provider} region {i}")
         assert_untouched(self.private, self.private_expected, f"{self.provider} unexposed arena")
 
+    def __enter__(self) -> "Victim":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
         self.ch.close()
         for m in self.mapped:
@@ -136,7 +142,7 @@ def closed_by_peer(sock: socket.socket, timeout: float = 5.0) -> bool:
         return False
 
 
-def refused(victim: Victim, sock: socket.socket, error=TransportError, imms: int = 1) -> Exception:
+def refused(victim: Victim, sock: socket.socket, error=RefusedWrite, imms: int = 1) -> Exception:
     """The hostile write was refused: loss reported once, typed; connection
     closed; only the legit immediates delivered; memory intact."""
     assert victim.lost_event.wait(5), "the loss was not reported"
@@ -164,21 +170,21 @@ def _cases(provider: str):
 
     size0 = lambda v: v.arenas[0].size                                  # noqa: E731
     return [
-        ("wrong key", bad(key=lambda v: v.descs[0]["key"] ^ 1), TransportError),
-        ("other region's key", bad(key=lambda v: v.descs[1]["key"]), TransportError),
-        ("key zero", bad(key=0), TransportError),
-        ("unexposed region", bad(region=2), TransportError),
-        ("negative region", bad(region=-1), TransportError),
-        ("offset at the end", bad(offset=size0, length=1), TransportError),
-        ("straddles the end", bad(offset=lambda v: size0(v) - 10, length=20), TransportError),
-        ("one byte too long", bad(length=lambda v: size0(v) + 1), TransportError),
-        ("huge length", bad(length=2 ** 64 - 1, payload=False), TransportError),
-        ("huge offset", bad(offset=2 ** 64 - 1, length=1), TransportError),
-        ("offset + length wraps 64 bits", bad(offset=2 ** 64 - 16, length=32), TransportError),
-        ("bad magic", bad(magic=0xDEADBEEF), TransportError),
-        ("zero magic, zero length", bad(magic=0, length=0), TransportError),
+        ("wrong key", bad(key=lambda v: v.descs[0]["key"] ^ 1), RefusedWrite),
+        ("other region's key", bad(key=lambda v: v.descs[1]["key"]), RefusedWrite),
+        ("key zero", bad(key=0), RefusedWrite),
+        ("unexposed region", bad(region=2), RefusedWrite),
+        ("negative region", bad(region=-1), RefusedWrite),
+        ("offset at the end", bad(offset=size0, length=1), RefusedWrite),
+        ("straddles the end", bad(offset=lambda v: size0(v) - 10, length=20), RefusedWrite),
+        ("one byte too long", bad(length=lambda v: size0(v) + 1), RefusedWrite),
+        ("huge length", bad(length=2 ** 64 - 1, payload=False), RefusedWrite),
+        ("huge offset", bad(offset=2 ** 64 - 1, length=1), RefusedWrite),
+        ("offset + length wraps 64 bits", bad(offset=2 ** 64 - 16, length=32), RefusedWrite),
+        ("bad magic", bad(magic=0xDEADBEEF), RefusedWrite),
+        ("zero magic, zero length", bad(magic=0, length=0), RefusedWrite),
         ("junk after a header (oversized header)",
-         lambda v: header(0, v.descs[0]["key"], 7, 0, 0) + b"\xff" * WRITE_HEADER.size, TransportError),
+         lambda v: header(0, v.descs[0]["key"], 7, 0, 0) + b"\xff" * WRITE_HEADER.size, RefusedWrite),
         ("truncated header", lambda v: header(0, v.descs[0]["key"], 7, 0, 64)[:20], PeerLost),
     ] + ([("stream cut mid-payload",
            lambda v: header(0, v.descs[0]["key"], 9, 100, 4096) + b"\x33" * 1000, PeerLost)] if tcp else [])
@@ -235,8 +241,7 @@ def test_random_headers_are_refused_unless_fully_valid(provider):
            length=st.one_of(st.integers(1, PAGE), st.integers(1, 2 * PAGE), st.sampled_from([2 ** 32, 2 ** 64 - 1])),
            bad_magic=st.sampled_from([False, False, False, True]))
     def case(region, key_kind, offset, length, bad_magic):
-        v = Victim(provider)
-        try:
+        with Victim(provider) as v:
             sock = v.dial()
             assert v.accepted(), v.accept_error
             right = v.descs[region]["key"] if region in (0, 1) else 1
@@ -257,11 +262,9 @@ def test_random_headers_are_refused_unless_fully_valid(provider):
                                         0x12345678 if bad_magic else WRITE_MAGIC) + (payload if tcp else b""))
                 except OSError:
                     pass
-                refused(v, sock, TransportError, imms=0)
+                refused(v, sock, RefusedWrite, imms=0)
                 counts["refused"] += 1
             sock.close()
-        finally:
-            v.close()
 
     case()
     print(f"{provider}: random headers {counts}")
@@ -272,22 +275,18 @@ def test_random_headers_are_refused_unless_fully_valid(provider):
 def test_zero_length_write_touches_nothing(provider):
     """A zero-length write carries only its immediate (a credit); like an RDMA
     NIC, no region or key is checked for it, and no byte moves."""
-    v = Victim(provider)
-    try:
+    with Victim(provider) as v:
         sock = v.dial()
         assert v.accepted()
         sock.sendall(header(-1, 0, make_imm(IMM_DATA, 4), 0, 0) + header(99, 123, 5, 2 ** 64 - 1, 0))
         v.wait_imms(2)
         assert v.imms == [make_imm(IMM_DATA, 4), 5] and not v.lost
         v.check_memory()
-    finally:
-        v.close()
 
 
 @pytest.mark.parametrize("provider", ["tcp", "shm"])
 def test_handshake_refuses_wrong_keys_and_is_not_delayed_by_silent_dialers(provider):
-    v = Victim(provider)
-    try:
+    with Victim(provider) as v:
         key = bytes.fromhex(v.params["key"])
         wrong = [v.dial(bytes(AUTH_BYTES)), v.dial(key[:-1] + bytes([key[-1] ^ 1])),
                  v.dial(header(0, v.descs[0]["key"], 1, 0, 0))]      # data before the key
@@ -308,14 +307,11 @@ def test_handshake_refuses_wrong_keys_and_is_not_delayed_by_silent_dialers(provi
         assert not v.lost
         v.check_memory()
         real.close()
-    finally:
-        v.close()
 
 
 @pytest.mark.parametrize("provider", ["tcp", "shm"])
 def test_truncated_header_then_silence_does_not_hang_close(provider):
-    v = Victim(provider)
-    try:
+    with Victim(provider) as v:
         sock = v.dial()
         assert v.accepted()
         sock.sendall(header(0, v.descs[0]["key"], 1, 0, 64)[:17])
@@ -327,8 +323,6 @@ def test_truncated_header_then_silence_does_not_hang_close(provider):
         assert not v.imms
         v.check_memory()
         sock.close()
-    finally:
-        v.close()
 
 
 def test_grpc_baseline_push_checks_like_a_nic():
@@ -340,13 +334,13 @@ def test_grpc_baseline_push_checks_like_a_nic():
     expected = canary_arena(arena)
     desc = ch.expose(0, arena)
     try:
-        ch.deliver(pb.PushRequest(rank=0, region_id=0, key=desc["key"], offset=10, payload=b"\1" * 10, imm=1))
+        ch.receive(pb.PushRequest(rank=0, region_id=0, key=desc["key"], offset=10, payload=b"\1" * 10, imm=1))
         expected[10:20] = 1
         for bad in [dict(key=desc["key"] ^ 1, offset=0), dict(region_id=1, offset=0),
                     dict(offset=2 * PAGE - 5), dict(offset=2 ** 64 - 1)]:
             req = pb.PushRequest(rank=0, payload=b"\2" * 10, imm=2, **{"region_id": 0, "key": desc["key"], **bad})
-            with pytest.raises(TransportError):
-                ch.deliver(req)
+            with pytest.raises(RefusedWrite):
+                ch.receive(req)
         assert imms == [1]
         assert_untouched(arena, expected, "grpc region")
     finally:
@@ -373,7 +367,7 @@ class _Coordinator(pb_grpc.ControlServicer):
 @pytest.mark.parametrize("provider", ["tcp", "shm"])
 def test_a_hostile_rank_cannot_write_outside_its_slots(provider):
     """Rank 0 holds the token and sets up like a real rank, then writes past
-    its region: rank 1's session reports a TransportError, a tensor that came
+    its region: rank 1's session reports a RefusedWrite, a tensor that came
     before is delivered intact, and rank 1's memory is otherwise untouched."""
     server, port = start_server("127.0.0.1:0", TOKEN, _Coordinator(), pb_grpc.BaselineServicer())
     peers = {0: f"127.0.0.1:{port}", 1: f"127.0.0.1:{free_ports(1)[0]}"}
@@ -384,7 +378,7 @@ def test_a_hostile_rank_cannot_write_outside_its_slots(provider):
     def rank1():
         try:
             with connect(1, peers, PLAN, provider=provider, token=TOKEN, timeout=20) as s:
-                ch = s._channels[0]
+                ch = s.debug_state()["channels"][0]
                 out["expected"] = {rid: canary_arena(arena) for rid, (arena, _) in ch.local.items()}
                 out["arenas"] = {rid: arena for rid, (arena, _) in ch.local.items()}
                 ready.set()
@@ -440,7 +434,7 @@ def test_a_hostile_rank_cannot_write_outside_its_slots(provider):
         t.join(30)
         assert "error" not in out, out.get("error")
         np.testing.assert_array_equal(out["a"], np.arange(1024, dtype=np.float32))
-        assert isinstance(out["d"], TransportError), repr(out["d"])
+        assert isinstance(out["d"], RefusedWrite), repr(out["d"])
         assert "outside" in str(out["d"])
         for rid in out["arenas"]:
             assert out[f"diff{rid}"].size == 0, f"region {rid}: bytes changed at {out[f'diff{rid}'][:10]}"

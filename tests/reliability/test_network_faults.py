@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = pytest.mark.vm
 ROOT = Path(__file__).resolve().parents[2]
-TYPED = {"PeerLost", "TransportError", "RecvTimeout"}
+TYPED = {"PeerLost", "TransportError", "VerbsError", "RecvTimeout", "SendTimeout"}
 
 
 def test_netem_and_link_down_between_two_vms(vm_ready):

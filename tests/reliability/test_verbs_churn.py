@@ -18,7 +18,7 @@ import pytest
 
 from rdmatensor import Plan, TensorSpec
 
-from ..transport.ranks import check, run_ranks
+from ..support.ranks import check, run_ranks
 from .helpers import settle, snapshot
 
 pytestmark = pytest.mark.rdma

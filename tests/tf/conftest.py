@@ -35,8 +35,8 @@ def run_ranks(plan, provider, body, ranks=2, timeout=120.0):
     registered for tf_plugin.ops; returns {rank: result}, raising the first failure."""
     from tf_plugin import ops
 
-    from ..transport.ranks import check
-    from ..transport.ranks import run_ranks as run
+    from ..support.ranks import check
+    from ..support.ranks import run_ranks as run
 
     def with_ops(s, rank):
         with ops.use(s):

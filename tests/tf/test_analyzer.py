@@ -42,7 +42,7 @@ def test_allreduce_chunks_partition_every_gradient(mlp):
     from tf_plugin.analyzer import analyze, ring_name
     n = 3
     a = analyze(mlp, "allreduce", workers=n, fusion=False)
-    for v, shape in zip(a.variables, _shapes(mlp)):
+    for v, shape in zip(a.variables, _shapes(mlp), strict=False):
         assert v.shape == shape and not v.sparse
         for phase in ("rs", "ag"):
             for step in range(n - 1):
@@ -61,7 +61,7 @@ def test_fused_allreduce_is_one_ring_over_aligned_members(mlp):
     a = analyze(mlp, "allreduce", workers=2)
     (bucket,) = a.buckets
     sizes = [int(np.prod(s)) for s in _shapes(mlp)]
-    assert [(m[0], m[2]) for m in bucket.members] == [(v.key, n) for v, n in zip(a.variables, sizes)]
+    assert [(m[0], m[2]) for m in bucket.members] == [(v.key, n) for v, n in zip(a.variables, sizes, strict=False)]
     assert all(offset * 4 % 64 == 0 for _, offset, _ in bucket.members)      # TF-aligned views
     assert bucket.size >= sum(sizes) and bucket.size - sum(sizes) < 16 * len(sizes)
     chunks = [a.plan.specs[ring_name(bucket.key, p, 0, r)] for p in ("rs", "ag") for r in range(2)]

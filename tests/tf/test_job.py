@@ -28,8 +28,8 @@ def test_a_job_that_cannot_run_is_refused_naming_the_field(fields, message):
 
 
 def test_backends_are_the_providers_plus_tensorflow_and_the_floor():
-    from rdmatensor.providers import NAMES
-    assert set(BACKENDS) == {"auto", *NAMES, "tf-grpc", "none"}
+    from rdmatensor.providers import REGISTRY
+    assert set(BACKENDS) == {"auto", *REGISTRY, "tf-grpc", "none"}
     assert BACKENDS["tf-grpc"].modes == ("allreduce",) and not BACKENDS["tf-grpc"].threads
     config = JobConfig(model="lm", batch=16, image_size=64)
     assert JobConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config

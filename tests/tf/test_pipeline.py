@@ -34,7 +34,7 @@ def _run(model, stages, plan, provider, batches):
             return s.stats()
         return [fn().numpy() for _ in batches], s.stats()
     res = run_ranks(plan, provider, body)
-    for x, got in zip(batches, res[1][0]):
+    for x, got in zip(batches, res[1][0], strict=False):
         np.testing.assert_allclose(got, model(x).numpy(), rtol=1e-5, atol=1e-6)
     return res
 
@@ -73,7 +73,6 @@ def test_dynamic_batch_pipeline_uses_the_fallback(split):
 def test_received_tensor_aliases_the_slot_until_tensorflow_frees_it():
     """The release rule: zero-copy while TensorFlow holds the tensor, slot back when it frees it."""
     import gc
-    import tensorflow as tf
     from rdmatensor import Plan, TensorSpec
     from tf_plugin import ingest
     plan = Plan([TensorSpec("t", (16, 16), np.float32, 0, 1)])

@@ -74,12 +74,19 @@ def test_two_ranks_get_distinct_tf_config_ranks_and_one_token(tmp_path):
 
 
 def test_ps_tasks_join_tf_config_after_the_workers(tmp_path):
-    body = script(tmp_path, "cfg.py", "import os; print(os.environ['TF_CONFIG'])")
+    body = script(tmp_path, "cfg.py", """
+        import os
+        print(os.environ["TF_CONFIG"])
+        print(os.environ["RDMATENSOR_LOCAL_RANK"], os.environ["RDMATENSOR_LOCAL_SIZE"],
+              os.environ.get("HOROVOD_SIZE", "-"))
+    """)
     proc, _ = launcher("-np", "2", "--ps", "1", sys.executable, body)
     assert proc.returncode == 0, proc.stderr
     cfg = json.loads(lines_of(proc.stdout, 2)[0])
     assert len(cfg["cluster"]["worker"]) == 2 and len(cfg["cluster"]["ps"]) == 1
     assert cfg["task"] == {"type": "ps", "index": 0}
+    # local rank and size count the host's tasks of the same type: 2 workers, 1 ps here
+    assert [lines_of(proc.stdout, r)[1] for r in range(3)] == ["0 2 2", "1 2 2", "0 1 -"]
 
 
 def test_long_lines_from_both_ranks_arrive_whole(tmp_path):
@@ -212,6 +219,9 @@ def test_hosts_fill_in_order_with_local_ranks_and_ssh_for_remote_hosts():
     assert [(p.rank, p.task_type, p.index, p.host, p.local_rank, p.local_size, p.local) for p in placements] == [
         (0, "worker", 0, "localhost", 0, 1, True), (1, "worker", 1, "node1", 0, 2, False),
         (2, "worker", 2, "node1", 1, 2, False), (3, "ps", 0, "node2", 0, 1, False)]
+    shared = run.place(3, run.parse_hosts("node1:2,node2:2"), ps=1, ports=[0] * 4)
+    assert [(p.host, p.task_type, p.local_rank, p.local_size) for p in shared] == [
+        ("node1", "worker", 0, 2), ("node1", "worker", 1, 2), ("node2", "worker", 0, 1), ("node2", "ps", 0, 1)]
     # a remote peer cannot reach 127.0.0.1: the local rank is named by this machine's host name
     import socket
     assert [p.address for p in placements] == [f"{socket.gethostname()}:7000", "node1:7001", "node1:7002",

@@ -13,12 +13,11 @@ import numpy as np
 import pytest
 
 from rdmatensor import IntegrityError, PeerLost, Plan, TensorSpec, connect
-from rdmatensor.errors import RdmaTensorError
 
 from .peer_proc import TOKEN, fault_plan
-from .ranks import check, free_ports, run_ranks
+from ..support.providers import PROVIDERS
+from ..support.ranks import check, free_ports, run_ranks
 
-PROVIDERS = [pytest.param("verbs", marks=pytest.mark.rdma), "shm", "tcp", "grpc"]
 ROOT = Path(__file__).resolve().parents[2]
 DETECT_BOUND = 10.0
 
@@ -112,17 +111,17 @@ def test_checksums_pass_intact_tensors_and_catch_corruption(provider):
 
     def body(s, r):
         if r == 0:
-            for a, b in zip(w, seqs):
+            for a, b in zip(w, seqs, strict=False):
                 s.send("w", a)
                 s.send("seq", b)
             return s.stats()
         ok = []
         for i in range(3):
-            st = s._recv["w"]
+            st = s.debug_state()["recv_slots"]["w"]
             if i == 1:      # corrupt one byte in the arena after it landed, before it is read
                 deadline = time.monotonic() + 30
-                while not st.data and time.monotonic() < deadline:
-                    s._channels[0].progress()
+                while st.state != st.FULL and time.monotonic() < deadline:
+                    s.debug_state()["channels"][0].progress()
                     time.sleep(0.001)
                 st.memory[17] ^= 0xFF
                 with pytest.raises(IntegrityError, match="checksum"):

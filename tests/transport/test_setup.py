@@ -9,7 +9,7 @@ from rdmatensor import Plan, ProviderUnavailable, TensorSpec, TlsConfig
 from rdmatensor.errors import PeerLost
 from rdmatensor.providers import choose, provider_class
 
-from .ranks import check, run_ranks
+from ..support.ranks import check, run_ranks
 
 
 @pytest.mark.parametrize("count", [1, 1000])
@@ -67,7 +67,7 @@ def test_tls_refuses_a_plaintext_peer(tmp_path):
     results = {}
     import threading
     from rdmatensor import connect
-    from .ranks import TOKEN, free_ports
+    from ..support.ranks import TOKEN, free_ports
     peers = {r: f"127.0.0.1:{p}" for r, p in enumerate(free_ports(2))}
 
     def rank(r, **kw):

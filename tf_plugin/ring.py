@@ -1,12 +1,12 @@
-"""Synchronous data parallelism: ring all-reduce of gradients, Horovod-like interface.
+"""Synchronous data parallelism: the ring all-reduce of gradients over an analyzed plan.
 
-    import tf_plugin.allreduce as hvd
-    hvd.init(model, provider="tcp")                 # analyze, connect (cluster from TF_CONFIG)
-    hvd.broadcast_variables(model.variables, root_rank=0)
-    with tf.GradientTape() as tape:
-        loss = ...
-    tape = hvd.DistributedGradientTape(tape)
-    grads = tape.gradient(loss, model.trainable_variables)   # averaged over workers
+    ring = RingAllReduce(session, analyze(model, "allreduce", workers))
+    ring.broadcast(model.variables)                 # rank 0's values everywhere, once
+    grads = ring.allreduce(grads)                   # averaged over workers
+    tape = RingGradientTape(tape, ring)             # the same inside tf.function
+
+(`import tf_plugin as hvd` is the Horovod API; it runs this ring too, over a
+plan grown from the step, see collectives.py.)
 
 The ring: each bucket (one gradient, or with fusion every gradient of a
 dtype laid end to end, see analyzer.buckets_of) is cut into N chunks
@@ -50,14 +50,15 @@ class RingAllReduce:
                 self._fused[b.key][...] = 0
 
     # ------------------------------------------------------------- all-reduce
-    def allreduce_arrays(self, keys, arrays) -> list[np.ndarray]:
-        """Average numpy gradients over the workers (`keys` name them as in the plan).
+    def allreduce_arrays(self, keys, arrays, average: bool = True) -> list[np.ndarray]:
+        """Average (or with average=False, sum) numpy gradients over the workers
+        (`keys` name them as in the plan).
 
         A fused bucket costs one copy per member into its buffer; its output
         members are 64-byte aligned views, fit for TensorFlow with no copy.
         Every ring step writes the chunks of all buckets before waiting for
         any: 2(N-1) round trips per step, however many buckets there are."""
-        by_key = {k: np.ascontiguousarray(a) for k, a in zip(keys, arrays)}
+        by_key = {k: np.ascontiguousarray(a) for k, a in zip(keys, arrays, strict=False)}
         flats = []
         for b in self.analysis.buckets:
             buf = self._fused.get(b.key)
@@ -69,19 +70,28 @@ class RingAllReduce:
             self.meter.tally["fused"] += len(b.members)
             flats.append(buf)
         with self.meter.comm():
-            outs = self._ring([b.key for b in self.analysis.buckets], flats)
+            outs = self._ring([b.key for b in self.analysis.buckets], flats, average)
         result = {}
-        for b, out in zip(self.analysis.buckets, outs):
+        for b, out in zip(self.analysis.buckets, outs, strict=False):
             for key, offset, n in b.members:
                 result[key] = out[offset:offset + n].reshape(self.shapes[key])
         return [result[k] if k in result else np.zeros_like(by_key[k]) for k in keys]
 
-    def _ring(self, keys: list, flats: list) -> list[np.ndarray]:
+    def _ring(self, keys: list, flats: list, average: bool = True) -> list[np.ndarray]:
         s, n, r = self.session, self.size, self.rank
+
+        def finish(summed, out):           # a fully summed chunk into the output
+            if not average:
+                np.copyto(out, summed)
+            elif out.dtype.kind in "fc":
+                np.multiply(summed, 1.0 / n, out=out)
+            else:                          # integers average by floor division
+                np.floor_divide(summed, n, out=out)
+
         outs = [ingest.aligned_empty(f.shape, f.dtype) for f in flats]
         live = [i for i, f in enumerate(flats) if f.size]
         if n == 1:
-            for f, o in zip(flats, outs):
+            for f, o in zip(flats, outs, strict=False):
                 np.copyto(o, f)
             return outs
         bounds = {i: [slice(lo, hi) for lo, hi in ring_bounds(flats[i].size, n)] for i in live}
@@ -98,14 +108,14 @@ class RingAllReduce:
                     np.add(flats[i][bounds[i][c]], chunk, out=dst)
                 outgoing[i] = dst
         for i in live:
-            np.multiply(outgoing[i], 1.0 / n, out=outs[i][bounds[i][(r + 1) % n]])
+            finish(outgoing[i], outs[i][bounds[i][(r + 1) % n]])
         for step in range(n - 1):                                   # all-gather
             for i in live:
                 s.send(ring_name(keys[i], "ag", step, r), outgoing[i])
             c = ring_chunk("ag", step, r, n, receiving=True)
             for i in live:
                 with s.recv(ring_name(keys[i], "ag", step, left)) as chunk:
-                    np.multiply(chunk, 1.0 / n, out=outs[i][bounds[i][c]])
+                    finish(chunk, outs[i][bounds[i][c]])
                     if step < n - 2:               # forwarded next step: into staging, once
                         outgoing[i] = s.buffer(ring_name(keys[i], "ag", step + 1, r))
                         np.copyto(outgoing[i], chunk)
@@ -135,7 +145,7 @@ class RingAllReduce:
             raise ValueError("the plan broadcasts from rank 0")
         keys = self._keys(variables, len(variables))
         with self.meter.comm():
-            for key, var in zip(keys, variables):
+            for key, var in zip(keys, variables, strict=False):
                 if self.size == 1 or 0 in var.shape:
                     continue
                 if self.rank == 0:
@@ -148,19 +158,21 @@ class RingAllReduce:
                         self.meter.tally["copied"] += 1
 
 
-class DistributedGradientTape:
+class RingGradientTape:
     """Wraps a tf.GradientTape: gradient() returns gradients averaged over the
-    workers. Eager: the ring runs right there. Inside tf.function: it runs as a
-    tf.numpy_function (inputs and outputs alias TensorFlow's buffers)."""
+    workers of an analyzed ring. Eager: the ring runs right there. Inside
+    tf.function: it runs as a tf.numpy_function (inputs and outputs alias
+    TensorFlow's buffers). For a plan grown from the step instead, see
+    tf_plugin.horovod.DistributedGradientTape."""
 
-    def __init__(self, tape: tf.GradientTape, ring: RingAllReduce | None = None):
+    def __init__(self, tape: tf.GradientTape, ring: RingAllReduce):
         self._tape, self._ring = tape, ring
 
     def __getattr__(self, name):
         return getattr(self._tape, name)
 
     def gradient(self, target, sources, output_gradients=None, **kw):
-        ring = self._ring or _default()
+        ring = self._ring
         grads = self._tape.gradient(target, sources, output_gradients, **kw)
         grads = [tf.convert_to_tensor(g) for g in grads]          # sparse as dense
         if tf.executing_eagerly():
@@ -168,52 +180,6 @@ class DistributedGradientTape:
         keys = ring._keys(sources, len(grads))
         out = tf.numpy_function(lambda *a: ring.allreduce_arrays(keys, a), grads,
                                 [g.dtype for g in grads], stateful=True, name="rdmatensor_allreduce")
-        for o, g in zip(out, grads):
+        for o, g in zip(out, grads, strict=False):
             o.set_shape(g.shape)
         return out
-
-
-# ----------------------------------------------- Horovod-like module functions
-_state: dict = {}
-
-
-def init(model, provider: str = "auto", cluster=None, token: str | None = None, timeout: float = 120.0,
-         input_signature=None, fusion: bool = True) -> RingAllReduce:
-    """Analyze `model` (a Keras model or Step), connect this worker (cluster from
-    TF_CONFIG unless given; token from RDMATENSOR_TOKEN) and make the ring the
-    default for DistributedGradientTape and broadcast_variables."""
-    import os
-    from rdmatensor import connect
-    from .analyzer import analyze
-    from .cluster import Cluster
-    cluster = cluster or Cluster.from_tf_config()
-    analysis = analyze(model, "allreduce", cluster.num_workers, input_signature=input_signature,
-                       fusion=fusion)
-    session = connect(cluster.rank, cluster.peers(), analysis.plan, provider=provider,
-                      token=token or os.environ.get("RDMATENSOR_TOKEN"), timeout=timeout)
-    _state["ring"] = RingAllReduce(session, analysis)
-    return _state["ring"]
-
-
-def _default() -> RingAllReduce:
-    if "ring" not in _state:
-        raise RuntimeError("call tf_plugin.allreduce.init(model) first")
-    return _state["ring"]
-
-
-def rank() -> int:
-    return _default().rank
-
-
-def size() -> int:
-    return _default().size
-
-
-def broadcast_variables(variables, root_rank: int = 0) -> None:
-    _default().broadcast(variables, root_rank)
-
-
-def shutdown() -> None:
-    ring = _state.pop("ring", None)
-    if ring is not None:
-        ring.session.close()

@@ -1,0 +1,185 @@
+"""Slot state and credits: who may write a slot, and where a credit is returned.
+
+Every slot of a (sender, receiver) pair has one credit. The sender writes a
+slot only while it holds the slot's credit; its write's DATA immediate hands
+the slot to the receiver; the receiver returns the credit (a CREDIT
+immediate, give_back()) once the user released the view recv() gave. So a
+sender never overwrites a value the receiver still holds, and values of one
+tensor arrive in the order they were sent.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+
+from ..errors import CreditViolation, RdmaTensorError, RemoteError, SendTimeout
+from ..memory import Arena
+from ..plan import Slot
+from ..providers.base import IMM_CREDIT, IMM_DATA, make_imm, split_imm
+from .context import SessionContext
+from .liveness import Liveness
+
+log = logging.getLogger("rdmatensor")
+
+
+class SendSlot:
+    """The sender's end of a slot: its credit, where its bytes go, its staging memory."""
+
+    def __init__(self, slot: Slot, peer: int, staging: np.ndarray):
+        self.slot, self.peer = slot, peer
+        self.credit = threading.Event()       # set: this side may write the slot
+        self.credit.set()
+        self.region, self.offset, self.capacity = slot.arena, slot.offset, slot.size
+        self.staging: np.ndarray | None = staging
+        self.pending = None                   # the last posted write's handle, while it may read staging
+
+    @property
+    def name(self) -> str:
+        return self.slot.spec.name
+
+
+class RecvSlot:
+    """The receiver's end of a slot, one small state machine:
+
+        EMPTY --arrive()--> FULL --take()--> HELD --release()--> EMPTY
+        FULL --release()--> EMPTY          (a value rejected on receipt)
+        any  --wake()-->    same state, and every waiter is woken for good
+                            (the peer was lost, or the session closed)
+
+    arrive() outside EMPTY means the sender wrote without the credit: a
+    CreditViolation. release() is where the credit goes back (see
+    Credits.give_back). Memory is replaced (growth) only while EMPTY.
+    """
+    EMPTY, FULL, HELD = "empty", "full", "held"
+
+    def __init__(self, slot: Slot, peer: int, memory: np.ndarray):
+        self.slot, self.peer = slot, peer
+        self.memory: np.ndarray | None = memory     # this slot's bytes in the receive arena
+        self.grown: tuple[int, Arena] | None = None  # (region id, arena) once grown
+        self.state = self.EMPTY
+        self.arrived = threading.Event()             # set while FULL, or for good once woken
+        self._woken = False
+        self._lock = threading.Lock()
+
+    @property
+    def name(self) -> str:
+        return self.slot.spec.name
+
+    def arrive(self) -> None:
+        with self._lock:
+            if self.state != self.EMPTY:
+                raise CreditViolation(f"rank {self.peer} wrote {self.name!r} without a credit",
+                                      peer=self.peer, tensor=self.name)
+            self.state = self.FULL
+            self.arrived.set()
+
+    def take(self) -> bool:
+        """FULL -> HELD; False when there is no value to take (woken by a failure)."""
+        with self._lock:
+            if self.state != self.FULL:
+                return False
+            self.state = self.HELD
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            self.state = self.EMPTY
+            if not self._woken:          # a loss must keep waking later waiters
+                self.arrived.clear()
+
+    def wake(self) -> None:
+        with self._lock:
+            self._woken = True
+            self.arrived.set()
+
+    def regrow(self, region_id: int, arena: Arena) -> tuple[int, Arena] | None:
+        """Put the slot in a new region (only while EMPTY); returns the one it replaces."""
+        with self._lock:
+            if self.state != self.EMPTY:
+                raise CreditViolation(f"{self.name!r} is still held: rank {self.peer} has no credit to grow it",
+                                      peer=self.peer, tensor=self.name)
+            old, self.grown, self.memory = self.grown, (region_id, arena), arena.buf
+            return old
+
+
+class Credits:
+    """Every slot of this rank, the immediates that move them, and their credits."""
+
+    def __init__(self, ctx: SessionContext, live: Liveness):
+        self.ctx, self.live = ctx, live
+        self.send: dict[str, SendSlot] = {}
+        self.recv: dict[str, RecvSlot] = {}
+        self._send_by_index: dict[int, list[SendSlot]] = {}
+        self._recv_by_index: dict[int, list[RecvSlot]] = {}
+        live.when_peer_lost(self.wake_peer)
+
+    def add(self, peer: int, sending: list[SendSlot], receiving: list[RecvSlot]) -> None:
+        self._send_by_index[peer], self._recv_by_index[peer] = sending, receiving
+        self.send.update((st.name, st) for st in sending)
+        self.recv.update((st.name, st) for st in receiving)
+
+    def recv_slot(self, peer: int, index: int) -> RecvSlot | None:
+        states = self._recv_by_index.get(peer, [])
+        return states[index] if 0 <= index < len(states) else None
+
+    # -- immediates -------------------------------------------------------
+    def on_imm(self, peer: int, imm: int) -> None:
+        """An immediate from `peer`: DATA hands a slot to this side, CREDIT gives one back."""
+        kind, index = split_imm(imm)
+        try:
+            if kind == IMM_DATA:
+                st = self.recv_slot(peer, index)
+                if st is None:
+                    raise CreditViolation(f"rank {peer} sent immediate {imm:#x} for no slot", peer=peer)
+                st.arrive()
+            elif kind == IMM_CREDIT and 0 <= index < len(self._send_by_index.get(peer, [])):
+                self._send_by_index[peer][index].credit.set()
+            else:
+                raise CreditViolation(f"rank {peer} sent immediate {imm:#x} for no slot", peer=peer)
+        except RemoteError as exc:
+            self.ctx.channels[peer].lost(exc)
+
+    # -- the sender's side ------------------------------------------------
+    def take(self, st: SendSlot, timeout: float | None) -> None:
+        """Take the slot's credit, waiting while the receiver holds the previous value."""
+        if not st.credit.is_set():
+            self.ctx.counters.add("waits")
+            timeout = self.ctx.timeout if timeout is None else timeout
+            if not self.ctx.wait(st.credit, st.peer, timeout):
+                raise SendTimeout(f"{st.name!r}: rank {st.peer} held the previous value "
+                                  f"for more than {timeout:.1f} s", peer=st.peer, tensor=st.name)
+        self.live.check()
+        self.live.check(st.peer)
+        st.credit.clear()
+
+    def keep(self, st: SendSlot) -> None:
+        """Nothing was written: the credit stays with the sender."""
+        if not self.live.is_lost(st.peer):
+            st.credit.set()
+
+    # -- the receiver's side ----------------------------------------------
+    def give_back(self, st: RecvSlot) -> None:
+        """The user released the slot: return its credit to the sender."""
+        st.release()
+        if self.ctx.closed or self.live.is_lost(st.peer):
+            return
+        try:
+            self.ctx.channels[st.peer].notify(make_imm(IMM_CREDIT, st.slot.index))
+        except RdmaTensorError as exc:
+            # The sender is gone; it needs no credit. Its loss is reported by
+            # the channel once everything it sent has been taken in.
+            log.debug("rank %d: credit for %r not delivered: %s", self.ctx.rank, st.name, exc)
+
+    # -- failure ----------------------------------------------------------
+    def wake_peer(self, peer: int) -> None:
+        """Wake everyone waiting on `peer` so they see its error."""
+        for st in self._send_by_index.get(peer, []):
+            st.credit.set()
+        for st in self._recv_by_index.get(peer, []):
+            st.wake()
+
+    def wake_all(self) -> None:
+        for peer in set(self._send_by_index) | set(self._recv_by_index):
+            self.wake_peer(peer)

@@ -1,0 +1,192 @@
+"""What users call: connect() and the Session it returns.
+
+Session is a thin facade: it builds the parts of one rank's session (see the
+package's docstring), runs setup in order, and delegates every call.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from ..control.service import TlsConfig, start_server
+from ..control.servicers import BaselineServicer, ControlServicer
+from ..errors import UsageError
+from ..plan import Plan
+from ..providers import choose
+from .barrier import Barriers
+from .context import SessionContext
+from .credits import Credits
+from .exchange import Exchange
+from .growth import Growth
+from .liveness import Liveness, log
+from .recv import Received, Receiver
+from .send import Sender
+
+SETUP_BARRIER = "rdmatensor-setup"
+
+
+class Session:
+    """One rank's end of an rdmatensor job. Create it with `connect()`."""
+
+    def __init__(self, rank: int, peers: Mapping[int, str], plan: Plan, provider: str = "auto",
+                 token: str | None = None, tls: TlsConfig | None = None, timeout: float = 60.0,
+                 heartbeat: float = 1.0, peer_timeout: float = 10.0):
+        if not isinstance(plan, Plan):
+            raise UsageError(f"plan must be a Plan, not {type(plan).__name__}")
+        if isinstance(peers, Sequence) and not isinstance(peers, str):
+            peers = dict(enumerate(peers))
+        peers = {int(r): str(a) for r, a in peers.items()}
+        if rank not in peers:
+            raise UsageError(f"rank {rank} has no address in peers {sorted(peers)}")
+        missing = plan.ranks() - set(peers)
+        if missing:
+            raise UsageError(f"the plan names ranks {sorted(missing)} that have no address in peers")
+        if not token:
+            raise UsageError("a token is required: peers authenticate with it")
+        if heartbeat <= 0 or peer_timeout < heartbeat:
+            raise UsageError("heartbeat must be > 0 and peer_timeout >= heartbeat")
+        self.rank, self.plan, self.timeout = rank, plan, timeout
+        self.heartbeat, self.peer_timeout = heartbeat, peer_timeout
+        peer_ranks = sorted(plan.peers_of(rank))
+        hosts = [peers[p].rsplit(":", 1)[0].strip("[]") for p in peer_ranks]
+        self.provider_class = choose(provider, hosts or ["127.0.0.1"])
+        self.provider = self.provider_class.name
+        ctx = self._ctx = SessionContext(rank, peers, plan, self.provider_class, token, tls, timeout)
+        self.peers = ctx.peers
+        self._live = Liveness(ctx, heartbeat, peer_timeout)
+        self._credits = Credits(ctx, self._live)
+        self._exchange = Exchange(ctx, self._credits, self._live)
+        self._growth = Growth(ctx, self._credits)
+        self._barriers = Barriers(ctx, self._live)
+        self._sender = Sender(ctx, self._credits, self._growth, self._live)
+        self._receiver = Receiver(ctx, self._credits, self._live)
+        self._server = None
+        try:
+            self._exchange.prepare(peer_ranks)
+            self._start_server()
+            self._exchange.run(peer_ranks)
+            self.barrier(SETUP_BARRIER)
+            self._live.start(peer_ranks)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_server(self) -> None:
+        ctx = self._ctx
+        host, port = ctx.peers[ctx.rank].rsplit(":", 1)
+        control = ControlServicer(ctx.rank, ctx.credentials, self._exchange, self._growth, self._barriers,
+                                  self._live)
+        baseline = BaselineServicer(ctx.channels, ctx.credentials)
+        self._server, bound = start_server(f"{host}:{port}", ctx.token, control, baseline, ctx.tls)
+        if int(port) == 0:
+            ctx.peers[ctx.rank] = f"{host}:{bound}"
+
+    # -- the API ----------------------------------------------------------
+    def buffer(self, name: str) -> np.ndarray:
+        """The registered staging array of a static tensor this rank sends.
+        Fill it and pass it to send(): it goes with no copy at all. It is
+        handed out only once the previous write from it completed."""
+        return self._sender.buffer(name)
+
+    def send(self, name: str, array, timeout: float | None = None) -> None:
+        """Write `array` into the receiver's slot for `name` (one one-sided write).
+
+        Waits while the receiver still holds the previous value of this tensor
+        (SendTimeout after `timeout`, default the session's)."""
+        self._sender.send(name, array, timeout)
+
+    def recv(self, name: str, timeout: float | None = None) -> Received:
+        """Wait for `name` and return it as a read-only view of the receive arena.
+
+        Use `with session.recv(name) as array:`; the slot goes back to the
+        sender when the block ends (or on `release()`)."""
+        return self._receiver.recv(name, timeout)
+
+    def barrier(self, name: str = "barrier", timeout: float | None = None) -> None:
+        """Wait until every rank of the plan reached the barrier of this name."""
+        self._barriers.wait(name, timeout)
+
+    def stats(self) -> dict:
+        """Counters: bytes_sent/received, writes, recvs, copies (user array ->
+        staging, plus the grpc baseline's serialization copies on both sides),
+        dynamic (dynamic-shape sends), fallbacks, grows, waits (sends that had
+        to wait for a credit), corrupt (values refused on receipt),
+        control_calls (made by this rank: setup, barriers, grows; never one
+        per static tensor), and the provider's name."""
+        ctx = self._ctx
+        counts = ctx.counters.snapshot()
+        counts["copies"] += sum(ch.copies for ch in ctx.channels.values())
+        return dict(counts, control_calls=ctx.control_calls(), provider=self.provider)
+
+    def debug_state(self) -> dict:
+        """A look inside, for tests and debugging (it holds live objects and the
+        pair credentials: never log it). Keys: error (session-wide, or None),
+        peer_errors {peer: error}, channels {peer: Channel}, send_slots and
+        recv_slots {name: SendSlot / RecvSlot}, exchanged {lower-ranked peer:
+        its channel parameters}, pair_secrets {peer: secret}, open_barriers."""
+        ctx = self._ctx
+        return {"error": self._live.error, "peer_errors": dict(self._live.peer_errors),
+                "channels": dict(ctx.channels), "send_slots": dict(self._credits.send),
+                "recv_slots": dict(self._credits.recv), "exchanged": dict(self._exchange.exchanged),
+                "pair_secrets": {p: ctx.credentials.secret(p) for p in ctx.credentials.peers()},
+                "open_barriers": len(self._barriers.open)}
+
+    @property
+    def closed(self) -> bool:
+        return self._ctx.closed
+
+    def close(self) -> None:
+        """Let posted writes complete, say goodbye to peers, then release channels (QPs, MRs, CQs, PDs,
+        sockets, threads), arenas (and shared memory) and the control server.
+        Idempotent."""
+        ctx = self._ctx
+        if ctx.closed:
+            return
+        self._sender.flush()         # posted writes land before the goodbye
+        ctx.closed = True
+        self._live.fail(UsageError(f"session of rank {self.rank} is closed"))
+        self._live.stop()
+        self._live.say_goodbye()
+        if self._server is not None:
+            self._server.stop(grace=0.5).wait()
+        for ch in ctx.channels.values():
+            try:
+                ch.close()
+            except Exception as exc:  # noqa: BLE001 - keep releasing the rest
+                log.warning("closing channel to rank %d: %s", ch.peer, exc)
+        self._credits.wake_all()
+        for st in self._credits.send.values():
+            st.staging = None
+        for st in self._credits.recv.values():
+            st.memory = None
+        for arena in ctx.arenas:
+            arena.close()
+        ctx.arenas.clear()
+        ctx.close_clients()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Session(rank={self.rank}, provider={self.provider}, {self.plan!r})"
+
+
+def connect(rank: int, peers: Mapping[int, str] | Sequence[str], plan: Plan, provider: str = "auto",
+            token: str | None = None, tls: TlsConfig | None = None, timeout: float = 60.0,
+            heartbeat: float = 1.0, peer_timeout: float = 10.0) -> Session:
+    """Set up this rank's end: arenas registered, descriptors exchanged, barrier passed.
+
+    `peers` maps every rank of the plan to its control address "host:port"
+    (a list works too, indexed by rank). `provider` is auto or a name from
+    rdmatensor.providers.REGISTRY (verbs, shm, tcp, grpc). `token` is the
+    shared secret every peer must present; `tls` adds mutual TLS to the
+    control plane. `timeout` bounds setup and is the default for send/recv
+    waits. Every `heartbeat` seconds each peer is pinged; one that misses two
+    pings, or `peer_timeout` seconds of them, is reported as PeerLost to
+    every call that involves it."""
+    return Session(rank, peers, plan, provider=provider, token=token, tls=tls, timeout=timeout,
+                   heartbeat=heartbeat, peer_timeout=peer_timeout)

@@ -1,0 +1,135 @@
+"""Liveness: where a peer is declared lost, and the errors that stick.
+
+A peer is lost when its channel breaks (tcp, shm: at once), when it stops
+answering heartbeats (verbs, grpc: two missed pings, or `peer_timeout`
+seconds of silence), or after its goodbye once everything it sent is in.
+Errors stick: a peer's error fails every later call involving that peer, a
+session-wide one (setup failure, close) every later call.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from ..control.service import ControlClient, pb
+from ..errors import PeerLost, RdmaTensorError, TransportError
+from .context import SessionContext
+
+log = logging.getLogger("rdmatensor")
+
+
+class Liveness:
+    def __init__(self, ctx: SessionContext, heartbeat: float, peer_timeout: float):
+        self.ctx = ctx
+        self.heartbeat, self.peer_timeout = heartbeat, peer_timeout
+        self._lock = threading.Lock()
+        self.error: RdmaTensorError | None = None           # sticky, session-wide
+        self.peer_errors: dict[int, RdmaTensorError] = {}   # sticky, per peer
+        self._said_bye: set[int] = set()
+        self._on_peer_lost: list[Callable[[int], None]] = []
+        self._on_fail: list[Callable[[], None]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def when_peer_lost(self, wake: Callable[[int], None]) -> None:
+        """Call `wake(peer)` when a peer is lost (to wake whoever waits on it)."""
+        self._on_peer_lost.append(wake)
+
+    def when_failed(self, wake: Callable[[], None]) -> None:
+        """Call `wake()` when the session fails."""
+        self._on_fail.append(wake)
+
+    # -- sticky errors ----------------------------------------------------
+    def check(self, peer: int | None = None) -> None:
+        """Raise the session's error, or `peer`'s, if there is one."""
+        if self.error is not None:
+            raise self.error
+        if peer is not None and peer in self.peer_errors:
+            raise self.peer_errors[peer]
+
+    def is_lost(self, peer: int) -> bool:
+        return peer in self.peer_errors
+
+    def fail(self, error: RdmaTensorError) -> None:
+        """The whole session failed (or closed): every later call raises `error`."""
+        with self._lock:
+            if self.error is None:
+                self.error = error
+        for wake in self._on_fail:
+            wake()
+
+    def lost(self, peer: int, error: Exception) -> None:
+        """A channel reports its peer gone (called at most once per channel)."""
+        if not isinstance(error, RdmaTensorError):
+            error = TransportError(str(error), peer=peer)
+        if error.peer is None:
+            error.peer = peer
+        with self._lock:
+            self.peer_errors.setdefault(peer, error)
+        if not self.ctx.closed:
+            # After the peer's orderly goodbye this is the expected end, not a fault.
+            level = logging.INFO if peer in self._said_bye else logging.WARNING
+            log.log(level, "rank %d: channel to rank %d lost: %s", self.ctx.rank, peer, error)
+        for wake in self._on_peer_lost:
+            wake(peer)
+
+    # -- heartbeats -------------------------------------------------------
+    def start(self, peer_ranks: list[int]) -> None:
+        if peer_ranks:
+            self._thread = threading.Thread(target=self._heartbeats, args=(peer_ranks,), daemon=True,
+                                            name=f"rdmatensor-heartbeat-{self.ctx.rank}")
+            self._thread.start()
+
+    def _heartbeats(self, peer_ranks: list[int]) -> None:
+        """Ping every peer; one that fails twice in a row, or answers nothing for
+        peer_timeout, is lost. This is how a killed or cut-off peer is noticed
+        on providers that have no connection to break (verbs, grpc)."""
+        ctx = self.ctx
+        clients = {p: ControlClient(ctx.peers[p], ctx.token, ctx.tls, peer=p) for p in peer_ranks}
+        last_ok = {p: time.monotonic() for p in peer_ranks}
+        failures = dict.fromkeys(peer_ranks, 0)
+        try:
+            while not self._stop.wait(self.heartbeat):
+                for peer, client in clients.items():
+                    if self.is_lost(peer) or self._stop.is_set():
+                        continue
+                    try:
+                        client.call(client.control.Ping, pb.PingRequest(rank=ctx.rank),
+                                    timeout=min(self.peer_timeout, max(self.heartbeat, 2.0)))
+                        last_ok[peer], failures[peer] = time.monotonic(), 0
+                    except RdmaTensorError as exc:
+                        failures[peer] += 1
+                        silent = time.monotonic() - last_ok[peer]
+                        if (failures[peer] >= 2 or silent >= self.peer_timeout) and not self._stop.is_set():
+                            ctx.channels[peer].lost(PeerLost(
+                                f"rank {peer} stopped answering ({silent:.1f} s): {exc}", peer=peer))
+        finally:
+            for client in clients.values():
+                client.close()
+
+    # -- goodbye ----------------------------------------------------------
+    def on_bye(self, peer: int) -> None:
+        """`peer` closed in order: its channel reports the loss once everything it sent is in."""
+        self._said_bye.add(peer)
+        ch = self.ctx.channels.get(peer)
+        if ch is not None:
+            ch.peer_said_bye()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def say_goodbye(self) -> None:
+        """Tell every peer this rank reached, and has not lost, that it closes."""
+        ctx = self.ctx
+        for peer in ctx.credentials.peers():
+            if self.is_lost(peer) or peer not in ctx.channels:
+                continue
+            try:
+                ctx.call(peer, "Bye", pb.ByeRequest(rank=ctx.rank, reason="close",
+                                                    pair_secret=ctx.credentials.secret(peer)), timeout=2.0)
+            except RdmaTensorError:
+                pass

@@ -1,0 +1,77 @@
+"""The receiver's data path: wait for a slot's value and lend it out as a
+read-only view of the receive arena itself (zero copies); releasing the view
+gives the slot's credit back to the sender."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import IntegrityError, RecvTimeout, TransportError, UnknownTensor, UsageError
+from . import wire
+from .context import SessionContext
+from .credits import Credits, RecvSlot
+from .liveness import Liveness
+
+
+class Received:
+    """A received tensor: a read-only view of the receive arena itself.
+
+    Use as a context manager (`with session.recv(name) as array:`); leaving
+    the block (or `release()`) hands the slot back to the sender."""
+
+    def __init__(self, credits: Credits, state: RecvSlot, array: np.ndarray):
+        self._credits, self._state, self.array = credits, state, array
+        self.name = state.name
+
+    def release(self) -> None:
+        if self._state is None:
+            return
+        state, self._state = self._state, None
+        self.array = None
+        self._credits.give_back(state)
+
+    @property
+    def released(self) -> bool:
+        return self._state is None
+
+    def __enter__(self) -> np.ndarray:
+        if self._state is None:
+            raise UsageError(f"tensor {self.name!r} was already released", tensor=self.name)
+        return self.array
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class Receiver:
+    def __init__(self, ctx: SessionContext, credits: Credits, live: Liveness):
+        self.ctx, self.credits, self.live = ctx, credits, live
+
+    def recv(self, name: str, timeout: float | None = None) -> Received:
+        ctx = self.ctx
+        self.live.check()
+        spec = ctx.spec(name)
+        st = self.credits.recv.get(name)
+        if st is None:
+            raise UnknownTensor(f"rank {ctx.rank} does not receive {name!r} (rank {spec.dst} does)", tensor=name)
+        if st.state == st.HELD:
+            raise UsageError(f"{name!r} is still held: release the previous view first", tensor=name)
+        if st.state != st.FULL:
+            self.live.check(st.peer)     # lost while a previous value was held: nothing more will come
+        timeout = ctx.timeout if timeout is None else timeout
+        if not ctx.wait(st.arrived, st.peer, timeout):
+            self.live.check(st.peer)
+            raise RecvTimeout(f"{name!r} from rank {st.peer} did not arrive within {timeout:.1f} s",
+                              peer=st.peer, tensor=name)
+        if not st.take():                # woken by a failure, not by data
+            self.live.check()
+            self.live.check(st.peer)
+            raise TransportError(f"{name!r}: woken without data", peer=st.peer, tensor=name)
+        try:
+            array = wire.decode(spec, ctx.plan, st.memory)
+        except IntegrityError:
+            ctx.counters.add("corrupt")
+            self.credits.give_back(st)
+            raise
+        array.flags.writeable = False
+        ctx.counters.add("recvs", bytes_received=array.nbytes)
+        return Received(self.credits, st, array)

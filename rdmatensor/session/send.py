@@ -1,0 +1,111 @@
+"""The sender's data path: check the array, take the slot's credit, write.
+
+A static tensor (no checksum) goes in one one-sided write straight from
+wherever it is: the staging buffer the user filled (buffer()), or the user's
+own array where the provider can write from any memory; otherwise it is
+copied into staging first. Dynamic tensors and checksummed plans go as one
+write from staging laid out by wire.encode(). A posted write (verbs) may
+still read staging after send() returns, so staging is reused only once that
+write completed.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import RdmaTensorError, TensorMismatch, UnknownTensor, UsageError
+from ..plan import TensorSpec
+from ..providers.base import IMM_DATA, make_imm
+from . import wire
+from .context import SessionContext
+from .credits import Credits, SendSlot
+from .growth import Growth
+from .liveness import Liveness
+
+
+def _shape_str(shape) -> str:
+    return "(" + ", ".join("?" if d is None else str(d) for d in shape) + ")"
+
+
+class Sender:
+    def __init__(self, ctx: SessionContext, credits: Credits, growth: Growth, live: Liveness):
+        self.ctx, self.credits, self.growth, self.live = ctx, credits, growth, live
+
+    def _slot(self, name: str) -> tuple[TensorSpec, SendSlot]:
+        self.live.check()
+        spec = self.ctx.spec(name)
+        st = self.credits.send.get(name)
+        if st is None:
+            raise UnknownTensor(f"rank {self.ctx.rank} does not send {name!r} (rank {spec.src} does)", tensor=name)
+        return spec, st
+
+    def buffer(self, name: str) -> np.ndarray:
+        """The registered staging array of a static tensor; waits until no write still reads it."""
+        spec, st = self._slot(name)
+        if not spec.is_static:
+            raise UsageError(f"{name!r} has a dynamic shape: it has no fixed staging buffer", tensor=name)
+        self.source_free(st)
+        return st.staging[:spec.nbytes].view(spec.dtype).reshape(spec.shape)
+
+    def source_free(self, st: SendSlot) -> None:
+        """Wait until the previous write no longer reads this slot's staging memory."""
+        if st.pending is not None:
+            self.ctx.channels[st.peer].wait(st.pending, self.ctx.timeout)
+            st.pending = None
+
+    def flush(self) -> None:
+        """Wait until every posted write completed, so close() cuts none off
+        (a write that failed, or whose peer is gone, has nothing left to wait for)."""
+        for st in self.credits.send.values():
+            try:
+                self.source_free(st)
+            except RdmaTensorError:
+                st.pending = None
+
+    def send(self, name: str, array, timeout: float | None = None) -> None:
+        spec, st = self._slot(name)
+        if not isinstance(array, np.ndarray):
+            raise TensorMismatch(f"{name!r}: expected a numpy array, got {type(array).__name__}", tensor=name)
+        if not spec.matches(array):
+            raise TensorMismatch(f"{name!r}: expected {spec.dtype} {_shape_str(spec.shape)}, "
+                                 f"got {array.dtype} {_shape_str(array.shape)}", tensor=name)
+        self.live.check(st.peer)
+        self.credits.take(st, timeout)
+        try:
+            self._write(st, spec, array)
+        except BaseException:
+            self.credits.keep(st)
+            raise
+
+    def _write(self, st: SendSlot, spec: TensorSpec, array: np.ndarray) -> None:
+        ctx = self.ctx
+        ch = ctx.channels[st.peer]
+        imm = make_imm(IMM_DATA, st.slot.index)
+        if wire.is_raw(spec, ctx.plan):
+            if spec.nbytes == 0:
+                ch.notify(imm)
+            else:
+                st.pending = ch.write(st.region, st.offset, self._source(st, array), imm)
+        else:
+            need = wire.frame_bytes(spec, ctx.plan, array.nbytes)
+            if need > st.capacity:
+                self.growth.request(st, need)
+            self.source_free(st)
+            need, copied = wire.encode(spec, ctx.plan, array, st.staging)
+            if copied:
+                ctx.counters.add("copies")
+            st.pending = ch.write(st.region, st.offset, st.staging[:need], imm)
+            if not spec.is_static:
+                ctx.counters.add("dynamic", "fallbacks")
+        ctx.counters.add("writes", bytes_sent=array.nbytes)
+
+    def _source(self, st: SendSlot, array: np.ndarray) -> np.ndarray:
+        """Where a static tensor's write reads from, copying into staging only if it must."""
+        staging = st.staging[:array.nbytes]
+        if array.ctypes.data == staging.ctypes.data:
+            return staging                           # filled in place: no copy
+        if not self.ctx.capabilities.needs_registered_source and array.flags.c_contiguous:
+            return array.reshape(-1).view(np.uint8)  # written straight from the user's array
+        self.source_free(st)
+        np.copyto(staging.view(array.dtype).reshape(array.shape), array)
+        self.ctx.counters.add("copies")
+        return staging

@@ -1,0 +1,125 @@
+"""The bootstrap channel: small objects between the workers of a job, before
+(and besides) any tensor plan.
+
+At init() every worker connects one session whose plan holds, per ordered
+pair of ranks, one dynamic-shape byte tensor (`boot/r{src}/r{dst}`, shape
+(None,)). Through it go what the collectives must agree on before a tensor
+can move: the tensor sets a new plan generation adds (compared on every
+rank), the control ports of that generation's session, broadcast_object and
+allgather_object payloads. Tensors never go this way on the fast path.
+
+Each message carries a tag saying what it is, so that ranks in different
+collectives fail with a message naming both instead of misreading bytes.
+One slot per pair and one credit per slot keep every pair's messages in
+order. This module does not import TensorFlow.
+"""
+from __future__ import annotations
+
+import random
+import socket
+
+import numpy as np
+
+from rdmatensor import Plan, PlanMismatch, TensorSpec, connect
+
+CAPACITY = 64 << 10            # initial room per pair; larger objects grow the slot once
+
+
+def boot_name(src: int, dst: int) -> str:
+    return f"boot/r{src}/r{dst}"
+
+
+def bootstrap_plan(ranks: int) -> Plan:
+    return Plan([TensorSpec(boot_name(s, d), (None,), np.uint8, s, d, capacity=CAPACITY)
+                 for s in range(ranks) for d in range(ranks) if s != d])
+
+
+class Bootstrap:
+    """Byte messages between `size` ranks: allgather and broadcast."""
+
+    def __init__(self, rank: int, peers: dict[int, str], provider: str, token: str, timeout: float):
+        self.rank, self.size = rank, len(peers)
+        self.exchanges = 0                 # collective calls made through this channel
+        self.session = connect(rank, peers, bootstrap_plan(self.size), provider=provider, token=token,
+                               timeout=timeout) if self.size > 1 else None
+
+    def _send(self, dst: int, tag: str, data: bytes) -> None:
+        message = np.frombuffer(tag.encode() + b"\0" + data, np.uint8)
+        self.session.send(boot_name(self.rank, dst), message)
+
+    def _recv(self, src: int, tag: str) -> bytes:
+        with self.session.recv(boot_name(src, self.rank)) as view:
+            raw = view.tobytes()                 # out of the slot: it goes back to the sender now
+        got, _, data = raw.partition(b"\0")
+        if got.decode(errors="replace") != tag:
+            raise PlanMismatch(f"rank {src} is in {got.decode(errors='replace')!r} while rank {self.rank} "
+                               f"is in {tag!r}: the ranks called different collectives")
+        return data
+
+    def allgather(self, tag: str, data: bytes) -> list[bytes]:
+        """Every rank's `data`, in rank order."""
+        self.exchanges += 1
+        if self.size == 1:
+            return [data]
+        for dst in range(self.size):
+            if dst != self.rank:
+                self._send(dst, tag, data)
+        return [data if src == self.rank else self._recv(src, tag) for src in range(self.size)]
+
+    def broadcast(self, tag: str, data: bytes | None, root: int) -> bytes:
+        """`data` as root_rank gave it (the other ranks pass None)."""
+        if not 0 <= root < self.size:
+            raise ValueError(f"root_rank {root} is not a rank of this job (size {self.size})")
+        self.exchanges += 1
+        if self.size == 1:
+            return data
+        if self.rank != root:
+            return self._recv(root, tag)
+        for dst in range(self.size):
+            if dst != root:
+                self._send(dst, tag, data)
+        return data
+
+    def stats(self) -> dict:
+        return self.session.stats() if self.session is not None else {}
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+
+
+class PortReservation:
+    """A free TCP port on `host` for a control server, held (bound, not listening)
+    until close(), which is called right before the server binds it. It is taken
+    below the kernel's ephemeral range where there is room: outgoing connections
+    and port-0 listeners (the tcp provider's data channels) never get those, so
+    nothing takes the port between close() and the server's bind."""
+
+    def __init__(self, host: str):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        low = _ephemeral_low()
+        candidates = [random.randrange(RESERVED_LOW, low) for _ in range(64)] if low > RESERVED_LOW + 1000 else []
+        for port in candidates + [0]:
+            self._sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                self._sock.bind((host, port))
+                break
+            except OSError:
+                self._sock.close()
+                if port == 0:
+                    raise
+        self.port = self._sock.getsockname()[1]
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+RESERVED_LOW = 20000
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0

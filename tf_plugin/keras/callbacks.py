@@ -1,0 +1,105 @@
+"""horovod.tensorflow.keras.callbacks for Keras 3's `fit`."""
+from __future__ import annotations
+
+import keras
+import numpy as np
+
+from .. import horovod
+from ..world import rank, size
+
+
+class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+    """Every variable of the model and its optimizer (BatchNorm statistics and
+    optimizer slots too) takes root_rank's value before the first step, so ranks
+    that initialized differently start alike. The optimizer is built first where
+    Keras would only build it in the first step (its slots must be broadcast
+    too); a model still unbuilt when training begins is broadcast after its first
+    batch."""
+
+    def __init__(self, root_rank: int, device: str = ""):
+        super().__init__()
+        self.root_rank = root_rank
+        self.broadcast_done = False
+
+    def _broadcast(self):
+        if self.broadcast_done or not self.model.variables:
+            return
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is not None and not optimizer.built:
+            optimizer.build(self.model.trainable_variables)
+        variables = list(self.model.variables) + list(getattr(optimizer, "variables", None) or [])
+        horovod.broadcast_variables(variables, root_rank=self.root_rank)
+        self.broadcast_done = True
+
+    def on_train_begin(self, logs=None):
+        self._broadcast()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._broadcast()
+
+
+class MetricAverageCallback(keras.callbacks.Callback):
+    """At each epoch's end, every metric in the logs becomes its average over the
+    ranks (one all-reduce of them all). Put it before the callbacks that read
+    metrics (checkpoints, schedules, TensorBoard); History sees the averages."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        if not logs:
+            return
+        names = sorted(k for k, v in logs.items() if np.ndim(v) == 0)
+        values = np.array([float(logs[k]) for k in names], np.float64)
+        averaged = np.asarray(horovod.allreduce(values, name="metrics/" + ",".join(names)))
+        for k, v in zip(names, averaged, strict=True):
+            logs[k] = float(v)
+
+
+class LearningRateWarmupCallback(keras.callbacks.Callback):
+    """Ramp the learning rate from initial_lr / size() to initial_lr over the first
+    warmup_epochs, batch by batch (Goyal et al., "Accurate, Large Minibatch SGD"):
+    lr = initial_lr / size * (epoch * (size - 1) / warmup_epochs + 1), epoch
+    counting fractions of an epoch. With momentum_correction, a momentum held in
+    a variable is scaled by new_lr / old_lr for the batch where the lr changes
+    (Keras 3's SGD keeps momentum as a constant: nothing to correct there)."""
+
+    def __init__(self, initial_lr: float, warmup_epochs: float = 5, momentum_correction: bool = True,
+                 steps_per_epoch: int | None = None, verbose: int = 0):
+        super().__init__()
+        self.initial_lr, self.warmup_epochs = float(initial_lr), warmup_epochs
+        self.momentum_correction, self.steps_per_epoch, self.verbose = momentum_correction, steps_per_epoch, verbose
+        self.current_epoch = 0
+        self._restore_momentum = None
+
+    def multiplier(self, epoch: float) -> float:
+        epoch += 1.0 / self.steps_per_epoch       # the last batch of an epoch reaches a round number
+        return 1.0 / size() * (epoch * (size() - 1) / self.warmup_epochs + 1)
+
+    def on_train_begin(self, logs=None):
+        if self.steps_per_epoch is None:
+            self.steps_per_epoch = self.params.get("steps") or 1
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current_epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.current_epoch >= self.warmup_epochs:
+            return
+        optimizer = self.model.optimizer
+        old = float(optimizer.learning_rate)
+        new = self.initial_lr * self.multiplier(self.current_epoch + batch / self.steps_per_epoch)
+        optimizer.learning_rate = new
+        momentum = getattr(optimizer, "momentum", None)
+        if self.momentum_correction and hasattr(momentum, "assign") and old > 0:
+            self._restore_momentum = float(momentum)
+            momentum.assign(self._restore_momentum * new / old)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._restore_momentum is not None:
+            self.model.optimizer.momentum.assign(self._restore_momentum)
+            self._restore_momentum = None
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == int(np.ceil(self.warmup_epochs)) - 1 and self.verbose and rank() == 0:
+            print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
+                  f"{float(self.model.optimizer.learning_rate):g}.")
+        if logs is not None:
+            logs["lr"] = float(self.model.optimizer.learning_rate)

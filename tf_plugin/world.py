@@ -1,0 +1,165 @@
+"""Who this process is in the job, and what it can do before any tensor moves:
+init, shutdown, rank and size, local rank and size, objects between ranks,
+counters. This module does not import TensorFlow.
+
+Where the job comes from:
+
+- the workers of TF_CONFIG (tf_plugin/cluster.py) are the ranks, in order;
+  without TF_CONFIG the process is a job of one (as Horovod without a launcher);
+- RDMATENSOR_TOKEN: the job's shared secret (required with more than one rank);
+- RDMATENSOR_LOCAL_RANK / RDMATENSOR_LOCAL_SIZE: set by the launcher; without
+  them, the workers of TF_CONFIG on this worker's host are counted;
+- RDMATENSOR_PROVIDER (default auto), RDMATENSOR_TIMEOUT (seconds, default 120).
+"""
+from __future__ import annotations
+
+import atexit
+import enum
+import os
+import pickle
+from dataclasses import dataclass
+
+from rdmatensor import UsageError
+
+from .bootstrap import Bootstrap
+from .cluster import Cluster
+from .collectives import Collectives
+
+
+class ReduceOp(enum.IntEnum):
+    Average = 0
+    Sum = 1
+
+
+Average, Sum = ReduceOp.Average, ReduceOp.Sum
+
+
+@dataclass
+class World:
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    bootstrap: Bootstrap
+    collectives: Collectives
+
+
+_world: World | None = None
+
+
+def _host(address: str) -> str:
+    return address.rsplit(":", 1)[0].strip("[]")
+
+
+def local_of(cluster: Cluster) -> tuple[int, int]:
+    """(local rank, local size): the launcher's environment, else this host's workers in TF_CONFIG."""
+    env_rank, env_size = os.environ.get("RDMATENSOR_LOCAL_RANK"), os.environ.get("RDMATENSOR_LOCAL_SIZE")
+    if env_rank is not None and env_size is not None:
+        try:
+            local_rank, local_size = int(env_rank), int(env_size)
+        except ValueError:
+            local_rank = local_size = -1
+        if not 0 <= local_rank < local_size:
+            raise UsageError(f"RDMATENSOR_LOCAL_RANK={env_rank!r}, RDMATENSOR_LOCAL_SIZE={env_size!r}: "
+                             f"expected integers with 0 <= local rank < local size")
+        return local_rank, local_size
+    mine = _host(cluster.workers[cluster.rank])
+    here = [r for r, a in enumerate(cluster.workers) if _host(a) == mine]
+    return here.index(cluster.rank), len(here)
+
+
+def init(model=None, provider: str | None = None, cluster: Cluster | None = None, token: str | None = None,
+         timeout: float | None = None) -> None:
+    """Join the job: connect the bootstrap channel between the workers. No model is
+    needed; with one (a built Keras model), the tensor sets of its first step
+    (gradient all-reduce of its trainable variables, broadcast of all its
+    variables from rank 0) are planned now, in one exchange. Calling init() again
+    only plans ahead for the model given."""
+    global _world
+    if _world is None:
+        if cluster is None and os.environ.get("TF_CONFIG"):
+            cluster = Cluster.from_tf_config()
+        cluster = cluster or Cluster(("127.0.0.1:0",))
+        if not cluster.is_worker:
+            raise UsageError(f"task {cluster.task_type}:{cluster.task_index} is not a worker: only workers "
+                             f"join the collectives (parameter servers run tf_plugin.ps)")
+        size, rank = cluster.num_workers, cluster.rank
+        token = token or os.environ.get("RDMATENSOR_TOKEN")
+        if size > 1 and not token:
+            raise UsageError("RDMATENSOR_TOKEN is not set: every worker of the job needs its shared token")
+        provider = provider or os.environ.get("RDMATENSOR_PROVIDER", "auto")
+        timeout = float(timeout or os.environ.get("RDMATENSOR_TIMEOUT", 120.0))
+        peers = {r: a for r, a in enumerate(cluster.workers)}
+        boot = Bootstrap(rank, peers, provider, token, timeout)
+        hosts = [_host(a) for a in cluster.workers]
+        _world = World(rank, size, *local_of(cluster), boot, Collectives(boot, hosts, provider, token, timeout))
+        atexit.register(shutdown)          # peers hear a goodbye, not a silence, when a script just ends
+    if model is not None:
+        from .horovod import plan_ahead
+        plan_ahead(model)
+
+
+def world() -> World:
+    if _world is None:
+        raise UsageError("tf_plugin is not initialized: call hvd.init() first")
+    return _world
+
+
+def is_initialized() -> bool:
+    return _world is not None
+
+
+def shutdown() -> None:
+    """Close every session of this rank (idempotent); init() may be called again."""
+    global _world
+    w, _world = _world, None
+    if w is not None:
+        try:
+            w.collectives.close()
+        finally:
+            w.bootstrap.close()
+
+
+def rank() -> int:
+    return world().rank
+
+
+def size() -> int:
+    return world().size
+
+
+def local_rank() -> int:
+    return world().local_rank
+
+
+def local_size() -> int:
+    return world().local_size
+
+
+def broadcast_object(obj, root_rank: int = 0, session=None, name: str | None = None):
+    """`obj` as root_rank has it, on every rank (pickled; the ranks share a token)."""
+    w = world()
+    data = pickle.dumps(obj) if w.rank == root_rank else None
+    return pickle.loads(w.bootstrap.broadcast(f"object:{name or ''}", data, root_rank))
+
+
+def allgather_object(obj, session=None, name: str | None = None) -> list:
+    """Every rank's `obj`, in rank order."""
+    return [pickle.loads(b) for b in world().bootstrap.allgather(f"objects:{name or ''}", pickle.dumps(obj))]
+
+
+def stats() -> dict:
+    """This rank's counters since init(): control_calls, bytes_sent/received, writes,
+    recvs, copies (the sessions'), plugin_copies, dynamic, grows, over every plan
+    generation and the bootstrap channel; generations (sessions the growing plan
+    connected), extensions (generations after the first), tensor_sets, tensors (in
+    the current plan), exchanges (bootstrap collectives: plan agreements, objects),
+    provider (None in a job of one)."""
+    w = world()
+    out = w.collectives.stats()
+    boot = w.bootstrap.stats()
+    for k in ("control_calls", "bytes_sent", "bytes_received", "writes", "recvs", "copies", "dynamic", "grows"):
+        out[k] += boot.get(k, 0)
+    out["exchanges"] = w.bootstrap.exchanges
+    out["provider"] = out["provider"] or boot.get("provider")
+    return out
