@@ -4,11 +4,18 @@ An arena is either private anonymous memory (verbs, tcp, grpc) or a POSIX
 shared-memory segment (shm, so a peer on the same host can map it). Either
 way it is page-aligned and handed to a provider to register once; slots are
 views into it, never separate allocations.
+
+A segment's name lives only until the peer has mapped it: MappedArena
+unlinks it right after mapping, so a rank killed later (SIGKILL, OOM) leaves
+nothing in /dev/shm; the memory goes with the last process that maps it.
+Under a launcher, names carry the job's id (RDMATENSOR_JOB), so the
+launcher can remove what a rank killed during setup left behind.
 """
 from __future__ import annotations
 
 import mmap
 import os
+import re
 import secrets
 import stat
 
@@ -19,6 +26,15 @@ from .plan import MAX_ARENA_BYTES, Slot
 
 PAGE = mmap.PAGESIZE
 SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "rdmatensor-"
+JOB_ID = re.compile(r"[0-9a-f]{1,32}")
+
+
+def segment_prefix(job: str | None = None) -> str:
+    """What the names of this job's segments start with: rdmatensor-JOB- under a
+    launcher (RDMATENSOR_JOB, hex), else rdmatensor-."""
+    job = os.environ.get("RDMATENSOR_JOB", "") if job is None else job
+    return f"{SEGMENT_PREFIX}{job}-" if JOB_ID.fullmatch(job) else SEGMENT_PREFIX
 
 
 def _map_shared(name: str, size: int, create: bool) -> mmap.mmap:
@@ -43,6 +59,13 @@ def _map_shared(name: str, size: int, create: bool) -> mmap.mmap:
         os.close(fd)
 
 
+def _unlink(name: str) -> None:
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+    except FileNotFoundError:
+        pass
+
+
 def _unmap(m: mmap.mmap) -> None:
     try:
         m.close()
@@ -60,7 +83,7 @@ class Arena:
         if shared:
             # Unguessable name: the segment is only reachable by whoever the
             # control plane told (an authenticated peer).
-            self._name = f"rdmatensor-{secrets.token_hex(12)}"
+            self._name = f"{segment_prefix()}{secrets.token_hex(12)}"
             self._map = _map_shared(self._name, size, create=True)
         else:
             self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -92,10 +115,7 @@ class Arena:
         self.buf = None
         _unmap(self._map)
         if self._name:
-            try:
-                os.unlink(os.path.join(SHM_DIR, self._name))
-            except FileNotFoundError:
-                pass
+            _unlink(self._name)        # never mapped by a peer: the name is still there
 
     def __enter__(self) -> "Arena":
         return self
@@ -105,12 +125,15 @@ class Arena:
 
 
 class MappedArena:
-    """A peer's shared arena, mapped into this process (the shm provider's remote side)."""
+    """A peer's shared arena, mapped into this process (the shm provider's remote side).
+    Its name is unlinked once mapped: the two mappings keep the memory, and
+    nothing is left in /dev/shm however either process ends."""
 
     def __init__(self, name: str, size: int):
-        if "/" in name or not name.startswith("rdmatensor-"):
+        if "/" in name or not name.startswith(SEGMENT_PREFIX):
             raise ForeignSegment(f"{name!r} is not an rdmatensor segment name")
         self._map = _map_shared(name, size, create=False)
+        _unlink(name)
         self.size = size
         self.buf = np.frombuffer(self._map, dtype=np.uint8, count=size)
 
