@@ -96,8 +96,9 @@ class Collectives:
     """This rank's view of the growing plan: tensor sets, the current generation's
     session, and allreduce / broadcast / allgather of numpy arrays through it."""
 
-    def __init__(self, bootstrap: Bootstrap, hosts: list[str], provider: str, token: str, timeout: float):
-        self.bootstrap, self.hosts = bootstrap, hosts
+    def __init__(self, bootstrap: Bootstrap, hosts: list[str], provider: str, token: str, timeout: float,
+                 watch=lambda session: None):
+        self.bootstrap, self.hosts, self.watch = bootstrap, hosts, watch   # watch: each generation's session
         self.rank, self.size = bootstrap.rank, bootstrap.size
         self.provider, self.token, self.timeout = provider, token, timeout
         self.meter = Meter()
@@ -147,6 +148,7 @@ class Collectives:
         finally:
             reservation.close()            # the new session's control server binds it now
         session = connect(self.rank, peers, plan, provider=self.provider, token=self.token, timeout=self.timeout)
+        self.watch(session)
         for key, ts in new:
             self._sets[key] = ts
             self._order.append(ts)

@@ -1,12 +1,13 @@
 """rdmatensor-run: start a script on N ranks, as horovodrun and mpirun do.
 
     rdmatensor-run -np N [-H host1:slots,host2:slots] [--ps M] [--provider P]
-                   [--softroce-vm] [--timeout S] CMD [ARGS ...]
+                   [--softroce-vm] [--timeout S] [--failure-wait S] CMD [ARGS ...]
 
 Every rank runs CMD with, in its environment:
 
     TF_CONFIG                  the cluster (workers, then --ps parameter servers) and this task
     RDMATENSOR_TOKEN           a fresh random token shared by the job's ranks
+    RDMATENSOR_JOB             the job's id: its shared-memory segments are named after it
     RDMATENSOR_PROVIDER        the provider, when --provider is given
     RDMATENSOR_RANK, RDMATENSOR_SIZE                   rank in the cluster, number of ranks
     RDMATENSOR_LOCAL_RANK, RDMATENSOR_LOCAL_SIZE       rank among its host's tasks of its type
@@ -22,15 +23,20 @@ variables in CWD and stops it when the ssh connection ends (remote_script).
 
 Every line a rank prints (stdout or stderr) is copied whole to the same
 stream of the launcher, prefixed with `[rank] `. When a rank fails, the
-launcher names it and its exit status or signal, sends SIGTERM to every
-other rank's process group, SIGKILL after --grace seconds, and exits with
-the failed rank's status (128 + signal when killed). --timeout bounds the
-whole job (exit 124); SIGINT or SIGTERM to the launcher stops every rank the
-same way (exit 130 or 143).
+launcher names it and its exit status or signal as the first to fail, gives
+the other ranks --failure-wait seconds to end by themselves (a rank blocked
+in a collective sees the loss as PeerLost within the peer timeout, and says
+so), names each as it ends, then sends SIGTERM to every rank's process
+group still running, SIGKILL after --grace seconds, removes this machine's
+shared-memory segments of the job, and exits with the first failed rank's
+status (128 + signal when killed). --timeout bounds the whole job (exit
+124); SIGINT or SIGTERM to the launcher stops every rank at once (exit 130
+or 143).
 """
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import secrets
 import shlex
@@ -46,6 +52,7 @@ from typing import BinaryIO, Sequence
 IN_VM = "RDMATENSOR_RUN_IN_VM"     # set on the launcher re-run inside the VM: never re-run twice
 TIMEOUT_STATUS = 124
 START_FAILED = 127                 # as a shell says when it cannot run a command
+FAILURE_WAIT = 10.0                # the session's default peer_timeout: survivors have reported by then
 LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
@@ -130,10 +137,11 @@ def tf_config(placements: Sequence[Placement], me: Placement) -> str:
     return Cluster(workers, ps, me.task_type, me.index).to_tf_config()
 
 
-def rank_env(placements: Sequence[Placement], me: Placement, token: str, provider: str | None) -> dict[str, str]:
+def rank_env(placements: Sequence[Placement], me: Placement, token: str, provider: str | None,
+             job: str = "") -> dict[str, str]:
     """The variables one rank gets (on top of the launcher's own, for local ranks)."""
     workers = sum(p.task_type == "worker" for p in placements)
-    env = {"TF_CONFIG": tf_config(placements, me), "RDMATENSOR_TOKEN": token,
+    env = {"TF_CONFIG": tf_config(placements, me), "RDMATENSOR_TOKEN": token, "RDMATENSOR_JOB": job,
            "RDMATENSOR_RANK": str(me.rank), "RDMATENSOR_SIZE": str(len(placements)),
            "RDMATENSOR_LOCAL_RANK": str(me.local_rank), "RDMATENSOR_LOCAL_SIZE": str(me.local_size),
            "PYTHONUNBUFFERED": "1"}
@@ -212,10 +220,13 @@ class Job:
 
     def __init__(self, placements: Sequence[Placement], command: Sequence[str], provider: str | None = None,
                  grace: float = 5.0, stdout: BinaryIO | None = None, stderr: BinaryIO | None = None,
-                 forward: Sequence[str] = (), ssh_port: int | None = None, token: str | None = None):
+                 forward: Sequence[str] = (), ssh_port: int | None = None, token: str | None = None,
+                 failure_wait: float = FAILURE_WAIT):
         self.placements, self.command, self.grace = list(placements), list(command), grace
         self.provider, self.forward, self.ssh_port = provider, list(forward), ssh_port
+        self.failure_wait = failure_wait
         self.token = token or secrets.token_hex(16)
+        self.job = secrets.token_hex(6)        # names this job's shared-memory segments
         self.stdout = stdout or sys.stdout.buffer
         self.stderr = stderr or sys.stderr.buffer
         self.started: list[tuple[Placement, subprocess.Popen]] = []
@@ -230,7 +241,7 @@ class Job:
 
     def argv_of(self, p: Placement) -> tuple[list[str], dict[str, str] | None]:
         """The command line and environment that start rank `p`."""
-        env = rank_env(self.placements, p, self.token, self.provider)
+        env = rank_env(self.placements, p, self.token, self.provider, self.job)
         if p.local:
             return list(self.command), dict(os.environ, **env)
         env.update({k: os.environ[k] for k in self.forward if k in os.environ})
@@ -270,7 +281,9 @@ class Job:
             if failed is not None:
                 p, code = self.started[failed][0], codes[failed]
                 status = code if code > 0 else 128 - code
-                self.stop(f"{p.label} {_describe(code)}")
+                self.let_others_end(p, code)
+                if any(proc.poll() is None for _, proc in self.started):
+                    self.stop(f"{self.failure_wait:g} s after the first failure")
                 break
             if all(c == 0 for c in codes):
                 break
@@ -285,6 +298,21 @@ class Job:
             time.sleep(0.05)
         self.cleanup()
         return status
+
+    def let_others_end(self, first: Placement, code: int) -> None:
+        """The first failure: say which rank and how, then give the others
+        failure_wait seconds to end by themselves, naming each as it does."""
+        running = [(p, proc) for p, proc in self.started if proc.poll() is None]
+        self.say(f"{first.label} {_describe(code)}: the first rank to fail" +
+                 (f"; the other {len(running)} rank(s) get {self.failure_wait:g} s to end"
+                  if running and self.failure_wait > 0 else ""))
+        deadline = time.monotonic() + self.failure_wait
+        while running and time.monotonic() < deadline and not self.stop_request:
+            time.sleep(0.05)
+            for p, proc in list(running):
+                if proc.poll() is not None:
+                    self.say(f"{p.label} {_describe(proc.returncode)}")
+                    running.remove((p, proc))
 
     def stop(self, why: str) -> None:
         """SIGTERM every running rank's process group, SIGKILL what is left after the grace period."""
@@ -302,12 +330,20 @@ class Job:
                 proc.wait()
 
     def cleanup(self) -> None:
-        """No process a rank started outlives the job; its output is copied to the end."""
+        """No process a rank started outlives the job, nor a shared-memory segment
+        its local ranks made (a rank killed while setting up leaves its segments
+        named until then); its output is copied to the end."""
         for _, proc in self.started:
             _signal_group(proc.pid, signal.SIGKILL)     # leftovers in a finished rank's group
             proc.wait()
             if proc.stdin:
                 proc.stdin.close()
+        from rdmatensor.memory import SHM_DIR, segment_prefix
+        for path in glob.glob(os.path.join(SHM_DIR, glob.escape(segment_prefix(self.job)) + "*")):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
         for r in self.readers:
             r.join(timeout=2.0)
 
@@ -340,11 +376,11 @@ def _die_with_parent() -> None:
 def launch(command: Sequence[str], np: int, hosts: Sequence[tuple[str, int]] | None = None, ps: int = 0,
            provider: str | None = None, timeout: float | None = None, grace: float = 5.0,
            stdout: BinaryIO | None = None, stderr: BinaryIO | None = None, forward: Sequence[str] = (),
-           ssh_port: int | None = None) -> int:
+           ssh_port: int | None = None, failure_wait: float = FAILURE_WAIT) -> int:
     """Run `command` on np workers (+ ps parameter servers); the job's exit status.
     SIGINT and SIGTERM stop every rank (when called from the main thread)."""
     placements = place(np, hosts or [("localhost", np + ps)], ps)
-    job = Job(placements, command, provider, grace, stdout, stderr, forward, ssh_port)
+    job = Job(placements, command, provider, grace, stdout, stderr, forward, ssh_port, failure_wait=failure_wait)
     previous = {}
     if threading.current_thread() is threading.main_thread():
         for sig, status in ((signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)):
@@ -384,6 +420,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--softroce-vm", action="store_true", help="run every rank inside one SoftRoCE VM (verbs)")
     p.add_argument("--timeout", type=float, help="seconds for the whole job; exit 124 past it")
     p.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL when stopping ranks")
+    p.add_argument("--failure-wait", type=float, default=FAILURE_WAIT,
+                   help="seconds the other ranks get to end by themselves after one fails, before they are "
+                        f"stopped (default {FAILURE_WAIT:g}: the peer timeout, within which they see the loss)")
     p.add_argument("-x", dest="forward", action="append", default=[], metavar="VAR",
                    help="forward this environment variable to remote ranks (local ranks get all)")
     p.add_argument("-p", "--ssh-port", type=int, help="ssh port of the remote hosts")
@@ -400,6 +439,8 @@ def main(argv=None) -> int:
         p.error("give the command every rank runs, e.g. rdmatensor-run -np 2 python train.py")
     if args.timeout is not None and args.timeout <= 0:
         p.error(f"--timeout {args.timeout:g}: must be positive")
+    if args.failure_wait < 0:
+        p.error(f"--failure-wait {args.failure_wait:g}: must be 0 or more")
     try:
         hosts = parse_hosts(args.hosts) if args.hosts else None
         placements = place(args.np, hosts or [("localhost", args.np + args.ps)], args.ps,
@@ -411,7 +452,7 @@ def main(argv=None) -> int:
     if args.softroce_vm and not os.environ.get(IN_VM):
         return run_in_vm(argv, args.timeout)
     return launch(command, args.np, hosts, args.ps, args.provider, args.timeout, args.grace,
-                  forward=args.forward, ssh_port=args.ssh_port)
+                  forward=args.forward, ssh_port=args.ssh_port, failure_wait=args.failure_wait)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from rdmatensor import UsageError
 from .bootstrap import Bootstrap
 from .cluster import Cluster
 from .collectives import Collectives
+from .failure import JobFailure
 
 
 class ReduceOp(enum.IntEnum):
@@ -91,8 +92,12 @@ def init(model=None, provider: str | None = None, cluster: Cluster | None = None
         timeout = float(timeout or os.environ.get("RDMATENSOR_TIMEOUT", 120.0))
         peers = {r: a for r, a in enumerate(cluster.workers)}
         boot = Bootstrap(rank, peers, provider, token, timeout)
+        failure = JobFailure(rank)           # a lost rank fails every collective of this one
+        if boot.session is not None:
+            failure.watch(boot.session)
         hosts = [_host(a) for a in cluster.workers]
-        _world = World(rank, size, *local_of(cluster), boot, Collectives(boot, hosts, provider, token, timeout))
+        _world = World(rank, size, *local_of(cluster), boot,
+                       Collectives(boot, hosts, provider, token, timeout, watch=failure.watch))
         atexit.register(shutdown)          # peers hear a goodbye, not a silence, when a script just ends
     if model is not None:
         from .horovod import plan_ahead

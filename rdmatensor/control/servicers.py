@@ -54,7 +54,8 @@ class ControlServicer(pb_grpc.ControlServicer):
             self.credentials.check(request.rank, request.pair_secret)
         except RdmaTensorError as exc:
             abort(context, exc)
-        self.liveness.on_bye(request.rank)
+        self.liveness.on_bye(request.rank, request.lost_rank if request.HasField("lost_rank") else None,
+                             request.reason)
         return pb.ByeReply()
 
     def Ping(self, request, context):

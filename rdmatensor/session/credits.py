@@ -114,6 +114,7 @@ class Credits:
         self._send_by_index: dict[int, list[SendSlot]] = {}
         self._recv_by_index: dict[int, list[RecvSlot]] = {}
         live.when_peer_lost(self.wake_peer)
+        live.when_failed(self.wake_all)          # a failed session fails every waiting call at once
 
     def add(self, peer: int, sending: list[SendSlot], receiving: list[RecvSlot]) -> None:
         self._send_by_index[peer], self._recv_by_index[peer] = sending, receiving

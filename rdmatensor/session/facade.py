@@ -5,13 +5,13 @@ package's docstring), runs setup in order, and delegates every call.
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
 from ..control.service import TlsConfig, start_server
 from ..control.servicers import BaselineServicer, ControlServicer
-from ..errors import UsageError
+from ..errors import PeerLost, RdmaTensorError, UsageError
 from ..plan import Plan
 from ..providers import choose
 from .barrier import Barriers
@@ -106,6 +106,18 @@ class Session:
     def barrier(self, name: str = "barrier", timeout: float | None = None) -> None:
         """Wait until every rank of the plan reached the barrier of this name."""
         self._barriers.wait(name, timeout)
+
+    def on_peer_failure(self, callback: Callable[[PeerLost], None]) -> None:
+        """Call `callback(error)` (from a session thread) when a peer is lost
+        other than by an orderly close: it died, was cut off, or closed because
+        it lost another rank, which `error.peer` then names."""
+        self._live.when_peer_failed(callback)
+
+    def abort(self, error: RdmaTensorError) -> None:
+        """Fail the whole session with `error`: every waiting call and every
+        later one raises it (a job that cannot go on without a lost rank). The
+        peers hear which rank was lost when this session closes."""
+        self._live.fail(error)
 
     def stats(self) -> dict:
         """Counters: bytes_sent/received, writes, recvs, copies (user array ->

@@ -5,6 +5,12 @@ answering heartbeats (verbs, grpc: two missed pings, or `peer_timeout`
 seconds of silence), or after its goodbye once everything it sent is in.
 Errors stick: a peer's error fails every later call involving that peer, a
 session-wide one (setup failure, close) every later call.
+
+A rank that closes after losing another says which in its goodbye, and its
+peers report *that* rank as lost: in a chain of ranks waiting on each other,
+every one names the rank that failed first, not the neighbour that left
+because of it. Failures (every loss but an orderly goodbye) are reported to
+watchers (`when_peer_failed`), which is how a training job fails as a whole.
 """
 from __future__ import annotations
 
@@ -28,7 +34,10 @@ class Liveness:
         self.error: RdmaTensorError | None = None           # sticky, session-wide
         self.peer_errors: dict[int, RdmaTensorError] = {}   # sticky, per peer
         self._said_bye: set[int] = set()
+        self._bye_causes: dict[int, PeerLost] = {}           # peer -> the loss it left because of
+        self.first_failure: PeerLost | None = None           # the first rank lost other than in order
         self._on_peer_lost: list[Callable[[int], None]] = []
+        self._on_peer_failed: list[Callable[[PeerLost], None]] = []
         self._on_fail: list[Callable[[], None]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -40,6 +49,12 @@ class Liveness:
     def when_failed(self, wake: Callable[[], None]) -> None:
         """Call `wake()` when the session fails."""
         self._on_fail.append(wake)
+
+    def when_peer_failed(self, callback: Callable[[PeerLost], None]) -> None:
+        """Call `callback(error)` when a peer is lost other than by an orderly
+        goodbye; `error.peer` is the rank lost (for a peer that left because it
+        lost another rank, that other rank)."""
+        self._on_peer_failed.append(callback)
 
     # -- sticky errors ----------------------------------------------------
     def check(self, peer: int | None = None) -> None:
@@ -57,6 +72,8 @@ class Liveness:
         with self._lock:
             if self.error is None:
                 self.error = error
+            if isinstance(error, PeerLost) and error.peer is not None and self.first_failure is None:
+                self.first_failure = error
         for wake in self._on_fail:
             wake()
 
@@ -66,14 +83,24 @@ class Liveness:
             error = TransportError(str(error), peer=peer)
         if error.peer is None:
             error.peer = peer
+        error = self._bye_causes.get(peer, error)
+        orderly = peer in self._said_bye and peer not in self._bye_causes
+        failure = None
         with self._lock:
             self.peer_errors.setdefault(peer, error)
+            if not orderly and not self.ctx.closed:
+                failure = error if isinstance(error, PeerLost) else PeerLost(str(error), peer=error.peer)
+                if self.first_failure is None:
+                    self.first_failure = failure
         if not self.ctx.closed:
             # After the peer's orderly goodbye this is the expected end, not a fault.
-            level = logging.INFO if peer in self._said_bye else logging.WARNING
-            log.log(level, "rank %d: channel to rank %d lost: %s", self.ctx.rank, peer, error)
+            log.log(logging.INFO if orderly else logging.WARNING, "rank %d: channel to rank %d lost: %s",
+                    self.ctx.rank, peer, error)
         for wake in self._on_peer_lost:
             wake(peer)
+        if failure is not None:
+            for callback in self._on_peer_failed:
+                callback(failure)
 
     # -- heartbeats -------------------------------------------------------
     def start(self, peer_ranks: list[int]) -> None:
@@ -110,8 +137,12 @@ class Liveness:
                 client.close()
 
     # -- goodbye ----------------------------------------------------------
-    def on_bye(self, peer: int) -> None:
-        """`peer` closed in order: its channel reports the loss once everything it sent is in."""
+    def on_bye(self, peer: int, lost_rank: int | None = None, reason: str = "") -> None:
+        """`peer` closed: its channel reports the loss once everything it sent is in,
+        as that of `lost_rank` when the peer closed because it lost that rank."""
+        if lost_rank is not None and lost_rank not in (peer, self.ctx.rank):
+            self._bye_causes[peer] = PeerLost(f"rank {lost_rank} was lost (rank {peer} left because of it: "
+                                              f"{reason})", peer=lost_rank)
         self._said_bye.add(peer)
         ch = self.ctx.channels.get(peer)
         if ch is not None:
@@ -123,13 +154,16 @@ class Liveness:
             self._thread.join(timeout=5)
 
     def say_goodbye(self) -> None:
-        """Tell every peer this rank reached, and has not lost, that it closes."""
+        """Tell every peer this rank reached, and has not lost, that it closes
+        (and which rank it lost first, if any)."""
         ctx = self.ctx
+        cause = self.first_failure
+        extra = {"lost_rank": cause.peer, "reason": str(cause)[:500]} if cause is not None else {"reason": "close"}
         for peer in ctx.credentials.peers():
             if self.is_lost(peer) or peer not in ctx.channels:
                 continue
             try:
-                ctx.call(peer, "Bye", pb.ByeRequest(rank=ctx.rank, reason="close",
-                                                    pair_secret=ctx.credentials.secret(peer)), timeout=2.0)
+                ctx.call(peer, "Bye", pb.ByeRequest(rank=ctx.rank, pair_secret=ctx.credentials.secret(peer),
+                                                    **extra), timeout=2.0)
             except RdmaTensorError:
                 pass

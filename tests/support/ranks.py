@@ -33,9 +33,11 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def run_ranks(n, plan, provider, body, join_timeout=180.0, token=TOKEN, tokens=None, plans=None, **kw):
-    """Run body(session, rank) on `n` ranks at once; return {rank: result or exception}."""
-    peers = {r: f"127.0.0.1:{p}" for r, p in enumerate(free_ports(n))}
+def run_ranks(n, plan, provider, body, join_timeout=180.0, token=TOKEN, tokens=None, plans=None, peers=None,
+              **kw):
+    """Run body(session, rank) on ranks 0..n-1 at once; return {rank: result or exception}.
+    `peers` gives every rank's address (ranks beyond n run elsewhere)."""
+    peers = peers or {r: f"127.0.0.1:{p}" for r, p in enumerate(free_ports(n))}
     results = {}
 
     def rank(r):

@@ -128,9 +128,10 @@ def test_a_failing_rank_stops_the_job_naming_it_and_leaves_no_process(tmp_path, 
                 sys.exit(3)
             os.kill(os.getpid(), signal.SIGKILL)
     """)
-    proc, seconds = launcher("-np", "2", "--grace", "2", sys.executable, body)
+    proc, seconds = launcher("-np", "2", "--grace", "2", "--failure-wait", "1", sys.executable, body)
     want = "exited with status 3" if death == "exit3" else "was killed by signal 9 (SIGKILL)"
-    assert f"rank 1 (worker 1 on localhost) {want}" in proc.stderr, proc.stderr
+    assert f"rank 1 (worker 1 on localhost) {want}: the first rank to fail" in proc.stderr, proc.stderr
+    assert "1 s after the first failure: stopping 1 other rank(s)" in proc.stderr, proc.stderr
     assert proc.returncode == (3 if death == "exit3" else 128 + 9)
     assert seconds < 15, f"the launcher took {seconds:.1f} s to stop the job"
     for pid in map(int, pids.read_text().split()):
@@ -149,9 +150,42 @@ def test_a_rank_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path):
             time.sleep(0.05)
         sys.exit(1)
     """)
-    proc, seconds = launcher("-np", "2", "--grace", "1", sys.executable, body)
+    proc, seconds = launcher("-np", "2", "--grace", "1", "--failure-wait", "0", sys.executable, body)
     assert proc.returncode == 1 and "still running after 1 s: SIGKILL" in proc.stderr, proc.stderr
     assert seconds < 15 and gone(int(pidfile.read_text()))
+
+
+def test_after_a_failure_the_others_end_by_themselves_and_the_jobs_segments_go(tmp_path):
+    """Rank 1 is killed first; ranks 0 and 2 notice and fail on their own within the
+    failure wait: the launcher names rank 1 as the first to fail and how, then each
+    other rank as it ends, stops nobody, exits with rank 1's status, and removes the
+    shared-memory segments named after the job (what a rank killed while setting up
+    leaves), and only those."""
+    other = f"/dev/shm/rdmatensor-{os.getpid()}-not-this-job"
+    body = script(tmp_path, "notice.py", """
+        import os, signal, sys, time
+        rank, job = int(os.environ["RDMATENSOR_RANK"]), os.environ["RDMATENSOR_JOB"]
+        if rank == 1:
+            open(f"/dev/shm/rdmatensor-{job}-{rank}", "w").close()      # a segment still named
+            print(job, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.5 * rank + 0.5)                                       # noticing takes a moment
+        sys.exit(1)
+    """)
+    open(other, "w").close()
+    try:
+        proc, seconds = launcher("-np", "3", "--failure-wait", "20", sys.executable, body)
+        err = proc.stderr
+        assert proc.returncode == 128 + 9, err
+        first = err.index("rank 1 (worker 1 on localhost) was killed by signal 9 (SIGKILL): the first rank to fail; "
+                          "the other 2 rank(s) get 20 s to end")
+        assert first < err.index("rank 0 (worker 0 on localhost) exited with status 1") < \
+            err.index("rank 2 (worker 2 on localhost) exited with status 1"), err
+        assert "stopping" not in err and seconds < 10, (seconds, err)
+        job = lines_of(proc.stdout, 1)[0]
+        assert not os.path.exists(f"/dev/shm/rdmatensor-{job}-1") and os.path.exists(other)
+    finally:
+        os.unlink(other)
 
 
 def sleeper(tmp_path):

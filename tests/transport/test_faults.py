@@ -14,7 +14,7 @@ import pytest
 
 from rdmatensor import IntegrityError, PeerLost, Plan, TensorSpec, connect
 
-from .peer_proc import TOKEN, fault_plan
+from .peer_proc import TOKEN, chain_plan, fault_plan
 from ..support.providers import PROVIDERS
 from ..support.ranks import check, free_ports, run_ranks
 
@@ -28,8 +28,8 @@ def provider(request):
 
 
 def _spawn(role, provider, ports):
-    return subprocess.Popen([sys.executable, "-m", "tests.transport.peer_proc", role, provider,
-                             str(ports[0]), str(ports[1])], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-m", "tests.transport.peer_proc", role, provider, *map(str, ports)],
+                            cwd=ROOT, stdout=subprocess.PIPE, text=True)
 
 
 def _wait_line(proc, text, timeout=60):
@@ -90,6 +90,42 @@ def test_sender_killed_mid_stream_never_yields_a_partial_tensor(provider):
     print(f"{provider}: {received} complete tensors, sender death detected in {detected:.2f} s")
     assert received >= 1
     assert detected is not None and detected < DETECT_BOUND
+
+
+def test_a_chain_of_waiting_ranks_names_the_rank_that_died_first(provider):
+    """Rank 2 is killed; rank 0, waiting on it, fails and closes; rank 1, which only
+    waits on rank 0 and never talks to rank 2, is told rank 2 was lost, not rank 0."""
+    ports = free_ports(3)
+    peers = {r: f"127.0.0.1:{p}" for r, p in enumerate(ports)}
+    proc = _spawn("chain_end", provider, ports)
+    errors, times = {}, {}
+
+    def rank(r, s):
+        try:
+            if r == 0:
+                with s.recv("a", timeout=60):
+                    pass
+                _wait_line(proc, "sent")
+                os.kill(proc.pid, signal.SIGKILL)
+                times["kill"] = time.monotonic()
+                s.recv("a", timeout=60)
+            else:
+                s.recv("b", timeout=60)
+        except PeerLost as exc:
+            errors[r], times[r] = exc, time.monotonic()
+
+    try:
+        def body(s, r):
+            rank(r, s)
+        check(run_ranks(2, chain_plan(), provider, body, peers=peers, token=TOKEN))
+    finally:
+        proc.kill()
+        proc.wait()
+    assert errors[0].peer == 2 and errors[1].peer == 2, (repr(errors[0]), repr(errors[1]))
+    assert "rank 0 left because of it" in str(errors[1])
+    print(f"{provider}: rank 2's death reached rank 0 in {times[0] - times['kill']:.2f} s, "
+          f"rank 1 in {times[1] - times['kill']:.2f} s")
+    assert times[1] - times["kill"] < DETECT_BOUND
 
 
 def test_a_peer_that_never_shows_up_fails_setup():
