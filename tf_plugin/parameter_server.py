@@ -57,6 +57,7 @@ def run(model, loss: Callable, optimizer, dataset: Iterable | None, steps: int, 
 
     from .analyzer import analyze
     from .cluster import Cluster
+    from .failure import JobFailure
     from .ps import ParameterServer, PSWorker
     from .step import Step
 
@@ -82,6 +83,7 @@ def run(model, loss: Callable, optimizer, dataset: Iterable | None, steps: int, 
     result = Result(cluster.rank, cluster.task_type)
     with connect(cluster.rank, cluster.peers(), analysis.plan, provider=provider,
                  token=token or os.environ.get("RDMATENSOR_TOKEN"), timeout=timeout) as session:
+        JobFailure(cluster.rank).watch(session)     # a lost rank fails every call of this one
         t0 = time.perf_counter()
         if cluster.is_worker:
             worker = PSWorker(session, analysis, step)

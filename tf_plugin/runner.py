@@ -28,6 +28,7 @@ from .job import BACKENDS, JobConfig, RankResult
 def run_rank(cluster, config: JobConfig, token: str | None = None) -> RankResult:
     from rdmatensor import Plan, connect
     from . import models
+    from .failure import JobFailure
     from .meter import Meter
     from .step import Step
 
@@ -54,6 +55,7 @@ def run_rank(cluster, config: JobConfig, token: str | None = None) -> RankResult
     t_setup = time.perf_counter()
     with connect(cluster.rank, cluster.peers(), plan, provider="tcp" if floor else cfg.provider, token=token,
                  timeout=cfg.timeout) as session:
+        JobFailure(cluster.rank).watch(session)     # a lost rank fails every call of this one
         setup_seconds = time.perf_counter() - t_setup
         loop = _loop(cfg, cluster, session, analysis, step, model, signature, meter, shard, losses)
         loop(0)                              # first step traces the functions: not timed

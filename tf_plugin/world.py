@@ -17,6 +17,7 @@ import atexit
 import enum
 import os
 import pickle
+import threading
 from dataclasses import dataclass
 
 from rdmatensor import UsageError
@@ -98,10 +99,23 @@ def init(model=None, provider: str | None = None, cluster: Cluster | None = None
         hosts = [_host(a) for a in cluster.workers]
         _world = World(rank, size, *local_of(cluster), boot,
                        Collectives(boot, hosts, provider, token, timeout, watch=failure.watch))
-        atexit.register(shutdown)          # peers hear a goodbye, not a silence, when a script just ends
+        _at_exit(shutdown)                 # peers hear a goodbye, not a silence, when a script just ends
     if model is not None:
         from .horovod import plan_ahead
         plan_ahead(model)
+
+
+def _at_exit(fn) -> None:
+    """Run `fn` when the interpreter exits, while gRPC can still serve: plain
+    atexit handlers run after concurrent.futures has stopped every thread pool,
+    when a control server can take no call (one arriving then, a peer's
+    goodbye or ping, stops its serving thread for good). Threading's own exit
+    hooks run first, the latest registered first."""
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        register(fn)
+    except (TypeError, RuntimeError):           # no such hook, or the interpreter is already exiting
+        atexit.register(fn)
 
 
 def world() -> World:

@@ -16,6 +16,7 @@ from .status import rpc_error
 
 TOKEN_KEY = "rdmatensor-token"
 MAX_MESSAGE = 1 << 30          # the grpc baseline carries whole tensors
+STOP_WAIT = 2.0                # seconds a stopping server gets beyond the calls' grace
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,9 @@ class ControlServer:
         with self._lock:
             server, self._server = self._server, None
         if server is not None:
-            server.stop(grace).wait()
+            # Bounded: a server whose serving thread is gone (a call that came after
+            # the interpreter began to exit) never reports that it stopped.
+            server.stop(grace).wait(STOP_WAIT + (grace or 0.0))
             # Workers still inside a handler (a barrier's wait) finish on their own.
             self._executor.shutdown(wait=False)
             self._stopped.set()

@@ -50,5 +50,6 @@ def rpc_error(exc: grpc.RpcError, address: str, peer: int | None = None) -> Rdma
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return AuthenticationError(f"{address} refused our token: {details}", peer=peer)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
-        return PeerLost(f"peer at {address} unreachable: {code.name} {details}", peer=peer)
+        who = f"rank {peer} at {address}" if peer is not None else f"peer at {address}"
+        return PeerLost(f"{who} unreachable: {code.name} {details}", peer=peer)
     return TransportError(f"control call to {address} failed: {code.name} {details}", peer=peer)

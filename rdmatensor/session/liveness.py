@@ -96,11 +96,11 @@ class Liveness:
             # After the peer's orderly goodbye this is the expected end, not a fault.
             log.log(logging.INFO if orderly else logging.WARNING, "rank %d: channel to rank %d lost: %s",
                     self.ctx.rank, peer, error)
-        for wake in self._on_peer_lost:
-            wake(peer)
-        if failure is not None:
+        if failure is not None:            # before waking: a watcher may fail the whole session
             for callback in self._on_peer_failed:
                 callback(failure)
+        for wake in self._on_peer_lost:
+            wake(peer)
 
     # -- heartbeats -------------------------------------------------------
     def start(self, peer_ranks: list[int]) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import RdmaTensorError, TensorMismatch, UnknownTensor, UsageError
+from ..errors import PeerLost, RdmaTensorError, TensorMismatch, UnknownTensor, UsageError
 from ..plan import TensorSpec
 from ..providers.base import IMM_DATA, make_imm
 from . import wire
@@ -72,6 +72,14 @@ class Sender:
         self.credits.take(st, timeout)
         try:
             self._write(st, spec, array)
+        except PeerLost as exc:
+            # A write that finds its peer gone reports the loss like any other: it
+            # sticks, watchers hear it, and this call raises what every later one will.
+            self.credits.keep(st)
+            self.ctx.channels[st.peer].lost(exc)
+            self.live.check()
+            self.live.check(st.peer)
+            raise
         except BaseException:
             self.credits.keep(st)
             raise
