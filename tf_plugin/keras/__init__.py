@@ -17,8 +17,9 @@ from ..world import (Average, ReduceOp, Sum, allgather_object, broadcast_object,
                      local_size, rank, shutdown, size, stats)
 from . import callbacks
 from .optimizer import DistributedOptimizer
+from .saving import load_model
 
-__all__ = ["DistributedOptimizer", "callbacks", "Compression", "allreduce", "allgather", "broadcast",
+__all__ = ["DistributedOptimizer", "load_model", "callbacks", "Compression", "allreduce", "allgather", "broadcast",
            "broadcast_variables", "broadcast_object", "allgather_object", "init", "shutdown", "is_initialized",
            "rank", "size", "local_rank", "local_size", "stats", "Average", "Sum", "ReduceOp"]
 

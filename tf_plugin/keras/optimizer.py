@@ -22,7 +22,10 @@ from ..world import Average
 
 
 class _DistributedOptimizer:
-    """Mixed in before a Keras optimizer class."""
+    """Mixed in before a Keras optimizer class. The class attributes are the
+    defaults of an optimizer made by deserialization (load_model)."""
+    _hvd_compression, _hvd_sparse_as_dense, _hvd_op = Compression.none, False, Average
+    _hvd_passes, _hvd_average_aggregated = 1, False
 
     def _hvd_reduce(self, grads, variables):
         sources = list(variables) if variables is not None else [None] * len(grads)
@@ -64,6 +67,13 @@ class _DistributedOptimizer:
         return tf.cond(self._hvd_count % self._hvd_passes == 0, update, lambda: tf.constant(False))
 
 
+def distributed_class(base: type, **defaults) -> type:
+    """`base` (a Keras optimizer class) with its updates combined over the ranks,
+    under base's own name and module (so what it saves loads as a plain `base`)."""
+    attrs = {f"_hvd_{k}": v for k, v in defaults.items()}
+    return type(base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__, **attrs})
+
+
 def DistributedOptimizer(optimizer, name: str | None = None, device_dense: str = "", device_sparse: str = "",
                          compression=Compression.none, sparse_as_dense: bool = False, op=Average,
                          backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False):
@@ -71,8 +81,7 @@ def DistributedOptimizer(optimizer, name: str | None = None, device_dense: str =
     gradients combined over the ranks (op Average: their mean)."""
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, not {backward_passes_per_step}")
-    base = type(optimizer)
-    cls = type(base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__})
+    cls = distributed_class(type(optimizer))
     config = optimizer.get_config()
     if name:
         config["name"] = name
