@@ -48,13 +48,23 @@ class Bootstrap:
         self.session.send(boot_name(self.rank, dst), message)
 
     def _recv(self, src: int, tag: str) -> bytes:
-        with self.session.recv(boot_name(src, self.rank)) as view:
-            raw = view.tobytes()                 # out of the slot: it goes back to the sender now
-        got, _, data = raw.partition(b"\0")
-        if got.decode(errors="replace") != tag:
-            raise PlanMismatch(f"rank {src} is in {got.decode(errors='replace')!r} while rank {self.rank} "
+        got, data = self.take(src)
+        if got != tag:
+            raise PlanMismatch(f"rank {src} is in {got!r} while rank {self.rank} "
                                f"is in {tag!r}: the ranks called different collectives")
         return data
+
+    def take(self, src: int, timeout: float | None = None) -> tuple[str, bytes]:
+        """The next message from `src`: (its tag, its data)."""
+        with self.session.recv(boot_name(src, self.rank), timeout) as view:
+            raw = view.tobytes()                 # out of the slot: it goes back to the sender now
+        got, _, data = raw.partition(b"\0")
+        return got.decode(errors="replace"), data
+
+    def unread(self) -> list[int]:
+        """The ranks whose next message has arrived and is not read yet."""
+        waiting = set(self.session.unread()) if self.session is not None else set()
+        return [src for src in range(self.size) if boot_name(src, self.rank) in waiting]
 
     def allgather(self, tag: str, data: bytes) -> list[bytes]:
         """Every rank's `data`, in rank order."""

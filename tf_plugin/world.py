@@ -9,7 +9,8 @@ Where the job comes from:
 - RDMATENSOR_TOKEN: the job's shared secret (required with more than one rank);
 - RDMATENSOR_LOCAL_RANK / RDMATENSOR_LOCAL_SIZE: set by the launcher; without
   them, the workers of TF_CONFIG on this worker's host are counted;
-- RDMATENSOR_PROVIDER (default auto), RDMATENSOR_TIMEOUT (seconds, default 120).
+- RDMATENSOR_PROVIDER (default auto), RDMATENSOR_TIMEOUT (seconds, default 120),
+  RDMATENSOR_CHECK_FINITE (1: allreduce raises NonFiniteValue on a NaN or Inf, see checks.py).
 """
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ from dataclasses import dataclass
 from rdmatensor import UsageError
 
 from .bootstrap import Bootstrap
+from .checks import CheckedCollectives, finite_check_from_env
 from .cluster import Cluster
-from .collectives import Collectives
 from .failure import JobFailure
 
 
@@ -43,7 +44,7 @@ class World:
     local_rank: int
     local_size: int
     bootstrap: Bootstrap
-    collectives: Collectives
+    collectives: CheckedCollectives
 
 
 _world: World | None = None
@@ -71,12 +72,14 @@ def local_of(cluster: Cluster) -> tuple[int, int]:
 
 
 def init(model=None, provider: str | None = None, cluster: Cluster | None = None, token: str | None = None,
-         timeout: float | None = None) -> None:
+         timeout: float | None = None, check_finite: bool | None = None) -> None:
     """Join the job: connect the bootstrap channel between the workers. No model is
     needed; with one (a built Keras model), the tensor sets of its first step
     (gradient all-reduce of its trainable variables, broadcast of all its
     variables from rank 0) are planned now, in one exchange. Calling init() again
-    only plans ahead for the model given."""
+    only plans ahead for the model given. `check_finite` (default
+    RDMATENSOR_CHECK_FINITE): allreduce raises NonFiniteValue, naming the tensor
+    and the rank, when a floating input holds a NaN or Inf."""
     global _world
     if _world is None:
         if cluster is None and os.environ.get("TF_CONFIG"):
@@ -97,8 +100,11 @@ def init(model=None, provider: str | None = None, cluster: Cluster | None = None
         if boot.session is not None:
             failure.watch(boot.session)
         hosts = [_host(a) for a in cluster.workers]
+        if check_finite is None:
+            check_finite = finite_check_from_env()
         _world = World(rank, size, *local_of(cluster), boot,
-                       Collectives(boot, hosts, provider, token, timeout, watch=failure.watch))
+                       CheckedCollectives(boot, hosts, provider, token, timeout, watch=failure.watch,
+                                          check_finite=check_finite))
         _at_exit(shutdown)                 # peers hear a goodbye, not a silence, when a script just ends
     if model is not None:
         from .horovod import plan_ahead

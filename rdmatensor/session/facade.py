@@ -113,6 +113,11 @@ class Session:
         it lost another rank, which `error.peer` then names."""
         self._live.when_peer_failed(callback)
 
+    def unread(self) -> list[str]:
+        """Names of the tensors whose value arrived here and has not been taken
+        by recv() (what peers already sent: a watchdog's view of the session)."""
+        return [name for name, st in self._credits.recv.items() if st.state == st.FULL]
+
     def abort(self, error: RdmaTensorError) -> None:
         """Fail the whole session with `error`: every waiting call and every
         later one raises it (a job that cannot go on without a lost rank). The
