@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo demo-two-hosts test test-host test-rdma clean proto bench bench-models
+.PHONY: setup demo demo-two-hosts test test-host test-rdma clean proto bench bench-models soak
 
 setup:
 	@bash scripts/setup.sh $(VENV)
@@ -32,6 +32,17 @@ bench-models: setup
 	    $(PY) -m tf_plugin.launch --model $$m --workers 2 --batch 16 --steps $(BENCH_STEPS) \
 	        --provider none,shm,tcp,grpc,tf-grpc --json docs/models/$$m.json || exit 1; \
 	done
+
+# Long runs without leaks: a two-worker training job (Horovod API, a small
+# model) for SOAK_STEPS steps per provider, every rank sampling its RSS,
+# descriptors, threads and shared memory every SOAK_EVERY steps; fails unless
+# they stay flat after the warm-up. The figures go to docs/soak.json.
+SOAK_STEPS ?= 100000
+SOAK_EVERY ?= 1000
+SOAK_PROVIDERS ?= shm,tcp
+soak: setup
+	$(PY) -m bench.soak --providers $(SOAK_PROVIDERS) --steps $(SOAK_STEPS) --every $(SOAK_EVERY) \
+	    --json docs/soak.json
 
 # A Session over verbs between two SoftRoCE VMs: every dtype, 1 B to 64 MiB,
 # a growing dynamic tensor, checked byte for byte.
