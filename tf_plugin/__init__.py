@@ -11,8 +11,10 @@ One concept per module:
     world       this process in the job: init, rank, size, local rank, objects, stats (no TensorFlow)
     bootstrap   small objects between the workers, before any tensor plan
     collectives the plan grown from the tensor sets the job calls, and allreduce/broadcast/allgather
+    checks      what broken scripts get: divergence, NaN/Inf, errors naming the tensor and rank
+    failure     a lost rank fails every collective of this rank, naming the rank lost first
     horovod     horovod.tensorflow's tensor API: DistributedGradientTape, broadcast_variables, ...
-    keras       horovod.tensorflow.keras: DistributedOptimizer, callbacks
+    keras       horovod.tensorflow.keras: DistributedOptimizer, callbacks, load_model
     models      demo models (mlp, cnn, embed), synthetic data, single-process reference
     step        the traced loss-and-gradients function the analyzer and trainers share
     analyzer    analyze(model | tf.function, mode, workers, ps) -> Analysis(plan, explain())
@@ -24,6 +26,7 @@ One concept per module:
     runner      one rank (run_rank), or all ranks as threads (run_threads); summaries
     tf_baseline TensorFlow's MultiWorkerMirroredStrategy on the same model, for comparison
     launch      the rdmatensor-train command (python -m tf_plugin.launch)
+    run         the rdmatensor-run launcher (python -m tf_plugin.run)
 """
 import importlib
 
