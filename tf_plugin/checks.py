@@ -69,10 +69,17 @@ def describe(entries: list[dict]) -> str:
 
 @dataclass
 class Activity:
-    """The collective this rank is in."""
-    entries: list
+    """The collective this rank is in (described only when a message needs it)."""
+    kind: str
+    op: str
+    names: list
+    arrays: list
     phase: str = "data"          # plan: agreeing on a new tensor set over the bootstrap; data: moving tensors
     since: float = field(default_factory=time.monotonic)
+
+    @property
+    def entries(self) -> list[dict]:
+        return entries_of(self.kind, self.op, self.names, self.arrays)
 
 
 class CheckedCollectives(Collectives):
@@ -126,7 +133,7 @@ class CheckedCollectives(Collectives):
         if self.size == 1:
             yield None
             return
-        act = Activity(entries_of(kind, op, names, arrays))
+        act = Activity(kind, op, list(names), list(arrays))
         self._activity = act
         try:
             yield act
@@ -215,10 +222,10 @@ class CheckedCollectives(Collectives):
             theirs = (describe([e for s in json.loads(data)["sets"] for e in s]) + ", new to the plan,"
                       if tag == "plan" else f"the exchange {tag!r}")
             return PlanMismatch(f"rank {peer} calls {theirs} while rank {self.rank} is in {mine}: {why}",
-                                peer=peer, tensor=act.entries[0]["name"])
+                                peer=peer, tensor=act.names[0])
         session = self.session
         name = next(n for n in session.unread() if session.plan.specs[n].src == peer)
         index = int(re.search(r"(?:^|/)s(\d+)/", name).group(1))     # set i's tensors: s{i}/..., ring/s{i}/...
         theirs = describe(self._order[index].entries)
         return PlanMismatch(f"rank {peer} is in {theirs} while rank {self.rank} calls {mine}, new to the plan: "
-                            f"{why}", peer=peer, tensor=act.entries[0]["name"])
+                            f"{why}", peer=peer, tensor=act.names[0])
