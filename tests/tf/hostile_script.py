@@ -40,15 +40,19 @@ def still_works() -> bool:
     return bool(np.array_equal(hvd.allreduce(tf.constant([1.0, 3.0]), op=hvd.Sum, name="ok"), [2.0, 6.0]))
 
 
-# 1. The ranks trace different models (rank 1's hidden layer is wider).
-def different_models():
+def combined_gradients(layers, x):
+    """One step of a Horovod tape script: the model's gradients on x, combined over the ranks."""
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8 + rank, name="hidden"),
-                              keras.layers.Dense(2, name="out")])
-    x = tf.ones((4, 6))
+    model = keras.Sequential([keras.Input((6,)), *layers])
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(model(x))
     hvd.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
+
+
+# 1. The ranks trace different models (rank 1's hidden layer is wider).
+def different_models():
+    combined_gradients([keras.layers.Dense(8 + rank, name="hidden"), keras.layers.Dense(2, name="out")],
+                       tf.ones((4, 6)))
 
 
 caught("different_models", different_models)
@@ -57,14 +61,10 @@ report["different_models"]["after_ok"] = still_works()
 
 # 2. A NaN in rank 1's data, so in its gradients (RDMATENSOR_CHECK_FINITE=1).
 def nan_gradients():
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3, name="dense")])
     x = np.ones((4, 6), np.float32)
     if rank == 1:
         x[2, 4] = np.nan
-    with tf.GradientTape() as tape:
-        loss = tf.reduce_sum(model(x))
-    hvd.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
+    combined_gradients([keras.layers.Dense(3, name="dense")], x)
 
 
 caught("nan", nan_gradients)

@@ -11,6 +11,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def gone(pid: int) -> bool:
+    """No such process, or only its zombie (killed, waiting for whoever reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def lines_of(text: str, rank: int) -> list[str]:
+    """What rank `rank` printed, in the launcher's output (its `[rank] ` prefix taken off)."""
+    prefix = f"[{rank}] "
+    return [line[len(prefix):] for line in text.splitlines() if line.startswith(prefix)]
+
+
 def run_workers(script: Path, n: int, provider: str, out_dir: Path, args=(), timeout: float = 180.0) -> list[str]:
     """Run `script out_dir *args` on n ranks with `rdmatensor-run -np n`; return each rank's
     output. Fails (naming the rank, as the launcher does, and the ranks' output) when a

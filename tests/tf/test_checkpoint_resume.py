@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .processes import ROOT
+from .processes import ROOT, lines_of
 
 SCRIPT = Path(__file__).parent / "checkpoint_script.py"
 
@@ -21,10 +21,6 @@ def job(out_dir: Path, *args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tf_plugin.run", "-np", "2", "--provider", "shm", "--timeout", "150",
                            sys.executable, str(SCRIPT), str(out_dir), *map(str, args)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-
-
-def rank_lines(proc, rank: int) -> list[str]:
-    return [line[4:] for line in (proc.stdout + proc.stderr).splitlines() if line.startswith(f"[{rank}] ")]
 
 
 def test_a_job_killed_and_resumed_from_its_checkpoint_ends_bit_for_bit_like_an_uninterrupted_one(tmp_path):
@@ -37,17 +33,18 @@ def test_a_job_killed_and_resumed_from_its_checkpoint_ends_bit_for_bit_like_an_u
     killed = job(broken, 15)                    # epoch 3 of 4 (6 steps each), rank 0 saved epochs 1 and 2
     assert killed.returncode == 128 + 9, killed.stderr[-4000:]
     assert "rank 1 (worker 1 on localhost) was killed by signal 9 (SIGKILL): the first rank to fail" in killed.stderr
-    failed = [line for line in rank_lines(killed, 0) if line.startswith("failed ")]
+    rank0 = lines_of(killed.stdout + killed.stderr, 0)
+    failed = [line for line in rank0 if line.startswith("failed ")]
     assert failed and "PeerLost: rank 1 was lost" in failed[0], killed.stderr[-4000:]
     assert float(failed[0].split()[1]) < 10.0, failed[0][:300]
-    job_id = next(line.split()[1] for line in rank_lines(killed, 0) if line.startswith("job "))
+    job_id = next(line.split()[1] for line in rank0 if line.startswith("job "))
     assert not glob.glob(f"/dev/shm/rdmatensor-{job_id}-*")
     assert sorted(p.name for p in broken.glob("ckpt-*.keras")) == ["ckpt-1.keras", "ckpt-2.keras"]
     assert not (broken / "final.npz").exists()
 
     resumed = job(broken)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert "resumed from epoch 2; trained to step 24" in rank_lines(resumed, 0), resumed.stdout[-2000:]
+    assert "resumed from epoch 2; trained to step 24" in lines_of(resumed.stdout, 0), resumed.stdout[-2000:]
     want, got = np.load(whole / "final.npz"), np.load(broken / "final.npz")
     assert want.files == got.files and len(want.files) == 10     # 4 weights, iterations, lr, 4 momenta
     for k in want.files:

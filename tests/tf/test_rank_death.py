@@ -17,22 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from .processes import ROOT
+from .processes import ROOT, gone, lines_of
 
 SCRIPT = Path(__file__).parent / "rank_death_script.py"
 PEER_TIMEOUT = 10.0
-
-
-def lines_of(text: str, rank: int) -> list[str]:
-    return [line[len(f"[{rank}] "):] for line in text.splitlines() if line.startswith(f"[{rank}] ")]
-
-
-def gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 @pytest.mark.parametrize("provider,mode,workers,ps", [("tcp", "ring", 3, 0), ("grpc", "ps", 2, 1)])

@@ -15,6 +15,8 @@ import pytest
 
 from tf_plugin import run
 
+from .processes import gone, lines_of
+
 LAUNCHER = [sys.executable, "-m", "tf_plugin.run"]
 
 
@@ -31,18 +33,6 @@ def script(tmp_path, name, body):
     return str(path)
 
 
-def gone(pid: int) -> bool:
-    """No such process, or only its zombie (killed, waiting for whoever reaps it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
-def lines_of(text: str, rank: int) -> list[str]:
-    prefix = f"[{rank}] "
-    return [line[len(prefix):] for line in text.splitlines() if line.startswith(prefix)]
 
 
 def test_two_ranks_get_distinct_tf_config_ranks_and_one_token(tmp_path):
