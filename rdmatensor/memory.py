@@ -115,7 +115,7 @@ class MappedArena:
         if "/" in name or not name.startswith("rdmatensor-"):
             raise ForeignSegment(f"{name!r} is not an rdmatensor segment name")
         self._map = _map_shared(name, size, create=False)
-        self.size = len(self._map)
+        self.name, self.size = name, len(self._map)
         self.buf = np.frombuffer(self._map, dtype=np.uint8, count=self.size)
 
     def close(self) -> None:
