@@ -31,6 +31,17 @@ class Counters:
             for n, v in amounts.items():
                 self._values[n] += v
 
+    def wrote(self, nbytes: int) -> None:
+        """One write of `nbytes` (the hot path's own, without add()'s loops)."""
+        with self._lock:
+            self._values["writes"] += 1
+            self._values["bytes_sent"] += nbytes
+
+    def received(self, nbytes: int) -> None:
+        with self._lock:
+            self._values["recvs"] += 1
+            self._values["bytes_received"] += nbytes
+
     def snapshot(self) -> dict:
         with self._lock:
             return dict(self._values)

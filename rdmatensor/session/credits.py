@@ -19,6 +19,7 @@ from ..memory import Arena
 from ..plan import Slot
 from ..providers.base import IMM_CREDIT, IMM_DATA, make_imm, split_imm
 from .context import SessionContext
+from .flag import Flag
 from .liveness import Liveness
 
 log = logging.getLogger("rdmatensor")
@@ -28,12 +29,13 @@ class SendSlot:
     """The sender's end of a slot: its credit, where its bytes go, its staging memory."""
 
     def __init__(self, slot: Slot, peer: int, staging: np.ndarray):
-        self.slot, self.peer = slot, peer
-        self.credit = threading.Event()       # set: this side may write the slot
-        self.credit.set()
+        self.slot, self.peer, self.spec = slot, peer, slot.spec
+        self.credit = Flag(True)              # set: this side may write the slot
         self.region, self.offset, self.capacity = slot.arena, slot.offset, slot.size
         self.staging: np.ndarray | None = staging
+        self.view: np.ndarray | None = None   # staging as the tensor (static ones), once buffer() made it
         self.pending = None                   # the last posted write's handle, while it may read staging
+        self.imm = make_imm(IMM_DATA, slot.index)
 
     @property
     def name(self) -> str:
@@ -55,11 +57,13 @@ class RecvSlot:
     EMPTY, FULL, HELD = "empty", "full", "held"
 
     def __init__(self, slot: Slot, peer: int, memory: np.ndarray):
-        self.slot, self.peer = slot, peer
+        self.slot, self.peer, self.spec = slot, peer, slot.spec
         self.memory: np.ndarray | None = memory     # this slot's bytes in the receive arena
+        self.view: np.ndarray | None = None          # the read-only tensor in memory, where it never moves
         self.grown: tuple[int, Arena] | None = None  # (region id, arena) once grown
         self.state = self.EMPTY
-        self.arrived = threading.Event()             # set while FULL, or for good once woken
+        self.arrived = Flag()                        # set while FULL, or for good once woken
+        self.credit_imm = make_imm(IMM_CREDIT, slot.index)
         self._woken = False
         self._lock = threading.Lock()
 
@@ -100,7 +104,7 @@ class RecvSlot:
             if self.state != self.EMPTY:
                 raise CreditViolation(f"{self.name!r} is still held: rank {self.peer} has no credit to grow it",
                                       peer=self.peer, tensor=self.name)
-            old, self.grown, self.memory = self.grown, (region_id, arena), arena.buf
+            old, self.grown, self.memory, self.view = self.grown, (region_id, arena), arena.buf, None
             return old
 
 
@@ -145,13 +149,14 @@ class Credits:
     def take(self, st: SendSlot, timeout: float | None) -> None:
         """Take the slot's credit, waiting while the receiver holds the previous value."""
         if not st.credit.is_set():
-            self.ctx.counters.add("waits")
-            timeout = self.ctx.timeout if timeout is None else timeout
-            if not self.ctx.wait(st.credit, st.peer, timeout):
-                raise SendTimeout(f"{st.name!r}: rank {st.peer} held the previous value "
-                                  f"for more than {timeout:.1f} s", peer=st.peer, tensor=st.name)
-        self.live.check()
-        self.live.check(st.peer)
+            channel = self.ctx.channels[st.peer]
+            if not (channel.progress() and st.credit.is_set()):    # a credit already in, not taken in yet
+                self.ctx.counters.add("waits")
+                timeout = self.ctx.timeout if timeout is None else timeout
+                if not self.ctx.wait(st.credit, st.peer, timeout):
+                    raise SendTimeout(f"{st.name!r}: rank {st.peer} held the previous value "
+                                      f"for more than {timeout:.1f} s", peer=st.peer, tensor=st.name)
+        self.live.check(st.peer)         # the session's error or the peer's (a loss also sets credits)
         st.credit.clear()
 
     def keep(self, st: SendSlot) -> None:
@@ -166,7 +171,7 @@ class Credits:
         if self.ctx.closed or self.live.is_lost(st.peer):
             return
         try:
-            self.ctx.channels[st.peer].notify(make_imm(IMM_CREDIT, st.slot.index))
+            self.ctx.channels[st.peer].notify(st.credit_imm)
         except RdmaTensorError as exc:
             # The sender is gone; it needs no credit. Its loss is reported by
             # the channel once everything it sent has been taken in.

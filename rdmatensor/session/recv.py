@@ -17,6 +17,7 @@ class Received:
 
     Use as a context manager (`with session.recv(name) as array:`); leaving
     the block (or `release()`) hands the slot back to the sender."""
+    __slots__ = ("_credits", "_state", "array", "name")
 
     def __init__(self, credits: Credits, state: RecvSlot, array: np.ndarray):
         self._credits, self._state, self.array = credits, state, array
@@ -49,9 +50,9 @@ class Receiver:
     def recv(self, name: str, timeout: float | None = None) -> Received:
         ctx = self.ctx
         self.live.check()
-        spec = ctx.spec(name)
         st = self.credits.recv.get(name)
         if st is None:
+            spec = ctx.spec(name)
             raise UnknownTensor(f"rank {ctx.rank} does not receive {name!r} (rank {spec.dst} does)", tensor=name)
         if st.state == st.HELD:
             raise UsageError(f"{name!r} is still held: release the previous view first", tensor=name)
@@ -66,12 +67,16 @@ class Receiver:
             self.live.check()
             self.live.check(st.peer)
             raise TransportError(f"{name!r}: woken without data", peer=st.peer, tensor=name)
-        try:
-            array = wire.decode(spec, ctx.plan, st.memory)
-        except IntegrityError:
-            ctx.counters.add("corrupt")
-            self.credits.give_back(st)
-            raise
-        array.flags.writeable = False
-        ctx.counters.add("recvs", bytes_received=array.nbytes)
+        array = st.view
+        if array is None:
+            try:
+                array = wire.decode(st.spec, ctx.plan, st.memory)
+            except IntegrityError:
+                ctx.counters.add("corrupt")
+                self.credits.give_back(st)
+                raise
+            array.flags.writeable = False
+            if wire.is_raw(st.spec, ctx.plan):
+                st.view = array          # the bytes alone, always in the same place: one view will do
+        ctx.counters.received(array.nbytes)
         return Received(self.credits, st, array)
