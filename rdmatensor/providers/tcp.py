@@ -1,7 +1,15 @@
-"""tcp: one-sided writes emulated over a TCP connection, payload received
-straight into the target slot (recv_into): no serialization, no extra copy."""
+"""tcp: one-sided writes emulated over a TCP connection: no serialization.
+
+A write is its header and payload in one sendmsg(). The receiver reads what
+the socket holds into a small buffer, so that many headers and small
+payloads come in with one system call; a payload larger than what is
+buffered is received straight into the target slot (recv_into). A waiting
+thread takes writes in itself, polling the socket for a short while before
+it sleeps on it; the background reader takes over only while nobody waits.
+"""
 from __future__ import annotations
 
+import math
 import select
 import socket
 import threading
@@ -27,6 +35,12 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
     return True
 
 
+SPIN_SECONDS = 50e-6      # a waiter polls the socket without blocking this long before it sleeps
+SLEEP_SLICE = 0.05        # the longest sleep before a waiter looks at its own side again
+PARK_SECONDS = 0.005      # the background reader leaves the socket to a waiter this long after it waited
+RECEIVE_BUFFER = 16384    # headers and small payloads come in together; larger payloads go straight in
+
+
 class TcpChannel(StreamChannel):
     name = "tcp"
 
@@ -36,8 +50,10 @@ class TcpChannel(StreamChannel):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._header = bytearray(WRITE_HEADER.size)
-        self._last_inline = 0.0
+        self._rx = bytearray(RECEIVE_BUFFER)
+        self._rx_view = memoryview(self._rx)
+        self._rx_start = self._rx_end = 0        # what the buffer holds, not taken in yet
+        self._last_inline = 0.0                  # when a waiting thread last took writes in
 
     def _listen(self) -> socket.socket:
         sock = socket.create_server((self.host, 0))
@@ -69,11 +85,8 @@ class TcpChannel(StreamChannel):
         return sock
 
     def _connected(self, peer_params: dict) -> None:
-        # One poll object per user: the reader thread's, and the inline one
-        # (used under _read_lock); a poll object is not safe to share.
-        self._poller, self._inline_poller = select.poll(), select.poll()
-        for p in (self._poller, self._inline_poller):
-            p.register(self._sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+        self._inline_poller = select.poll()      # the waiters' (used under _read_lock); the thread has its own
+        self._inline_poller.register(self._sock, select.POLLIN | select.POLLRDHUP)
 
     # -- the sender -------------------------------------------------------
     def write(self, region_id: int, offset: int, src: np.ndarray, imm: int) -> None:
@@ -84,76 +97,138 @@ class TcpChannel(StreamChannel):
         self._send(WRITE_HEADER.pack(WRITE_MAGIC, -1, 0, imm, 0, 0), None)
 
     def _send(self, header: bytes, payload: np.ndarray | None) -> None:
-        if self._sock is None:
+        """Header and payload in one system call (the rest, if the kernel took only part)."""
+        sock = self._sock
+        if sock is None:
             raise TransportError(f"{self.name} channel to peer {self.peer} is not connected")
         try:
             with self._send_lock:
-                self._sock.sendall(header)
-                if payload is not None and payload.nbytes:
-                    self._sock.sendall(memoryview(payload))
+                if payload is None or not payload.nbytes:
+                    sock.sendall(header)
+                    return
+                sent = sock.sendmsg([header, payload])
+                if sent < len(header):
+                    sock.sendall(header[sent:])
+                    sent = len(header)
+                if sent - len(header) < payload.nbytes:
+                    sock.sendall(memoryview(payload)[sent - len(header):])
         except OSError as exc:
             raise PeerLost(f"sending to peer {self.peer} failed: {exc}") from exc
 
     # -- the receiver -----------------------------------------------------
-    def _read_one(self, header: bytearray) -> None:
-        """Take in one write: check it like a NIC, land its payload, report its immediate."""
-        sock = self._sock
-        if not _recv_exact(sock, memoryview(header)):
-            raise PeerLost(f"peer {self.peer} closed the connection")
-        magic, region, key, imm, offset, length = WRITE_HEADER.unpack(header)
-        arena = self.land(magic, region, key, offset, length)
-        if arena is not None:
-            target = memoryview(arena.buf)[offset:offset + length]
-            if not _recv_exact(sock, target):
-                raise PeerLost(f"peer {self.peer} closed the connection mid-payload")
-        self.on_imm(imm)
-
     def wait_for(self, event, timeout: float) -> bool:
-        """Block in the kernel on the socket itself and take in what arrives on
-        this thread: one wake-up per message, no hand-off from the reader thread,
-        no spinning. Another thread already reading means just waiting."""
+        """Take in writes on the waiting thread itself until `event` is set:
+        polling the socket without blocking first, then sleeping on it. Another
+        thread taking them in already means just waiting for it."""
         deadline = time.monotonic() + timeout
         while not event.is_set():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            t0 = time.monotonic()
-            if not self.progress(block_for=min(remaining, 0.05)) and time.monotonic() - t0 < 0.0001:
-                event.wait(min(remaining, 0.0005))     # someone else is reading, or the channel is down
+            if self._sock is None or self._lost or self._closing:
+                return event.is_set()
+            if self._read_lock.acquire(blocking=False):
+                try:
+                    self._guarded(self._consume, lambda found: event.is_set(), deadline)
+                finally:
+                    self._last_inline = time.monotonic()
+                    self._read_lock.release()
+            else:
+                event.wait(min(max(0.0, deadline - time.monotonic()), 0.0005))
+            if time.monotonic() >= deadline:
+                return event.is_set()
         return True
 
     def progress(self, block_for: float = 0.0) -> bool:
         """Take in every write waiting on the socket, on the calling thread,
         first waiting up to `block_for` seconds for one to arrive."""
-        if threading.current_thread() is not self._reader:
-            self._last_inline = time.monotonic()
         if self._sock is None or self._closing or self._lost:
             return False
         if not self._read_lock.acquire(blocking=False):
             return False
         try:
-            return bool(self._guarded(self._take_in, int(block_for * 1000)))
+            return bool(self._guarded(self._consume, bool, time.monotonic() + block_for))
         finally:
+            if threading.current_thread() is not self._reader:
+                self._last_inline = time.monotonic()
             self._read_lock.release()
 
-    def _take_in(self, wait_ms: int) -> bool:
-        found = False
-        while not self._closing and not self._lost and self._inline_poller.poll(0 if found else wait_ms):
-            self._read_one(self._header)
-            found = True
+    def _consume(self, done, deadline: float) -> int:
+        """Under _read_lock: take in writes until done(how many) or the deadline."""
+        found = 0
+        spin_until = time.monotonic() + SPIN_SECONDS
+        while True:
+            found += self._land_buffered()
+            if done(found) or self._lost or self._closing:
+                return found
+            if self._fill():
+                continue
+            now = time.monotonic()
+            if now >= deadline:
+                return found
+            if now >= spin_until:
+                self._inline_poller.poll(math.ceil(min(deadline - now, SLEEP_SLICE) * 1000))
+                spin_until = time.monotonic() + SPIN_SECONDS
+
+    def _fill(self) -> int:
+        """Move what the socket holds into the receive buffer, never blocking;
+        how many bytes came (0: none yet)."""
+        start, end = self._rx_start, self._rx_end
+        if start == end:
+            start = end = self._rx_start = self._rx_end = 0
+        elif len(self._rx) - end < WRITE_HEADER.size:       # keep room for at least a header
+            self._rx[:end - start] = self._rx[start:end]
+            start, end = 0, end - start
+            self._rx_start, self._rx_end = start, end
+        try:
+            got = self._sock.recv_into(self._rx_view[end:], 0, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return 0
+        if got == 0:
+            if start == end:
+                raise PeerLost(f"peer {self.peer} closed the connection", peer=self.peer)
+            raise PeerLost(f"peer {self.peer} closed the connection in the middle of a message", peer=self.peer)
+        self._rx_end = end + got
+        return got
+
+    def _land_buffered(self) -> int:
+        """Take in every write whose header is in the receive buffer: check it
+        like a NIC, land its payload (the part already buffered copied, the
+        rest received straight into the region), report its immediate."""
+        found = 0
+        rx, view = self._rx, self._rx_view
+        while self._rx_end - self._rx_start >= WRITE_HEADER.size and not self._lost:
+            at = self._rx_start
+            magic, region, key, imm, offset, length = WRITE_HEADER.unpack_from(rx, at)
+            arena = self.land(magic, region, key, offset, length)
+            at += WRITE_HEADER.size
+            if arena is not None:
+                have = min(self._rx_end - at, length)
+                target = memoryview(arena.buf)[offset:offset + length]
+                target[:have] = view[at:at + have]
+                at += have
+                if have < length:
+                    self._rx_start = self._rx_end = 0
+                    if not _recv_exact(self._sock, target[have:]):
+                        raise PeerLost(f"peer {self.peer} closed the connection mid-payload", peer=self.peer)
+                    at = 0
+            self._rx_start = at
+            self.on_imm(imm)
+            found += 1
         return found
 
     def _background(self) -> None:
-        """Background progress: wake when the socket is readable, unless a
-        waiting thread is already spinning on it."""
+        """Take in writes while no thread waits for them. While one does (or
+        did in the last PARK_SECONDS), watch only for the connection's end, so
+        as not to wake up with every message it takes in itself."""
+        readable, hang_up = select.POLLIN | select.POLLRDHUP, select.POLLRDHUP
+        watch, events = select.poll(), readable
+        watch.register(self._sock, events)
         while not self._closing and not self._lost:
+            parked = self._read_lock.locked() or time.monotonic() - self._last_inline < PARK_SECONDS
+            if (hang_up if parked else readable) != events:
+                events = hang_up if parked else readable
+                watch.modify(self._sock, events)
             try:
-                ready = self._poller.poll(200)
+                ready = watch.poll(PARK_SECONDS * 1000 if parked else 200)
             except (OSError, ValueError):
                 break
-            if not ready:
-                continue
-            if self._read_lock.locked() or time.monotonic() - self._last_inline < 0.002:
-                time.sleep(0.0005)      # a waiter is reading inline: let it take this
-                continue
-            self.progress()
+            if ready and not self.progress():
+                time.sleep(0.0005)      # a waiter is taking it in: let it finish
