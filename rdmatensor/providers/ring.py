@@ -75,6 +75,7 @@ class CompletionRing:
         self._mask = entries - 1
         self._bytes = memoryview(memory.buf)
         self._words = self._bytes[:HEADER_BYTES].cast("Q")
+        self.head = 0            # the producer's own count of entries published
         self.tail = 0            # the consumer's own count (never read back from shared memory)
 
     @property
@@ -106,15 +107,16 @@ class CompletionRing:
             raise
 
     # -- the producer -----------------------------------------------------
-    def room(self, head: int) -> bool:
-        """Whether an entry fits after `head` produced ones (a stale tail only underestimates)."""
-        return head - self._words[_TAIL] < self.entries
-
-    def put(self, head: int, region: int, key: int, imm: int, offset: int, length: int) -> None:
-        """Write entry number `head` and publish it."""
+    def push(self, region: int, key: int, imm: int, offset: int, length: int) -> bool:
+        """Write the next entry and publish it; False (nothing written) while
+        the ring is full. A stale tail only makes it look fuller than it is."""
+        head = self.head
+        if head - self._words[_TAIL] >= self.entries:
+            return False
         ENTRY.pack_into(self._bytes, HEADER_BYTES + (head & self._mask) * ENTRY.size,
                         WRITE_MAGIC, region, key, imm, offset, length)
-        self._words[_HEAD] = head + 1
+        self._words[_HEAD] = self.head = head + 1
+        return True
 
     def consumer_sleeping(self) -> bool:
         return self._words[_SLEEPING] != 0

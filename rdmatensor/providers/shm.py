@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import ForeignSegment, PeerLost, RdmaTensorError, TransportError
 from ..memory import Arena, MappedArena
-from .base import Capabilities
+from .base import WRITE_MAGIC, Capabilities
 from .ring import ORDERED_CPU, CompletionRing, full_fence
 from .stream import StreamChannel
 
@@ -50,7 +50,6 @@ class ShmChannel(StreamChannel):
         self._mapped: dict[int, tuple[MappedArena, memoryview]] = {}   # region id -> the peer's segment
         self._ring_in = CompletionRing.create(max_incoming)    # the peer's completions to this side
         self._ring_out: CompletionRing | None = None           # this side's, in the peer's segment
-        self._head = 0                                         # entries produced into _ring_out
         self._doorbell = select.poll()
         self._scratch = bytearray(4096)
 
@@ -126,10 +125,8 @@ class ShmChannel(StreamChannel):
             raise PeerLost(f"the shm channel to peer {self.peer} is "
                            f"{'not connected' if ring is None else 'closed'}", peer=self.peer)
         with self._send_lock:
-            if not ring.room(self._head):
-                self._wait_for_room(ring)
-            ring.put(self._head, region, key, imm, offset, length)
-            self._head += 1
+            if not ring.push(region, key, imm, offset, length):
+                self._push_when_room(ring, (region, key, imm, offset, length))
         full_fence()                     # the head store before the look at `sleeping` (ring.py)
         if ring.consumer_sleeping():
             try:
@@ -139,11 +136,11 @@ class ShmChannel(StreamChannel):
             except OSError as exc:
                 raise PeerLost(f"peer {self.peer}'s doorbell failed: {exc}", peer=self.peer) from exc
 
-    def _wait_for_room(self, ring: CompletionRing) -> None:
-        """The peer's ring is full: wait while it takes in, taking in this side's
-        own completions meanwhile (the peer may wait for one of them)."""
+    def _push_when_room(self, ring: CompletionRing, entry: tuple) -> None:
+        """The peer's ring is full: wait while it takes in, taking in this
+        side's own completions meanwhile (the peer may wait for one of them)."""
         deadline = time.monotonic() + RING_FULL_TIMEOUT
-        while not ring.room(self._head):
+        while not ring.push(*entry):
             if self._lost or self._closing:
                 raise PeerLost(f"the shm channel to peer {self.peer} closed while its ring was full",
                                peer=self.peer)
@@ -164,7 +161,9 @@ class ShmChannel(StreamChannel):
                 return event.is_set()
             if self._read_lock.acquire(blocking=False):
                 try:
-                    self._guarded(self._consume, lambda found: event.is_set(), deadline)
+                    self._consume(event, deadline)
+                except Exception as exc:  # noqa: BLE001 - typed and reported there
+                    self._read_failed(exc)
                 finally:
                     self._read_lock.release()
             else:
@@ -181,24 +180,33 @@ class ShmChannel(StreamChannel):
         if not self._read_lock.acquire(blocking=False):
             return False
         try:
-            return bool(self._guarded(self._consume, bool, time.monotonic() + block_for))
+            if block_for <= 0:
+                return self._drain() > 0
+            return self._consume(None, time.monotonic() + block_for) > 0
+        except Exception as exc:  # noqa: BLE001 - typed and reported there
+            self._read_failed(exc)
+            return False
         finally:
             self._read_lock.release()
 
-    def _consume(self, done, deadline: float) -> int:
-        """Under _read_lock: take in completions until done(how many) or the deadline."""
-        found = 0
-        spin_until = time.monotonic() + SPIN_SECONDS
-        while True:
-            found += self._drain()
-            if done(found) or self._lost or self._closing:
-                return found
+    def _consume(self, event, deadline: float) -> int:
+        """Under _read_lock: take in completions until `event` is set (None:
+        until there were any) or the deadline; how many were taken in."""
+        found = self._drain()
+        spin_until = 0.0
+        while not ((event.is_set() if event is not None else found) or self._lost or self._closing):
             now = time.monotonic()
             if now >= deadline:
-                return found
-            if now >= spin_until:
+                break
+            if not spin_until:
+                spin_until = now + SPIN_SECONDS
+            elif now >= spin_until:
                 self._sleep(deadline - now)
                 spin_until = time.monotonic() + SPIN_SECONDS
+            else:
+                os.sched_yield()         # a peer sharing this core runs now, not at the next tick
+            found += self._drain()
+        return found
 
     def _drain(self) -> int:
         """Take in every completion in the ring: each checked like a NIC, then reported."""
@@ -206,13 +214,15 @@ class ShmChannel(StreamChannel):
         n = ring.available(self.peer)
         if n:
             tail = ring.tail
+            entry, on_imm = ring.entry, self.on_imm
             for index in range(tail, tail + n):
-                magic, region, key, imm, offset, length = ring.entry(index)
-                self.land(magic, region, key, offset, length)
-                ring.consumed(index + 1)
-                self.on_imm(imm)
+                magic, region, key, imm, offset, length = entry(index)
+                if length or magic != WRITE_MAGIC:
+                    self.land(magic, region, key, offset, length)
+                on_imm(imm)
                 if self._lost:
                     break
+            ring.consumed(tail + n)
         return n
 
     def _sleep(self, remaining: float) -> None:
@@ -252,7 +262,10 @@ class ShmChannel(StreamChannel):
                 break
             with self._read_lock:        # a waiter taking in completions finishes first
                 if not self._closing and not self._lost:
-                    self._guarded(self._hang_up)
+                    try:
+                        self._hang_up()
+                    except Exception as exc:  # noqa: BLE001 - typed and reported there
+                        self._read_failed(exc)
             break
 
     def close(self) -> None:

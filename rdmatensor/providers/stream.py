@@ -188,17 +188,14 @@ class StreamChannel(Channel):
         except OSError:
             pass
 
-    def _guarded(self, fn, *args):
-        """Run a reading step; a failure of any kind closes the channel and is reported."""
-        try:
-            return fn(*args)
-        except (PeerLost, TransportError) as exc:
-            self._fail(exc)
-        except OSError as exc:
-            self._fail(PeerLost(f"connection to peer {self.peer} failed: {exc}"))
-        except Exception as exc:  # noqa: BLE001 - never stop reading without reporting why
-            self._fail(TransportError(f"{self.name} channel from peer {self.peer} failed: {exc!r}"))
-        return None
+    def _read_failed(self, exc: Exception) -> None:
+        """Taking in failed (every reader's `except Exception`): close the
+        channel and report why, typed, never stop reading silently."""
+        if isinstance(exc, OSError):
+            exc = PeerLost(f"connection to peer {self.peer} failed: {exc}")
+        elif not isinstance(exc, (PeerLost, TransportError)):
+            exc = TransportError(f"{self.name} channel from peer {self.peer} failed: {exc!r}")
+        self._fail(exc)
 
     def peer_said_bye(self) -> None:
         pass  # the connection's end follows everything the peer sent

@@ -10,6 +10,7 @@ it sleeps on it; the background reader takes over only while nobody waits.
 from __future__ import annotations
 
 import math
+import os
 import select
 import socket
 import threading
@@ -126,7 +127,9 @@ class TcpChannel(StreamChannel):
                 return event.is_set()
             if self._read_lock.acquire(blocking=False):
                 try:
-                    self._guarded(self._consume, lambda found: event.is_set(), deadline)
+                    self._consume(event, deadline)
+                except Exception as exc:  # noqa: BLE001 - typed and reported there
+                    self._read_failed(exc)
                 finally:
                     self._last_inline = time.monotonic()
                     self._read_lock.release()
@@ -144,19 +147,23 @@ class TcpChannel(StreamChannel):
         if not self._read_lock.acquire(blocking=False):
             return False
         try:
-            return bool(self._guarded(self._consume, bool, time.monotonic() + block_for))
+            return self._consume(None, time.monotonic() + block_for) > 0
+        except Exception as exc:  # noqa: BLE001 - typed and reported there
+            self._read_failed(exc)
+            return False
         finally:
             if threading.current_thread() is not self._reader:
                 self._last_inline = time.monotonic()
             self._read_lock.release()
 
-    def _consume(self, done, deadline: float) -> int:
-        """Under _read_lock: take in writes until done(how many) or the deadline."""
+    def _consume(self, event, deadline: float) -> int:
+        """Under _read_lock: take in writes until `event` is set (None: until
+        there were any) or the deadline; how many were taken in."""
         found = 0
         spin_until = time.monotonic() + SPIN_SECONDS
         while True:
             found += self._land_buffered()
-            if done(found) or self._lost or self._closing:
+            if (event.is_set() if event is not None else found) or self._lost or self._closing:
                 return found
             if self._fill():
                 continue
@@ -166,6 +173,8 @@ class TcpChannel(StreamChannel):
             if now >= spin_until:
                 self._inline_poller.poll(math.ceil(min(deadline - now, SLEEP_SLICE) * 1000))
                 spin_until = time.monotonic() + SPIN_SECONDS
+            else:
+                os.sched_yield()         # a peer sharing this core runs now, not at the next tick
 
     def _fill(self) -> int:
         """Move what the socket holds into the receive buffer, never blocking;

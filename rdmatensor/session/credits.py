@@ -34,6 +34,8 @@ class SendSlot:
         self.region, self.offset, self.capacity = slot.arena, slot.offset, slot.size
         self.staging: np.ndarray | None = staging
         self.view: np.ndarray | None = None   # staging as the tensor (static ones), once buffer() made it
+        self.staging_bytes: np.ndarray | None = None     # what one write of `view` sends
+        self.raw = False                      # `view` goes as it is: no header, no checksum
         self.pending = None                   # the last posted write's handle, while it may read staging
         self.imm = make_imm(IMM_DATA, slot.index)
 
@@ -133,15 +135,13 @@ class Credits:
         """An immediate from `peer`: DATA hands a slot to this side, CREDIT gives one back."""
         kind, index = split_imm(imm)
         try:
-            if kind == IMM_DATA:
-                st = self.recv_slot(peer, index)
-                if st is None:
-                    raise CreditViolation(f"rank {peer} sent immediate {imm:#x} for no slot", peer=peer)
-                st.arrive()
-            elif kind == IMM_CREDIT and 0 <= index < len(self._send_by_index.get(peer, [])):
-                self._send_by_index[peer][index].credit.set()
-            else:
+            slots = (self._recv_by_index if kind == IMM_DATA else self._send_by_index).get(peer, ())
+            if kind > IMM_CREDIT or index >= len(slots):
                 raise CreditViolation(f"rank {peer} sent immediate {imm:#x} for no slot", peer=peer)
+            if kind == IMM_DATA:
+                slots[index].arrive()
+            else:
+                slots[index].credit.set()
         except RemoteError as exc:
             self.ctx.channels[peer].lost(exc)
 

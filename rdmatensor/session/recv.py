@@ -59,7 +59,7 @@ class Receiver:
         if st.state != st.FULL:
             self.live.check(st.peer)     # lost while a previous value was held: nothing more will come
         timeout = ctx.timeout if timeout is None else timeout
-        if not ctx.wait(st.arrived, st.peer, timeout):
+        if not (st.arrived.is_set() or ctx.channels[st.peer].wait_for(st.arrived, timeout)):
             self.live.check(st.peer)
             raise RecvTimeout(f"{name!r} from rank {st.peer} did not arrive within {timeout:.1f} s",
                               peer=st.peer, tensor=name)
