@@ -107,37 +107,40 @@ class CompletionRing:
             raise
 
     # -- the producer -----------------------------------------------------
-    def push(self, region: int, key: int, imm: int, offset: int, length: int) -> bool:
-        """Write the next entry and publish it; False (nothing written) while
-        the ring is full. A stale tail only makes it look fuller than it is."""
+    def push(self, region: int, key: int, imm: int, offset: int, length: int) -> int | None:
+        """Write the next entry and publish it. None (nothing written) while
+        the ring is full (a stale tail only makes it look fuller than it is);
+        else nonzero if the consumer sleeps: ring its doorbell."""
         head = self.head
         if head - self._words[_TAIL] >= self.entries:
-            return False
+            return None
         ENTRY.pack_into(self._bytes, HEADER_BYTES + (head & self._mask) * ENTRY.size,
                         WRITE_MAGIC, region, key, imm, offset, length)
         self._words[_HEAD] = self.head = head + 1
-        return True
+        full_fence()             # head stored before `sleeping` is read (see above)
+        return self._words[_SLEEPING]
 
     def consumer_sleeping(self) -> bool:
         return self._words[_SLEEPING] != 0
 
     # -- the consumer -----------------------------------------------------
-    def available(self, peer: int) -> int:
-        """How many entries wait; a head that went backwards or past the
-        capacity is the producer's fault."""
-        n = self._words[_HEAD] - self.tail
-        if not 0 <= n <= self.entries:
+    def waiting(self, peer: int) -> list[tuple]:
+        """The entries waiting, copied out of shared memory before anyone
+        checks them (consumed() once they are taken in). A head that went
+        backwards or past the capacity is the producer's fault."""
+        tail = self.tail
+        n = self._words[_HEAD] - tail
+        if not n:
+            return []
+        if not 0 < n <= self.entries:
             raise RefusedWrite(f"peer {peer} moved its completion ring's head to {self._words[_HEAD]} "
-                               f"(consumed {self.tail}, {self.entries} entries)", peer=peer)
-        return n
+                               f"(consumed {tail}, {self.entries} entries)", peer=peer)
+        unpack, buf, mask = ENTRY.unpack_from, self._bytes, self._mask
+        return [unpack(buf, HEADER_BYTES + (i & mask) * ENTRY.size) for i in range(tail, tail + n)]
 
-    def entry(self, index: int) -> tuple:
-        """Entry number `index`, copied out of shared memory before it is checked."""
-        return ENTRY.unpack_from(self._bytes, HEADER_BYTES + (index & self._mask) * ENTRY.size)
-
-    def consumed(self, tail: int) -> None:
-        self.tail = tail
-        self._words[_TAIL] = tail
+    def consumed(self, n: int) -> None:
+        self.tail += n
+        self._words[_TAIL] = self.tail
 
     def sleeping(self, flag: bool) -> None:
         self._words[_SLEEPING] = 1 if flag else 0

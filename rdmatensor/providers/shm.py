@@ -125,10 +125,10 @@ class ShmChannel(StreamChannel):
             raise PeerLost(f"the shm channel to peer {self.peer} is "
                            f"{'not connected' if ring is None else 'closed'}", peer=self.peer)
         with self._send_lock:
-            if not ring.push(region, key, imm, offset, length):
-                self._push_when_room(ring, (region, key, imm, offset, length))
-        full_fence()                     # the head store before the look at `sleeping` (ring.py)
-        if ring.consumer_sleeping():
+            sleeping = ring.push(region, key, imm, offset, length)
+            if sleeping is None:
+                sleeping = self._push_when_room(ring, (region, key, imm, offset, length))
+        if sleeping:
             try:
                 self._sock.send(b"\1", socket.MSG_DONTWAIT)
             except BlockingIOError:
@@ -136,11 +136,11 @@ class ShmChannel(StreamChannel):
             except OSError as exc:
                 raise PeerLost(f"peer {self.peer}'s doorbell failed: {exc}", peer=self.peer) from exc
 
-    def _push_when_room(self, ring: CompletionRing, entry: tuple) -> None:
+    def _push_when_room(self, ring: CompletionRing, entry: tuple) -> int:
         """The peer's ring is full: wait while it takes in, taking in this
         side's own completions meanwhile (the peer may wait for one of them)."""
         deadline = time.monotonic() + RING_FULL_TIMEOUT
-        while not ring.push(*entry):
+        while (sleeping := ring.push(*entry)) is None:
             if self._lost or self._closing:
                 raise PeerLost(f"the shm channel to peer {self.peer} closed while its ring was full",
                                peer=self.peer)
@@ -149,6 +149,7 @@ class ShmChannel(StreamChannel):
                                      peer=self.peer)
             self.progress()
             time.sleep(0.0001)
+        return sleeping
 
     # -- the receiver -----------------------------------------------------
     def wait_for(self, event, timeout: float) -> bool:
@@ -156,7 +157,7 @@ class ShmChannel(StreamChannel):
         set: polling the ring first, then sleeping on the doorbell. Another
         thread taking them in already means just waiting for it."""
         deadline = time.monotonic() + timeout
-        while not event.is_set():
+        while True:
             if self._ring_out is None or self._lost or self._closing:
                 return event.is_set()
             if self._read_lock.acquire(blocking=False):
@@ -168,9 +169,10 @@ class ShmChannel(StreamChannel):
                     self._read_lock.release()
             else:
                 event.wait(min(max(0.0, deadline - time.monotonic()), 0.0005))
+            if event.is_set():
+                return True
             if time.monotonic() >= deadline:
-                return event.is_set()
-        return True
+                return False
 
     def progress(self, block_for: float = 0.0) -> bool:
         """Take in every completion waiting in the ring, first waiting up to
@@ -211,19 +213,17 @@ class ShmChannel(StreamChannel):
     def _drain(self) -> int:
         """Take in every completion in the ring: each checked like a NIC, then reported."""
         ring = self._ring_in
-        n = ring.available(self.peer)
-        if n:
-            tail = ring.tail
-            entry, on_imm = ring.entry, self.on_imm
-            for index in range(tail, tail + n):
-                magic, region, key, imm, offset, length = entry(index)
+        entries = ring.waiting(self.peer)
+        if entries:
+            on_imm = self.on_imm
+            for magic, region, key, imm, offset, length in entries:
                 if length or magic != WRITE_MAGIC:
                     self.land(magic, region, key, offset, length)
                 on_imm(imm)
                 if self._lost:
                     break
-            ring.consumed(tail + n)
-        return n
+            ring.consumed(len(entries))
+        return len(entries)
 
     def _sleep(self, remaining: float) -> None:
         """Sleep on the doorbell, once the ring says so and is still empty."""
@@ -231,7 +231,7 @@ class ShmChannel(StreamChannel):
         ring.sleeping(True)
         try:
             full_fence()                 # `sleeping` stored before the last look at head (ring.py)
-            if ring.available(self.peer):
+            if ring.waiting(self.peer):
                 return
             for _, events in self._doorbell.poll(math.ceil(min(remaining, SLEEP_SLICE) * 1000)):
                 if events & select.POLLIN:

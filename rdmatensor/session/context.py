@@ -13,12 +13,12 @@ from ..plan import Plan, TensorSpec
 from ..errors import UnknownTensor
 from ..providers.base import Channel
 
-COUNTERS = ("bytes_sent", "bytes_received", "writes", "recvs", "copies", "dynamic", "fallbacks", "grows",
-            "waits", "corrupt")
+COUNTERS = ("copies", "dynamic", "fallbacks", "grows", "waits", "corrupt")
 
 
 class Counters:
-    """The numbers stats() reports, safe to bump from any thread."""
+    """The numbers stats() reports, safe to bump from any thread (writes,
+    receives and their bytes are counted by each slot: Credits.traffic())."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -30,17 +30,6 @@ class Counters:
                 self._values[n] += 1
             for n, v in amounts.items():
                 self._values[n] += v
-
-    def wrote(self, nbytes: int) -> None:
-        """One write of `nbytes` (the hot path's own, without add()'s loops)."""
-        with self._lock:
-            self._values["writes"] += 1
-            self._values["bytes_sent"] += nbytes
-
-    def received(self, nbytes: int) -> None:
-        with self._lock:
-            self._values["recvs"] += 1
-            self._values["bytes_received"] += nbytes
 
     def snapshot(self) -> dict:
         with self._lock:

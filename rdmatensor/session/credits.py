@@ -17,7 +17,7 @@ import numpy as np
 from ..errors import CreditViolation, RdmaTensorError, RemoteError, SendTimeout
 from ..memory import Arena
 from ..plan import Slot
-from ..providers.base import IMM_CREDIT, IMM_DATA, make_imm, split_imm
+from ..providers.base import IMM_CREDIT, IMM_DATA, MAX_SLOTS, make_imm
 from .context import SessionContext
 from .flag import Flag
 from .liveness import Liveness
@@ -29,7 +29,7 @@ class SendSlot:
     """The sender's end of a slot: its credit, where its bytes go, its staging memory."""
 
     def __init__(self, slot: Slot, peer: int, staging: np.ndarray):
-        self.slot, self.peer, self.spec = slot, peer, slot.spec
+        self.slot, self.peer, self.spec, self.name = slot, peer, slot.spec, slot.spec.name
         self.credit = Flag(True)              # set: this side may write the slot
         self.region, self.offset, self.capacity = slot.arena, slot.offset, slot.size
         self.staging: np.ndarray | None = staging
@@ -37,11 +37,8 @@ class SendSlot:
         self.staging_bytes: np.ndarray | None = None     # what one write of `view` sends
         self.raw = False                      # `view` goes as it is: no header, no checksum
         self.pending = None                   # the last posted write's handle, while it may read staging
+        self.writes = self.bytes_sent = 0
         self.imm = make_imm(IMM_DATA, slot.index)
-
-    @property
-    def name(self) -> str:
-        return self.slot.spec.name
 
 
 class RecvSlot:
@@ -59,19 +56,16 @@ class RecvSlot:
     EMPTY, FULL, HELD = "empty", "full", "held"
 
     def __init__(self, slot: Slot, peer: int, memory: np.ndarray):
-        self.slot, self.peer, self.spec = slot, peer, slot.spec
+        self.slot, self.peer, self.spec, self.name = slot, peer, slot.spec, slot.spec.name
         self.memory: np.ndarray | None = memory     # this slot's bytes in the receive arena
         self.view: np.ndarray | None = None          # the read-only tensor in memory, where it never moves
         self.grown: tuple[int, Arena] | None = None  # (region id, arena) once grown
         self.state = self.EMPTY
         self.arrived = Flag()                        # set while FULL, or for good once woken
         self.credit_imm = make_imm(IMM_CREDIT, slot.index)
+        self.recvs = self.bytes_received = 0
         self._woken = False
         self._lock = threading.Lock()
-
-    @property
-    def name(self) -> str:
-        return self.slot.spec.name
 
     def arrive(self) -> None:
         with self._lock:
@@ -126,6 +120,13 @@ class Credits:
         self.send.update((st.name, st) for st in sending)
         self.recv.update((st.name, st) for st in receiving)
 
+    def traffic(self) -> dict:
+        """Writes and receives, and their bytes, summed over the slots that count them."""
+        return {"writes": sum(st.writes for st in self.send.values()),
+                "bytes_sent": sum(st.bytes_sent for st in self.send.values()),
+                "recvs": sum(st.recvs for st in self.recv.values()),
+                "bytes_received": sum(st.bytes_received for st in self.recv.values())}
+
     def recv_slot(self, peer: int, index: int) -> RecvSlot | None:
         states = self._recv_by_index.get(peer, [])
         return states[index] if 0 <= index < len(states) else None
@@ -133,7 +134,7 @@ class Credits:
     # -- immediates -------------------------------------------------------
     def on_imm(self, peer: int, imm: int) -> None:
         """An immediate from `peer`: DATA hands a slot to this side, CREDIT gives one back."""
-        kind, index = split_imm(imm)
+        kind, index = imm >> 30, imm & (MAX_SLOTS - 1)      # split_imm(), inline: once per tensor
         try:
             slots = (self._recv_by_index if kind == IMM_DATA else self._send_by_index).get(peer, ())
             if kind > IMM_CREDIT or index >= len(slots):

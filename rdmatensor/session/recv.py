@@ -49,15 +49,17 @@ class Receiver:
 
     def recv(self, name: str, timeout: float | None = None) -> Received:
         ctx = self.ctx
-        self.live.check()
         st = self.credits.recv.get(name)
         if st is None:
+            self.live.check()
             spec = ctx.spec(name)
             raise UnknownTensor(f"rank {ctx.rank} does not receive {name!r} (rank {spec.dst} does)", tensor=name)
         if st.state == st.HELD:
+            self.live.check()
             raise UsageError(f"{name!r} is still held: release the previous view first", tensor=name)
-        if st.state != st.FULL:
-            self.live.check(st.peer)     # lost while a previous value was held: nothing more will come
+        # The session's error; and the peer's unless a value is there (lost while a
+        # previous value was held: nothing more will come; else it is delivered).
+        self.live.check(st.peer if st.state != st.FULL else None)
         timeout = ctx.timeout if timeout is None else timeout
         if not (st.arrived.is_set() or ctx.channels[st.peer].wait_for(st.arrived, timeout)):
             self.live.check(st.peer)
@@ -78,5 +80,6 @@ class Receiver:
             array.flags.writeable = False
             if wire.is_raw(st.spec, ctx.plan):
                 st.view = array          # the bytes alone, always in the same place: one view will do
-        ctx.counters.received(array.nbytes)
+        st.recvs += 1                    # per slot: only the thread that took the value counts it
+        st.bytes_received += array.nbytes
         return Received(self.credits, st, array)

@@ -69,13 +69,18 @@ class Sender:
         if st is None or not isinstance(array, np.ndarray) or not st.spec.matches(array):
             self._refuse(name, array)
         self.credits.take(st, timeout)
+        # Counted per slot while this thread holds its credit (no other can),
+        # and before the write, after which the credit may come back at once.
+        st.writes += 1
+        st.bytes_sent += array.nbytes
         try:
             if array is st.view and st.raw:      # the common case, kept short: filled in place, no header
                 st.pending = self.ctx.channels[st.peer].write(st.region, st.offset, st.staging_bytes, st.imm)
-                self.ctx.counters.wrote(st.staging_bytes.nbytes)
             else:
                 self._write(st, st.spec, array)
         except BaseException:
+            st.writes -= 1
+            st.bytes_sent -= array.nbytes
             self.credits.keep(st)
             raise
 
@@ -107,7 +112,6 @@ class Sender:
             st.pending = ch.write(st.region, st.offset, st.staging[:need], imm)
             if not spec.is_static:
                 ctx.counters.add("dynamic", "fallbacks")
-        ctx.counters.wrote(array.nbytes)
 
     def _source(self, st: SendSlot, array: np.ndarray) -> np.ndarray:
         """Where a static tensor's write reads from, copying into staging only if it must."""
