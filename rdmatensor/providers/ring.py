@@ -26,9 +26,11 @@ tail and the capacity on every read, and the consumer keeps its own tail.
 """
 from __future__ import annotations
 
+import itertools
 import platform
 import struct
 import threading
+from typing import Iterator
 
 from ..errors import ForeignSegment, RefusedWrite
 from ..memory import Arena, MappedArena
@@ -117,26 +119,33 @@ class CompletionRing:
         ENTRY.pack_into(self._bytes, HEADER_BYTES + (head & self._mask) * ENTRY.size,
                         WRITE_MAGIC, region, key, imm, offset, length)
         self._words[_HEAD] = self.head = head + 1
-        full_fence()             # head stored before `sleeping` is read (see above)
+        _FENCE.acquire()         # full_fence(), inline: head stored before `sleeping` is read
+        _FENCE.release()
         return self._words[_SLEEPING]
 
     def consumer_sleeping(self) -> bool:
         return self._words[_SLEEPING] != 0
 
     # -- the consumer -----------------------------------------------------
-    def waiting(self, peer: int) -> list[tuple]:
-        """The entries waiting, copied out of shared memory before anyone
-        checks them (consumed() once they are taken in). A head that went
-        backwards or past the capacity is the producer's fault."""
+    def waiting(self, peer: int) -> tuple[int, Iterator[tuple]]:
+        """How many entries wait, and an iterator that copies each out of
+        shared memory before anyone checks it (consumed() once they are taken
+        in). A head that went backwards or past the capacity is the
+        producer's fault."""
         tail = self.tail
         n = self._words[_HEAD] - tail
         if not n:
-            return []
+            return 0, iter(())
         if not 0 < n <= self.entries:
             raise RefusedWrite(f"peer {peer} moved its completion ring's head to {self._words[_HEAD]} "
                                f"(consumed {tail}, {self.entries} entries)", peer=peer)
-        unpack, buf, mask = ENTRY.unpack_from, self._bytes, self._mask
-        return [unpack(buf, HEADER_BYTES + (i & mask) * ENTRY.size) for i in range(tail, tail + n)]
+        first = tail & self._mask
+        start = HEADER_BYTES + first * ENTRY.size
+        if first + n <= self.entries:
+            return n, ENTRY.iter_unpack(self._bytes[start:start + n * ENTRY.size])
+        wrapped = first + n - self.entries
+        return n, itertools.chain(ENTRY.iter_unpack(self._bytes[start:HEADER_BYTES + self.entries * ENTRY.size]),
+                                  ENTRY.iter_unpack(self._bytes[HEADER_BYTES:HEADER_BYTES + wrapped * ENTRY.size]))
 
     def consumed(self, n: int) -> None:
         self.tail += n

@@ -213,8 +213,8 @@ class ShmChannel(StreamChannel):
     def _drain(self) -> int:
         """Take in every completion in the ring: each checked like a NIC, then reported."""
         ring = self._ring_in
-        entries = ring.waiting(self.peer)
-        if entries:
+        n, entries = ring.waiting(self.peer)
+        if n:
             on_imm = self.on_imm
             for magic, region, key, imm, offset, length in entries:
                 if length or magic != WRITE_MAGIC:
@@ -222,8 +222,8 @@ class ShmChannel(StreamChannel):
                 on_imm(imm)
                 if self._lost:
                     break
-            ring.consumed(len(entries))
-        return len(entries)
+            ring.consumed(n)
+        return n
 
     def _sleep(self, remaining: float) -> None:
         """Sleep on the doorbell, once the ring says so and is still empty."""
@@ -231,7 +231,7 @@ class ShmChannel(StreamChannel):
         ring.sleeping(True)
         try:
             full_fence()                 # `sleeping` stored before the last look at head (ring.py)
-            if ring.waiting(self.peer):
+            if ring.waiting(self.peer)[0]:
                 return
             for _, events in self._doorbell.poll(math.ceil(min(remaining, SLEEP_SLICE) * 1000)):
                 if events & select.POLLIN:
