@@ -9,7 +9,8 @@ header that came over a socket.
     0    magic, number of entries (a power of two)
     64   head: entries ever produced          (the producer's cache line)
     128  tail: entries ever consumed          (the consumer's)
-    192  sleeping: 1 while the consumer may sleep on its doorbell
+    192  sleeping: while the consumer may sleep on its doorbell, the number
+         of that sleep (1, 2, ...); 0 while it is awake
     256  entries, 32 bytes each
 
 Ordering: the producer writes the payload, then the entry, then head; the
@@ -19,7 +20,9 @@ aligned access, so no torn or early value is seen. The one reordering x86
 allows, a load passing an earlier store, matters where the producer checks
 `sleeping` after publishing head and the consumer checks head after setting
 `sleeping`: both sides put a full barrier in between (full_fence()), so at
-least one of them sees the other's store and no wake-up is lost.
+least one of them sees the other's store and no wake-up is lost. Numbering
+the sleeps lets the producer ring once per sleep, not once per entry while
+the consumer wakes up.
 
 The consumer trusts nothing the producer writes: head is checked against
 tail and the capacity on every read, and the consumer keeps its own tail.
@@ -78,6 +81,8 @@ class CompletionRing:
         self._bytes = memoryview(memory.buf)
         self._words = self._bytes[:HEADER_BYTES].cast("Q")
         self.head = 0            # the producer's own count of entries published
+        self.rang = 0            # the producer's: the consumer's sleep it last rang the doorbell for
+        self.sleeps = 0          # the consumer's: how many times it went to sleep
         self.tail = 0            # the consumer's own count (never read back from shared memory)
 
     @property
@@ -112,7 +117,8 @@ class CompletionRing:
     def push(self, region: int, key: int, imm: int, offset: int, length: int) -> int | None:
         """Write the next entry and publish it. None (nothing written) while
         the ring is full (a stale tail only makes it look fuller than it is);
-        else nonzero if the consumer sleeps: ring its doorbell."""
+        else True if the consumer sleeps and nobody rang its doorbell for this
+        sleep yet: ring it (this call counts it as rung)."""
         head = self.head
         if head - self._words[_TAIL] >= self.entries:
             return None
@@ -121,17 +127,21 @@ class CompletionRing:
         self._words[_HEAD] = self.head = head + 1
         _FENCE.acquire()         # full_fence(), inline: head stored before `sleeping` is read
         _FENCE.release()
-        return self._words[_SLEEPING]
+        sleep = self._words[_SLEEPING]
+        if not sleep or sleep == self.rang:
+            return False
+        self.rang = sleep
+        return True
 
     def consumer_sleeping(self) -> bool:
         return self._words[_SLEEPING] != 0
 
     # -- the consumer -----------------------------------------------------
-    def waiting(self, peer: int) -> tuple[int, Iterator[tuple]]:
-        """How many entries wait, and an iterator that copies each out of
-        shared memory before anyone checks it (consumed() once they are taken
-        in). A head that went backwards or past the capacity is the
-        producer's fault."""
+    def waiting(self, peer: int, most: int) -> tuple[int, Iterator[tuple]]:
+        """How many entries wait (up to `most`), and an iterator that copies
+        each out of shared memory before anyone checks it (consumed() once
+        they are taken in). A head that went backwards or past the capacity
+        is the producer's fault."""
         tail = self.tail
         n = self._words[_HEAD] - tail
         if not n:
@@ -139,6 +149,7 @@ class CompletionRing:
         if not 0 < n <= self.entries:
             raise RefusedWrite(f"peer {peer} moved its completion ring's head to {self._words[_HEAD]} "
                                f"(consumed {tail}, {self.entries} entries)", peer=peer)
+        n = min(n, most)
         first = tail & self._mask
         start = HEADER_BYTES + first * ENTRY.size
         if first + n <= self.entries:
@@ -152,7 +163,12 @@ class CompletionRing:
         self._words[_TAIL] = self.tail
 
     def sleeping(self, flag: bool) -> None:
-        self._words[_SLEEPING] = 1 if flag else 0
+        """Say that the consumer goes to sleep (a new sleep's number), or is awake."""
+        if flag:
+            self.sleeps += 1
+            self._words[_SLEEPING] = self.sleeps
+        else:
+            self._words[_SLEEPING] = 0
 
     def close(self) -> None:
         try:

@@ -29,6 +29,9 @@ from .stream import StreamChannel
 SPIN_SECONDS = 50e-6       # a waiter polls its ring this long before it sleeps
 SLEEP_SLICE = 0.05         # the longest sleep before a waiter looks at its own side again
 RING_FULL_TIMEOUT = 60.0   # a peer that takes in nothing this long is broken (credits keep a ring from filling)
+# Completions taken in at a time: a sender that finds a whole step's credits
+# waiting takes in one batch, writes, and so on, while its peer already reads.
+DRAIN_BATCH = 64
 _HANG_UP = select.POLLHUP | select.POLLRDHUP | select.POLLERR | select.POLLNVAL
 
 
@@ -125,10 +128,10 @@ class ShmChannel(StreamChannel):
             raise PeerLost(f"the shm channel to peer {self.peer} is "
                            f"{'not connected' if ring is None else 'closed'}", peer=self.peer)
         with self._send_lock:
-            sleeping = ring.push(region, key, imm, offset, length)
-            if sleeping is None:
-                sleeping = self._push_when_room(ring, (region, key, imm, offset, length))
-        if sleeping:
+            ring_bell = ring.push(region, key, imm, offset, length)
+            if ring_bell is None:
+                ring_bell = self._push_when_room(ring, (region, key, imm, offset, length))
+        if ring_bell:
             try:
                 self._sock.send(b"\1", socket.MSG_DONTWAIT)
             except BlockingIOError:
@@ -136,11 +139,11 @@ class ShmChannel(StreamChannel):
             except OSError as exc:
                 raise PeerLost(f"peer {self.peer}'s doorbell failed: {exc}", peer=self.peer) from exc
 
-    def _push_when_room(self, ring: CompletionRing, entry: tuple) -> int:
+    def _push_when_room(self, ring: CompletionRing, entry: tuple) -> bool:
         """The peer's ring is full: wait while it takes in, taking in this
         side's own completions meanwhile (the peer may wait for one of them)."""
         deadline = time.monotonic() + RING_FULL_TIMEOUT
-        while (sleeping := ring.push(*entry)) is None:
+        while (ring_bell := ring.push(*entry)) is None:
             if self._lost or self._closing:
                 raise PeerLost(f"the shm channel to peer {self.peer} closed while its ring was full",
                                peer=self.peer)
@@ -149,7 +152,7 @@ class ShmChannel(StreamChannel):
                                      peer=self.peer)
             self.progress()
             time.sleep(0.0001)
-        return sleeping
+        return ring_bell
 
     # -- the receiver -----------------------------------------------------
     def wait_for(self, event, timeout: float) -> bool:
@@ -175,16 +178,17 @@ class ShmChannel(StreamChannel):
                 return False
 
     def progress(self, block_for: float = 0.0) -> bool:
-        """Take in every completion waiting in the ring, first waiting up to
+        """Take in the completions waiting in the ring (a batch of them: a
+        sender finds its credit in the first), first waiting up to
         `block_for` seconds for one to arrive."""
         if self._ring_out is None or self._lost or self._closing:
             return False
         if not self._read_lock.acquire(blocking=False):
             return False
         try:
-            if block_for <= 0:
-                return self._drain() > 0
-            return self._consume(None, time.monotonic() + block_for) > 0
+            if block_for > 0:
+                return self._consume(None, time.monotonic() + block_for) > 0
+            return self._drain() > 0
         except Exception as exc:  # noqa: BLE001 - typed and reported there
             self._read_failed(exc)
             return False
@@ -213,12 +217,14 @@ class ShmChannel(StreamChannel):
     def _drain(self) -> int:
         """Take in every completion in the ring: each checked like a NIC, then reported."""
         ring = self._ring_in
-        n, entries = ring.waiting(self.peer)
+        n, entries = ring.waiting(self.peer, DRAIN_BATCH)
         if n:
             on_imm = self.on_imm
             for magic, region, key, imm, offset, length in entries:
-                if length or magic != WRITE_MAGIC:
-                    self.land(magic, region, key, offset, length)
+                if magic != WRITE_MAGIC:
+                    self.land(magic, region, key, offset, length)      # refuses it
+                if length:
+                    self.check_local(region, key, offset, length)     # land()'s other check, inline
                 on_imm(imm)
                 if self._lost:
                     break
@@ -231,7 +237,7 @@ class ShmChannel(StreamChannel):
         ring.sleeping(True)
         try:
             full_fence()                 # `sleeping` stored before the last look at head (ring.py)
-            if ring.waiting(self.peer)[0]:
+            if ring.waiting(self.peer, 1)[0]:
                 return
             for _, events in self._doorbell.poll(math.ceil(min(remaining, SLEEP_SLICE) * 1000)):
                 if events & select.POLLIN:

@@ -151,10 +151,10 @@ class Credits:
         """Take the slot's credit, waiting while the receiver holds the previous value."""
         if not st.credit.is_set():
             channel = self.ctx.channels[st.peer]
-            if not (channel.progress() and st.credit.is_set()):    # a credit already in, not taken in yet
+            if not (channel.progress() and st.credit.is_set()):    # a credit already in, not taken in yet?
                 self.ctx.counters.add("waits")
                 timeout = self.ctx.timeout if timeout is None else timeout
-                if not self.ctx.wait(st.credit, st.peer, timeout):
+                if not channel.wait_for(st.credit, timeout):
                     raise SendTimeout(f"{st.name!r}: rank {st.peer} held the previous value "
                                       f"for more than {timeout:.1f} s", peer=st.peer, tensor=st.name)
         self.live.check(st.peer)         # the session's error or the peer's (a loss also sets credits)
@@ -169,7 +169,7 @@ class Credits:
     def give_back(self, st: RecvSlot) -> None:
         """The user released the slot: return its credit to the sender."""
         st.release()
-        if self.ctx.closed or self.live.is_lost(st.peer):
+        if self.ctx.closed or st.peer in self.live.peer_errors:     # (live.is_lost(), inline)
             return
         try:
             self.ctx.channels[st.peer].notify(st.credit_imm)

@@ -60,11 +60,12 @@ class Receiver:
         # The session's error; and the peer's unless a value is there (lost while a
         # previous value was held: nothing more will come; else it is delivered).
         self.live.check(st.peer if st.state != st.FULL else None)
-        timeout = ctx.timeout if timeout is None else timeout
-        if not (st.arrived.is_set() or ctx.channels[st.peer].wait_for(st.arrived, timeout)):
-            self.live.check(st.peer)
-            raise RecvTimeout(f"{name!r} from rank {st.peer} did not arrive within {timeout:.1f} s",
-                              peer=st.peer, tensor=name)
+        if not st.arrived.is_set():
+            timeout = ctx.timeout if timeout is None else timeout
+            if not ctx.channels[st.peer].wait_for(st.arrived, timeout):
+                self.live.check(st.peer)
+                raise RecvTimeout(f"{name!r} from rank {st.peer} did not arrive within {timeout:.1f} s",
+                                  peer=st.peer, tensor=name)
         if not st.take():                # woken by a failure, not by data
             self.live.check()
             self.live.check(st.peer)
