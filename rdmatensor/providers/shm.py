@@ -252,7 +252,8 @@ class ShmChannel(StreamChannel):
 
     def _hang_up(self) -> None:
         """The peer's end closed: what it completed before is still delivered."""
-        self._drain()
+        while self._drain() and not self._lost:
+            pass
         raise PeerLost(f"peer {self.peer} closed the connection", peer=self.peer)
 
     def _background(self) -> None:

@@ -232,10 +232,10 @@ class TcpChannel(StreamChannel):
         watch.register(self._sock, events)
         while not self._closing and not self._lost:
             parked = self._read_lock.locked() or time.monotonic() - self._last_inline < PARK_SECONDS
-            if (hang_up if parked else readable) != events:
-                events = hang_up if parked else readable
-                watch.modify(self._sock, events)
             try:
+                if (hang_up if parked else readable) != events:
+                    events = hang_up if parked else readable
+                    watch.modify(self._sock, events)
                 ready = watch.poll(PARK_SECONDS * 1000 if parked else 200)
             except (OSError, ValueError):
                 break

@@ -17,7 +17,7 @@ class Received:
 
     Use as a context manager (`with session.recv(name) as array:`); leaving
     the block (or `release()`) hands the slot back to the sender."""
-    __slots__ = ("_credits", "_state", "array", "name")
+    __slots__ = ("_credits", "_state", "array", "name", "__weakref__")
 
     def __init__(self, credits: Credits, state: RecvSlot, array: np.ndarray):
         self._credits, self._state, self.array = credits, state, array

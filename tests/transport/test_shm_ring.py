@@ -173,3 +173,22 @@ def test_a_peer_killed_while_the_receiver_sleeps_is_reported_at_once():
     detected = out["at"] - t0
     print(f"peer killed while rank 0 slept: PeerLost after {detected * 1e3:.1f} ms")
     assert detected < 0.5
+
+
+def test_everything_completed_before_the_peer_hangs_up_is_delivered_first():
+    """More completions than one batch wait in the ring when the writer's end
+    closes: the receiver takes in every one, in order, and only then reports
+    the loss."""
+    n = 3 * shm.DRAIN_BATCH + 5
+    pair = Pair(max_incoming=n)
+    try:
+        for i in range(n):
+            pair.a.notify(i)
+        pair.a.close()
+        deadline = time.monotonic() + 5
+        while not pair.lost[1] and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert pair.got[1] == list(range(n))
+        assert len(pair.lost[1]) == 1 and isinstance(pair.lost[1][0], PeerLost)
+    finally:
+        pair.close()
