@@ -15,8 +15,10 @@ header that came over a socket.
 
 Ordering: the producer writes the payload, then the entry, then head; the
 consumer reads head, then the entry, then stores tail. x86-64 keeps stores
-in order and loads in order (total store order), and each of these is one
-aligned access, so no torn or early value is seen. The one reordering x86
+in order and loads in order (total store order; the payload's memcpy fences
+the non-temporal stores it uses for large copies), and head, tail and
+`sleeping` are each one aligned 8-byte access, so no torn or early value is
+seen. The one reordering x86
 allows, a load passing an earlier store, matters where the producer checks
 `sleeping` after publishing head and the consumer checks head after setting
 `sleeping`: both sides put a full barrier in between (full_fence()), so at
