@@ -155,46 +155,6 @@ class ShmChannel(StreamChannel):
         return ring_bell
 
     # -- the receiver -----------------------------------------------------
-    def wait_for(self, event, timeout: float) -> bool:
-        """Take in completions on the waiting thread itself until `event` is
-        set: polling the ring first, then sleeping on the doorbell. Another
-        thread taking them in already means just waiting for it."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if self._ring_out is None or self._lost or self._closing:
-                return event.is_set()
-            if self._read_lock.acquire(blocking=False):
-                try:
-                    self._consume(event, deadline)
-                except Exception as exc:  # noqa: BLE001 - typed and reported there
-                    self._read_failed(exc)
-                finally:
-                    self._read_lock.release()
-            else:
-                event.wait(min(max(0.0, deadline - time.monotonic()), 0.0005))
-            if event.is_set():
-                return True
-            if time.monotonic() >= deadline:
-                return False
-
-    def progress(self, block_for: float = 0.0) -> bool:
-        """Take in the completions waiting in the ring (a batch of them: a
-        sender finds its credit in the first), first waiting up to
-        `block_for` seconds for one to arrive."""
-        if self._ring_out is None or self._lost or self._closing:
-            return False
-        if not self._read_lock.acquire(blocking=False):
-            return False
-        try:
-            if block_for > 0:
-                return self._consume(None, time.monotonic() + block_for) > 0
-            return self._drain() > 0
-        except Exception as exc:  # noqa: BLE001 - typed and reported there
-            self._read_failed(exc)
-            return False
-        finally:
-            self._read_lock.release()
-
     def _consume(self, event, deadline: float) -> int:
         """Under _read_lock: take in completions until `event` is set (None:
         until there were any) or the deadline; how many were taken in."""

@@ -38,6 +38,7 @@ class StreamChannel(Channel):
         self._reader: threading.Thread | None = None
         self._closing = False
         self._read_lock = threading.Lock()     # one thread takes in what arrives at a time
+        self._last_inline = 0.0                # when a thread other than the channel's own last took writes in
 
     # -- what each stream transport provides -----------------------------
     @abstractmethod
@@ -171,6 +172,52 @@ class StreamChannel(Channel):
             for sock in list(pending):
                 drop(sock)
             sel.close()
+
+    @abstractmethod
+    def _consume(self, event, deadline: float) -> int:
+        """Under _read_lock: take in writes until `event` is set (None: until
+        there were any) or the deadline, polling first, then sleeping; how
+        many were taken in."""
+
+    def wait_for(self, event, timeout: float) -> bool:
+        """Take in writes on the waiting thread itself until `event` is set: no
+        hand-off from another thread on the fast path. Another thread taking
+        them in already means just waiting for it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._reader is None or self._lost or self._closing:
+                return event.is_set()
+            if self._read_lock.acquire(blocking=False):
+                try:
+                    self._consume(event, deadline)
+                except Exception as exc:  # noqa: BLE001 - typed and reported there
+                    self._read_failed(exc)
+                finally:
+                    self._last_inline = time.monotonic()
+                    self._read_lock.release()
+            else:
+                event.wait(min(max(0.0, deadline - time.monotonic()), 0.0005))
+            if event.is_set():
+                return True
+            if time.monotonic() >= deadline:
+                return False
+
+    def progress(self, block_for: float = 0.0) -> bool:
+        """Take in writes that arrived (shm: a batch of them), on the calling
+        thread, first waiting up to `block_for` seconds for one."""
+        if self._reader is None or self._closing or self._lost:
+            return False
+        if not self._read_lock.acquire(blocking=False):
+            return False
+        try:
+            return self._consume(None, time.monotonic() + block_for) > 0
+        except Exception as exc:  # noqa: BLE001 - typed and reported there
+            self._read_failed(exc)
+            return False
+        finally:
+            if threading.current_thread() is not self._reader:
+                self._last_inline = time.monotonic()
+            self._read_lock.release()
 
     def land(self, magic: int, region: int, key: int, offset: int, length: int):
         """Check a write header as a NIC checks an rkey: the arena the payload

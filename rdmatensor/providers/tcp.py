@@ -13,7 +13,6 @@ import math
 import os
 import select
 import socket
-import threading
 import time
 
 import numpy as np
@@ -54,7 +53,6 @@ class TcpChannel(StreamChannel):
         self._rx = bytearray(RECEIVE_BUFFER)
         self._rx_view = memoryview(self._rx)
         self._rx_start = self._rx_end = 0        # what the buffer holds, not taken in yet
-        self._last_inline = 0.0                  # when a waiting thread last took writes in
 
     def _listen(self) -> socket.socket:
         sock = socket.create_server((self.host, 0))
@@ -117,45 +115,6 @@ class TcpChannel(StreamChannel):
             raise PeerLost(f"sending to peer {self.peer} failed: {exc}") from exc
 
     # -- the receiver -----------------------------------------------------
-    def wait_for(self, event, timeout: float) -> bool:
-        """Take in writes on the waiting thread itself until `event` is set:
-        polling the socket without blocking first, then sleeping on it. Another
-        thread taking them in already means just waiting for it."""
-        deadline = time.monotonic() + timeout
-        while not event.is_set():
-            if self._sock is None or self._lost or self._closing:
-                return event.is_set()
-            if self._read_lock.acquire(blocking=False):
-                try:
-                    self._consume(event, deadline)
-                except Exception as exc:  # noqa: BLE001 - typed and reported there
-                    self._read_failed(exc)
-                finally:
-                    self._last_inline = time.monotonic()
-                    self._read_lock.release()
-            else:
-                event.wait(min(max(0.0, deadline - time.monotonic()), 0.0005))
-            if time.monotonic() >= deadline:
-                return event.is_set()
-        return True
-
-    def progress(self, block_for: float = 0.0) -> bool:
-        """Take in every write waiting on the socket, on the calling thread,
-        first waiting up to `block_for` seconds for one to arrive."""
-        if self._sock is None or self._closing or self._lost:
-            return False
-        if not self._read_lock.acquire(blocking=False):
-            return False
-        try:
-            return self._consume(None, time.monotonic() + block_for) > 0
-        except Exception as exc:  # noqa: BLE001 - typed and reported there
-            self._read_failed(exc)
-            return False
-        finally:
-            if threading.current_thread() is not self._reader:
-                self._last_inline = time.monotonic()
-            self._read_lock.release()
-
     def _consume(self, event, deadline: float) -> int:
         """Under _read_lock: take in writes until `event` is set (None: until
         there were any) or the deadline; how many were taken in."""
