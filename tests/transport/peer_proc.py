@@ -3,7 +3,8 @@
     python -m tests.transport.peer_proc ROLE PROVIDER PORT0 PORT1
 
 ROLE: `holder` receives "x" and holds the view forever; `streamer` sends
-"big" again and again, each value filled with its step number.
+"big" again and again, each value filled with its step number; `idle`
+connects and then does nothing.
 """
 import sys
 import time
@@ -31,6 +32,8 @@ def main():
             print("holding", flush=True)
             time.sleep(3600)
             held.release()
+        elif role == "idle":
+            time.sleep(3600)
         else:
             buf = s.buffer("big")
             step = 0
