@@ -31,53 +31,73 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from . import ingest
+from . import ingest, overlap
 from .analyzer import Analysis, bcast_name, ring_bounds, ring_chunk, ring_name, var_key
+from .background import CommThread
 from .meter import Meter
+from .timeline import Timeline
 
 
 class RingAllReduce:
-    def __init__(self, session, analysis: Analysis, meter: Meter | None = None):
-        self.session, self.analysis = session, analysis
+    def __init__(self, session, analysis: Analysis, meter: Meter | None = None, average: bool = True):
+        self.session, self.analysis, self.average = session, analysis, average
         self.meter = meter or Meter()
         self.rank, self.size = session.rank, analysis.workers
         self.index = {v.key: i for i, v in enumerate(analysis.variables)}
         self.shapes = {v.key: v.shape for v in analysis.variables}
         self._fused = {}        # a fused bucket's input buffer: reused every step, padding stays zero
+        self._outputs = {}      # a bucket's output buffers, reused once TensorFlow let go of them
         for b in analysis.buckets:
             if len(b.members) > 1:
                 self._fused[b.key] = ingest.aligned_empty((b.size,), b.dtype)
                 self._fused[b.key][...] = 0
+            self._outputs[b.key] = ingest.Reused(b.size, b.dtype, self.meter.tally)
+        self._comm = None       # the communication thread of the in-graph ring (RingGradientTape)
 
     # ------------------------------------------------------------- all-reduce
     def allreduce_arrays(self, keys, arrays, average: bool = True) -> list[np.ndarray]:
         """Average (or with average=False, sum) numpy gradients over the workers
-        (`keys` name them as in the plan).
+        (`keys` name them as in the plan), every bucket at once on this thread.
 
         A fused bucket costs one copy per member into its buffer; its output
         members are 64-byte aligned views, fit for TensorFlow with no copy.
         Every ring step writes the chunks of all buckets before waiting for
         any: 2(N-1) round trips per step, however many buckets there are."""
         by_key = {k: np.ascontiguousarray(a) for k, a in zip(keys, arrays, strict=False)}
-        flats = []
-        for b in self.analysis.buckets:
-            buf = self._fused.get(b.key)
-            if buf is None:
-                flats.append(by_key[b.members[0][0]].reshape(-1))
-                continue
-            for key, offset, n in b.members:
-                np.copyto(buf[offset:offset + n], by_key[key].reshape(-1))
-            self.meter.tally["fused"] += len(b.members)
-            flats.append(buf)
+        buckets = self.analysis.buckets
+        flats = [self._flat(b, [by_key[key] for key, _, _ in b.members]) for b in buckets]
         with self.meter.comm():
-            outs = self._ring([b.key for b in self.analysis.buckets], flats, average)
+            outs = self._ring([b.key for b in buckets], flats, [self._outputs[b.key].lease() for b in buckets],
+                              average)
         result = {}
-        for b, out in zip(self.analysis.buckets, outs, strict=False):
-            for key, offset, n in b.members:
-                result[key] = out[offset:offset + n].reshape(self.shapes[key])
+        for b, out in zip(buckets, outs, strict=True):
+            result.update(zip((key for key, _, _ in b.members), self._members(b, out), strict=True))
         return [result[k] if k in result else np.zeros_like(by_key[k]) for k in keys]
 
-    def _ring(self, keys: list, flats: list, average: bool = True) -> list[np.ndarray]:
+    def reduce_bucket(self, j: int, arrays: list) -> list[np.ndarray]:
+        """Bucket j's ring alone (its members' arrays in order), averaged unless the
+        ring was made with average=False: what the communication thread runs.
+        Returns the members' results."""
+        b = self.analysis.buckets[j]
+        flat = self._flat(b, [np.ascontiguousarray(a) for a in arrays])
+        (out,) = self._ring([b.key], [flat], [self._outputs[b.key].lease()], self.average)
+        return self._members(b, out)
+
+    def _flat(self, bucket, arrays: list) -> np.ndarray:
+        """The bucket as one flat array: the gradient itself, or its members copied into the fused buffer."""
+        buf = self._fused.get(bucket.key)
+        if buf is None:
+            return arrays[0].reshape(-1)
+        for (_, offset, n), a in zip(bucket.members, arrays, strict=True):
+            np.copyto(buf[offset:offset + n], a.reshape(-1))
+        self.meter.tally["fused"] += len(bucket.members)
+        return buf
+
+    def _members(self, bucket, out: np.ndarray) -> list[np.ndarray]:
+        return [out[offset:offset + n].reshape(self.shapes[key]) for key, offset, n in bucket.members]
+
+    def _ring(self, keys: list, flats: list, outs: list, average: bool = True) -> list[np.ndarray]:
+        """Sum or average the flat arrays over the ranks into `outs`."""
         s, n, r = self.session, self.size, self.rank
 
         def finish(summed, out):           # a fully summed chunk into the output
@@ -88,7 +108,6 @@ class RingAllReduce:
             else:                          # integers average by floor division
                 np.floor_divide(summed, n, out=out)
 
-        outs = [ingest.aligned_empty(f.shape, f.dtype) for f in flats]
         live = [i for i, f in enumerate(flats) if f.size]
         if n == 1:
             for f, o in zip(flats, outs, strict=False):
@@ -121,6 +140,26 @@ class RingAllReduce:
                         np.copyto(outgoing[i], chunk)
                         self.meter.tally["forwarded"] += 1
         return outs
+
+    def launch(self, j: int, arrays: list) -> None:
+        """Hand bucket j's gradients to the communication thread (in a graph: see RingGradientTape)."""
+        if self._comm is None:
+            self._comm = CommThread(self.rank, self.session.timeout, self.meter, Timeline.from_env(self.rank))
+        self._comm.launch("gradients", j, arrays, len(self.analysis.buckets), self.reduce_bucket, self.describe)
+
+    def collect(self, j: int) -> list[np.ndarray]:
+        """Bucket j's averaged gradients, once its ring is done."""
+        return self._comm.collect("gradients", j)
+
+    def describe(self, j: int) -> dict:
+        """What bucket j holds, for the time line and errors."""
+        b = self.analysis.buckets[j]
+        return {"bucket_key": b.key, "tensors": len(b.members), "bytes": b.size * b.dtype.itemsize}
+
+    def close(self) -> None:
+        """Stop the communication thread, if one was started (idempotent)."""
+        if self._comm is not None:
+            self._comm.close()
 
     def allreduce(self, grads, variables=None) -> list[tf.Tensor]:
         """Average gradients (tensors, eager) over the workers; `variables` name them
@@ -161,8 +200,9 @@ class RingAllReduce:
 class RingGradientTape:
     """Wraps a tf.GradientTape: gradient() returns gradients averaged over the
     workers of an analyzed ring. Eager: the ring runs right there. Inside
-    tf.function: it runs as a tf.numpy_function (inputs and outputs alias
-    TensorFlow's buffers). For a plan grown from the step instead, see
+    tf.function: one launch op per bucket as soon as its gradients exist, the
+    rings on the communication thread while backprop goes on, one wait op per
+    bucket (tf_plugin.overlap). For a plan grown from the step instead, see
     tf_plugin.horovod.DistributedGradientTape."""
 
     def __init__(self, tape: tf.GradientTape, ring: RingAllReduce):
@@ -177,9 +217,6 @@ class RingGradientTape:
         grads = [tf.convert_to_tensor(g) for g in grads]          # sparse as dense
         if tf.executing_eagerly():
             return ring.allreduce(grads, sources)
-        keys = ring._keys(sources, len(grads))
-        out = tf.numpy_function(lambda *a: ring.allreduce_arrays(keys, a), grads,
-                                [g.dtype for g in grads], stateful=True, name="rdmatensor_allreduce")
-        for o, g in zip(out, grads, strict=False):
-            o.set_shape(g.shape)
-        return out
+        position = {k: p for p, k in enumerate(ring._keys(sources, len(grads)))}
+        members = [[position[key] for key, _, _ in b.members] for b in ring.analysis.buckets]
+        return overlap.bucketed(grads, members, ring.launch, ring.collect, "rdmatensor_allreduce")
