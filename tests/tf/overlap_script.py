@@ -1,0 +1,89 @@
+"""Gradients all-reduced while backprop runs: a small CNN whose backward pass takes
+measurable time, trained with DistributedGradientTape inside tf.function, then
+eagerly. Run as every worker of a job (RDMATENSOR_FUSION_THRESHOLD and
+RDMATENSOR_TIMELINE from the environment); writes what it saw to OUT_DIR.
+
+    python overlap_script.py OUT_DIR [steps]
+"""
+import hashlib
+import json
+import sys
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tf_plugin as hvd
+
+out_dir = sys.argv[1]
+steps = int(sys.argv[2]) if len(sys.argv) > 2 else 6
+EAGER_STEPS = 2
+hvd.init()
+GLOBAL_BATCH = 32
+rng = np.random.default_rng(0)                 # the same data on every rank; each takes its shard
+total = steps + EAGER_STEPS
+images = rng.standard_normal((total * GLOBAL_BATCH, 32, 32, 3)).astype(np.float32)
+labels = rng.integers(0, 10, total * GLOBAL_BATCH).astype(np.int32)
+loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def batch(step, shard=True):
+    lo = step * GLOBAL_BATCH
+    if not shard:
+        return images[lo:lo + GLOBAL_BATCH], labels[lo:lo + GLOBAL_BATCH]
+    lo += hvd.rank() * GLOBAL_BATCH // hvd.size()
+    return images[lo:lo + GLOBAL_BATCH // hvd.size()], labels[lo:lo + GLOBAL_BATCH // hvd.size()]
+
+
+def cnn(seed):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((32, 32, 3)),
+                             keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+                             keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+                             keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+                             keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+                             keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10)])
+
+
+def digest(variables):
+    return hashlib.sha256(b"".join(np.asarray(v).tobytes() for v in variables)).hexdigest()
+
+
+model, reference = cnn(3 + hvd.rank()), cnn(3)       # different starts, fixed by the broadcast
+hvd.broadcast_variables(model.variables, root_rank=0)
+opt, ref_opt = keras.optimizers.SGD(0.05), keras.optimizers.SGD(0.05)
+
+
+def dist_step(x, y):
+    with tf.GradientTape() as tape:
+        loss_value = loss_fn(y, model(x))
+    grads = hvd.DistributedGradientTape(tape).gradient(loss_value, model.trainable_variables)
+    opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+    return loss_value
+
+
+@tf.function
+def local_step(x, y):
+    with tf.GradientTape() as tape:
+        loss_value = loss_fn(y, reference(x))
+    ref_opt.apply_gradients(zip(tape.gradient(loss_value, reference.trainable_variables),
+                                reference.trainable_variables, strict=True))
+
+
+graph_step = tf.function(dist_step)
+calls, buffers = [], []
+for step in range(total):
+    (graph_step if step < steps else dist_step)(*batch(step))      # the last steps run eagerly
+    local_step(*batch(step, shard=False))
+    calls.append(hvd.stats()["control_calls"])
+    buffers.append(hvd.stats()["output_buffers"])
+stats = hvd.stats()
+report = {
+    "rank": hvd.rank(), "calls": calls, "buffers": buffers, "stats": stats,
+    "max_diff": max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                    for a, b in zip(model.trainable_variables, reference.trainable_variables, strict=True)),
+    "same": len(set(hvd.allgather_object(digest(model.trainable_variables)))) == 1,
+}
+hvd.shutdown()                                   # ends the time line's JSON array
+with open(f"{out_dir}/rank{report['rank']}.json", "w") as f:
+    json.dump(report, f)

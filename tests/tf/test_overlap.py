@@ -1,0 +1,57 @@
+"""Gradients are all-reduced while backprop still runs (one launch op per bucket, the
+rings on the communication thread), with the results of a plain all-reduce, over shm.
+What happened when is read from the RDMATENSOR_TIMELINE trace, by order, not by duration."""
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from .processes import run_workers
+
+SCRIPT = Path(__file__).parent / "overlap_script.py"
+STEPS, EAGER_STEPS = 6, 2
+
+
+def rounds_of(trace: list) -> dict:
+    """round -> {"ready": {bucket: ts}, "ring": {bucket: (start, end)}, "wait": {bucket: (start, end)}}"""
+    rounds = defaultdict(lambda: {"ready": {}, "ring": {}, "wait": {}})
+    for e in trace:
+        kind = e["name"].split(" ")[0]
+        if kind in ("ready", "ring", "wait"):
+            at = e["ts"] if kind == "ready" else (e["ts"], e["ts"] + e["dur"])
+            rounds[e["args"]["round"]][kind][e["args"]["bucket"]] = at
+    return dict(rounds)
+
+
+def test_gradients_reduced_while_backprop_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("RDMATENSOR_FUSION_THRESHOLD", str(16 << 10))    # a bucket per conv layer, about
+    monkeypatch.setenv("RDMATENSOR_TIMELINE", str(tmp_path / "timeline-{rank}.json"))
+    run_workers(SCRIPT, 2, "shm", tmp_path, args=(STEPS,))
+    reps = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for rep in reps:
+        # the same variables on both ranks, bit for bit, and those of one process on the global batch
+        assert rep["same"] and rep["max_diff"] < 1e-5
+        # the first step plans the gradients (eager steps reuse the plan): no control call after it
+        assert rep["calls"] == [rep["calls"][0]] * (STEPS + EAGER_STEPS)
+        # output buffers come back once TensorFlow frees the gradients: none allocated after step 2
+        assert rep["buffers"][1:] == [rep["buffers"][1]] * (STEPS + EAGER_STEPS - 1)
+        s = rep["stats"]
+        assert s["allreduces"] == STEPS + EAGER_STEPS and 0 < s["overlap"] <= 1
+        assert 0 < s["overlapped_seconds"] < s["ring_seconds"] <= s["comm_seconds"]
+
+        trace = json.loads((tmp_path / f"timeline-{rep['rank']}.json").read_text())    # valid JSON
+        assert {"TensorFlow", "communication"} <= {e["args"]["name"] for e in trace if e["name"] == "thread_name"}
+        rounds = rounds_of(trace)
+        assert sorted(rounds) == list(range(STEPS + EAGER_STEPS))
+        buckets = sorted(rounds[0]["ready"])
+        assert len(buckets) >= 5
+        assert rep["buffers"][1] <= 2 * len(buckets)
+        for r in rounds.values():
+            assert sorted(r["ready"]) == sorted(r["ring"]) == sorted(r["wait"]) == buckets
+            for j in buckets:
+                assert r["ready"][j] <= r["ring"][j][0]       # a ring starts once its bucket is handed over
+                assert r["wait"][j][1] >= r["ring"][j][1]     # and its result is taken after it ends
+            # one thread, buckets in the plan's order
+            assert all(r["ring"][j][1] <= r["ring"][j + 1][0] for j in buckets[:-1])
+        # inside tf.function, the first bucket's ring is over before backprop hands over the last bucket
+        overlapped = [k for k in range(STEPS) if rounds[k]["ring"][0][1] < max(rounds[k]["ready"].values())]
+        assert len(overlapped) >= STEPS // 2, overlapped
