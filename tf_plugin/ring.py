@@ -8,8 +8,8 @@
 (`import tf_plugin as hvd` is the Horovod API; it runs this ring too, over a
 plan grown from the step, see collectives.py.)
 
-The ring: each bucket (one gradient, or with fusion every gradient of a
-dtype laid end to end, see analyzer.buckets_of) is cut into N chunks
+The ring: each bucket (one gradient, or with fusion gradients of a dtype
+laid end to end up to a threshold, see analyzer.buckets_of) is cut into N chunks
 (analyzer.ring_bounds). Reduce-scatter (N-1 steps): every rank writes one
 chunk into its right neighbour's preallocated slot, which adds it to its own
 copy of that chunk *directly into the registered staging buffer of its next
@@ -18,13 +18,19 @@ All-gather (N-1 steps) passes the summed chunks around. Every chunk of every
 step is its own TensorSpec, so each is one one-sided write, with no control
 message.
 
-Copies: with fusion, each gradient is copied once into the bucket (fewer,
-larger writes: on tcp the per-write cost dominates small models); without,
-chunk 0 leaves from TensorFlow's gradient buffer (verbs: one copy into
+Copies: each gradient in a bucket of several is copied once into it (fewer,
+larger writes: on tcp the per-write cost dominates small models); a gradient
+alone in its bucket leaves from TensorFlow's buffer (verbs: one copy into
 staging). Sums land in staging (no copy); all-gathered chunks are scaled by
 1/N into the output array (the averaging, not a copy) and, when N > 2,
 copied once into staging to be forwarded. The outputs are 64-byte aligned
+buffers reused once TensorFlow freed the previous step's (ingest.Reused),
 and reach TensorFlow with no copy (DLPack, or numpy_function's output).
+
+Eagerly, every bucket's ring advances in lockstep on the calling thread
+(allreduce). Inside tf.function (RingGradientTape) each bucket is handed to
+the communication thread as soon as its gradients exist (tf_plugin.overlap)
+and its ring (reduce_bucket) runs while backprop goes on.
 """
 from __future__ import annotations
 
