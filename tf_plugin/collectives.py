@@ -133,10 +133,12 @@ class Collectives:
     """This rank's view of the growing plan: tensor sets, the current generation's
     session, and allreduce / broadcast / allgather of numpy arrays through it."""
 
-    def __init__(self, bootstrap: Bootstrap, hosts: list[str], provider: str, token: str, timeout: float):
+    def __init__(self, bootstrap: Bootstrap, hosts: list[str], provider: str, token: str, timeout: float,
+                 threshold: int | None = None):
         self.bootstrap, self.hosts = bootstrap, hosts
         self.rank, self.size = bootstrap.rank, bootstrap.size
         self.provider, self.token, self.timeout = provider, token, timeout
+        self.threshold = fusion_threshold(threshold)     # bytes per all-reduce bucket
         self.meter = Meter()
         self.comm = CommThread(self.rank, timeout, self.meter,
                                Timeline.from_env(self.rank) if self.size > 1 else None)
@@ -224,14 +226,12 @@ class Collectives:
         session.close()
 
     # --------------------------------------------------------- collectives
-    def allreduce_group(self, names, shapes, dtypes, average: bool = True, threshold: int | None = None):
+    def allreduce_group(self, names, shapes, dtypes, average: bool = True) -> AllreduceGroup:
         """An all-reduce of tensors whose shapes are known ahead (a graph being
         built): its buckets, for launch() and collect()."""
-        op = allreduce_op(average, fusion_threshold(threshold))
         described = [_Described(tuple(s), np.dtype(d)) for s, d in zip(shapes, dtypes, strict=True)]
-        request = ("allreduce", op, list(names), described)
-        return AllreduceGroup(request, set_key(*request), allreduce_buckets(shapes, dtypes,
-                                                                             int(op.split(":")[1])))
+        request = ("allreduce", allreduce_op(average, self.threshold), list(names), described)
+        return AllreduceGroup(request, set_key(*request), allreduce_buckets(shapes, dtypes, self.threshold))
 
     def launch(self, group: AllreduceGroup, j: int, arrays: list) -> None:
         """Hand bucket j of the group's all-reduce to the communication thread (the

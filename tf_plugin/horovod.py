@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from . import ingest, overlap
-from .analyzer import fusion_threshold, var_key
+from .analyzer import var_key
 from .collectives import allreduce_op
 from .world import Average, ReduceOp, Sum, world
 
@@ -177,7 +177,8 @@ def plan_ahead(model) -> None:
         return [types.SimpleNamespace(shape=tuple(v.shape), dtype=np.dtype(tf.as_dtype(v.dtype).as_numpy_dtype))
                 for v in variables]
     trainable, every = list(model.trainable_variables), list(model.variables)
-    requests = [("allreduce", allreduce_op(True, fusion_threshold()), _names(trainable), described(trainable)),
+    threshold = world().collectives.threshold
+    requests = [("allreduce", allreduce_op(True, threshold), _names(trainable), described(trainable)),
                 ("broadcast", "0", _names(every), described(every))]
     world().collectives.ensure([r for r in requests if r[2]])
 

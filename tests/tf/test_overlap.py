@@ -55,3 +55,23 @@ def test_gradients_reduced_while_backprop_runs(tmp_path, monkeypatch):
         # inside tf.function, the first bucket's ring is over before backprop hands over the last bucket
         overlapped = [k for k in range(STEPS) if rounds[k]["ring"][0][1] < max(rounds[k]["ready"].values())]
         assert len(overlapped) >= STEPS // 2, overlapped
+
+
+def test_fusion_threshold_from_init_or_the_environment(monkeypatch):
+    import pytest
+    from rdmatensor import PlanError
+
+    import tf_plugin as hvd
+    from tf_plugin.world import world
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    monkeypatch.setenv("RDMATENSOR_FUSION_THRESHOLD", "1000")
+    for argument, want in ((None, 1000), (50, 50)):
+        hvd.init(fusion_threshold=argument)
+        try:
+            assert world().collectives.threshold == want
+        finally:
+            hvd.shutdown()
+    monkeypatch.setenv("RDMATENSOR_FUSION_THRESHOLD", "-1")
+    with pytest.raises(PlanError, match="fusion threshold -1"):
+        hvd.init()
+    assert not hvd.is_initialized()
