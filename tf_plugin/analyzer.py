@@ -13,7 +13,7 @@ From them and the cluster roles it lays out
              steps each), plus a one-time broadcast of the variables from
              rank 0. A bucket is one gradient, or with fusion (the default,
              as Horovod's fusion buffer) gradients of a dtype laid end to end
-             up to a threshold of bytes, each at a 64-byte aligned offset, in
+             until a threshold of bytes, each at a 64-byte aligned offset, in
              the order backprop produces them: few writes per step, and a
              bucket's ring can start while backprop still runs;
 - pipeline:  whatever the stages' `ops.send` calls move (analyze_pipeline).
@@ -85,11 +85,13 @@ def fusion_threshold(threshold: int | None = None) -> int:
 def buckets_of(infos, fusion: bool, threshold: int | None = None) -> list["Bucket"]:
     """The all-reduce buckets, in the order backprop produces their gradients:
     the variables taken last to first (the last layer's gradient exists first),
-    gathered per dtype into buckets of at most `threshold` bytes (see
-    fusion_threshold; a larger gradient is a bucket of its own), each member at a
-    64-byte aligned offset. Buckets are ordered by their last member, so bucket k
-    is complete no later than bucket k + 1 in a backward pass. Without fusion (or
-    with threshold 0): one bucket per variable."""
+    gathered per dtype, each member at a 64-byte aligned offset; a bucket is
+    closed as soon as it holds `threshold` bytes (see fusion_threshold), so it
+    exceeds the threshold by less than its last gradient, and a layer's small
+    gradients (bias, normalization) ride with the next large one instead of
+    costing a ring of their own. Buckets are ordered by their last member, so
+    bucket k is complete no later than bucket k + 1 in a backward pass.
+    Without fusion (or with threshold 0): one bucket per variable."""
     threshold = fusion_threshold(threshold) if fusion else 0
     filling: dict = {}            # dtype -> (members so far, aligned elements used)
     closed = []                   # (position of the last member, dtype, members)
@@ -97,13 +99,13 @@ def buckets_of(infos, fusion: bool, threshold: int | None = None) -> list["Bucke
         n = int(np.prod(v.shape))
         if not n:
             continue
-        members, used = filling.get(v.dtype, ([], 0))
-        if members and (used + n) * v.dtype.itemsize > threshold:
-            closed.append((members[-1][3], v.dtype, members))
-            members, used = [], 0
+        members, used = filling.pop(v.dtype, ([], 0))
         members.append((v.key, used, n, position))
-        step = max(1, TF_ALIGN // v.dtype.itemsize)      # each member starts 64-byte aligned
-        filling[v.dtype] = (members, used + -(-n // step) * step)
+        if (used + n) * v.dtype.itemsize >= threshold:
+            closed.append((position, v.dtype, members))
+        else:
+            step = max(1, TF_ALIGN // v.dtype.itemsize)      # the next member starts 64-byte aligned
+            filling[v.dtype] = (members, used + -(-n // step) * step)
     closed += [(members[-1][3], dtype, members) for dtype, (members, _) in filling.items()]
     buckets = []
     for k, (_, dtype, members) in enumerate(sorted(closed, key=lambda c: c[0])):
@@ -287,7 +289,7 @@ def analyze(target, mode: str = "allreduce", workers: int = 2, ps: int = 0, inpu
     `target`: a built Keras model, a tf.function with an input signature, or
     a `Step`. The optimizer (`optimizer`, else the model's), once built, is
     only reported: it stays where the updates are applied. `fusion`
-    (allreduce): gradients of a dtype laid end to end in buckets of at most
+    (allreduce): gradients of a dtype laid end to end in buckets of about
     `threshold` bytes (see buckets_of) instead of one ring per gradient. Ranks:
     workers 0..N-1, ps N..N+M-1."""
     if mode not in ("ps", "allreduce"):

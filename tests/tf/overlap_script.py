@@ -19,7 +19,7 @@ out_dir = sys.argv[1]
 steps = int(sys.argv[2]) if len(sys.argv) > 2 else 6
 EAGER_STEPS = 2
 hvd.init()
-GLOBAL_BATCH = 32
+GLOBAL_BATCH = 64
 rng = np.random.default_rng(0)                 # the same data on every rank; each takes its shard
 total = steps + EAGER_STEPS
 images = rng.standard_normal((total * GLOBAL_BATCH, 32, 32, 3)).astype(np.float32)

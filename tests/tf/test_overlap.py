@@ -23,7 +23,7 @@ def rounds_of(trace: list) -> dict:
 
 
 def test_gradients_reduced_while_backprop_runs(tmp_path, monkeypatch):
-    monkeypatch.setenv("RDMATENSOR_FUSION_THRESHOLD", str(16 << 10))    # a bucket per conv layer, about
+    monkeypatch.setenv("RDMATENSOR_FUSION_THRESHOLD", str(16 << 10))
     monkeypatch.setenv("RDMATENSOR_TIMELINE", str(tmp_path / "timeline-{rank}.json"))
     run_workers(SCRIPT, 2, "shm", tmp_path, args=(STEPS,))
     reps = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
@@ -43,7 +43,7 @@ def test_gradients_reduced_while_backprop_runs(tmp_path, monkeypatch):
         rounds = rounds_of(trace)
         assert sorted(rounds) == list(range(STEPS + EAGER_STEPS))
         buckets = sorted(rounds[0]["ready"])
-        assert len(buckets) >= 5
+        assert len(buckets) == 4                      # a bucket per conv layer
         assert rep["buffers"][1] <= 2 * len(buckets)
         for r in rounds.values():
             assert sorted(r["ready"]) == sorted(r["ring"]) == sorted(r["wait"]) == buckets
@@ -52,9 +52,12 @@ def test_gradients_reduced_while_backprop_runs(tmp_path, monkeypatch):
                 assert r["wait"][j][1] >= r["ring"][j][1]     # and its result is taken after it ends
             # one thread, buckets in the plan's order
             assert all(r["ring"][j][1] <= r["ring"][j + 1][0] for j in buckets[:-1])
-        # inside tf.function, the first bucket's ring is over before backprop hands over the last bucket
-        overlapped = [k for k in range(STEPS) if rounds[k]["ring"][0][1] < max(rounds[k]["ready"].values())]
-        assert len(overlapped) >= STEPS // 2, overlapped
+        # inside tf.function, the first bucket's ring starts while backprop still computes the last
+        # bucket's gradients, and at least once it is even over by then (the peer's bucket too)
+        last_ready = {k: max(rounds[k]["ready"].values()) for k in range(STEPS)}
+        started = [k for k in range(STEPS) if rounds[k]["ring"][0][0] < last_ready[k]]
+        finished = [k for k in range(STEPS) if rounds[k]["ring"][0][1] < last_ready[k]]
+        assert len(started) >= STEPS // 2 and finished, (started, finished)
 
 
 def test_fusion_threshold_from_init_or_the_environment(monkeypatch):
