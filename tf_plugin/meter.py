@@ -15,7 +15,8 @@ class Meter:
         self.ring_seconds = 0.0              # the communication thread's work on buckets ...
         self.overlapped_seconds = 0.0        # ... of which while backprop still ran
         self.rounds = 0                      # all-reduces the communication thread finished
-        # tensors into TF with no copy / copied; ring chunks forwarded; gradients copied into a fusion
+        # tensors into TF with no copy / copied; ring chunks copied to be forwarded (none since chunks
+        # go on from the output buffer; kept for readers of the tally); gradients copied into a fusion
         # buffer; output buffers allocated (a reused one is not counted)
         self.tally = {"zero_copy": 0, "copied": 0, "forwarded": 0, "fused": 0, "allocated": 0}
 

@@ -18,14 +18,17 @@ All-gather (N-1 steps) passes the summed chunks around. Every chunk of every
 step is its own TensorSpec, so each is one one-sided write, with no control
 message.
 
-Copies: each gradient in a bucket of several is copied once into it (fewer,
-larger writes: on tcp the per-write cost dominates small models); a gradient
+Passes over the bytes: each gradient in a bucket of several is copied once
+into it (fewer, larger writes: on tcp the per-write cost dominates small
+models), divided by N on the way when averaging floating point; a gradient
 alone in its bucket leaves from TensorFlow's buffer (verbs: one copy into
-staging). Sums land in staging (no copy); all-gathered chunks are scaled by
-1/N into the output array (the averaging, not a copy) and, when N > 2,
-copied once into staging to be forwarded. The outputs are 64-byte aligned
-buffers reused once TensorFlow freed the previous step's (ingest.Reused),
-and reach TensorFlow with no copy (DLPack, or numpy_function's output).
+staging) and its sum is divided in place. Partial sums land in staging, the
+complete sum of this rank's chunk straight in the output, which the
+all-gather sends from; every other chunk is copied once from its slot into
+the output (and, when N > 2, forwarded from there). The outputs are 64-byte
+aligned buffers reused once TensorFlow freed the previous step's
+(ingest.Reused), and reach TensorFlow with no copy (DLPack, or
+numpy_function's output).
 
 Eagerly, every bucket's ring advances in lockstep on the calling thread
 (allreduce). Inside tf.function (RingGradientTape) each bucket is handed to
@@ -71,10 +74,10 @@ class RingAllReduce:
         any: 2(N-1) round trips per step, however many buckets there are."""
         by_key = {k: np.ascontiguousarray(a) for k, a in zip(keys, arrays, strict=False)}
         buckets = self.analysis.buckets
-        flats = [self._flat(b, [by_key[key] for key, _, _ in b.members]) for b in buckets]
+        flats = [self._flat(b, [by_key[key] for key, _, _ in b.members], average) for b in buckets]
         with self.meter.comm():
-            outs = self._ring([b.key for b in buckets], flats, [self._outputs[b.key].lease() for b in buckets],
-                              average)
+            outs = self._ring([b.key for b in buckets], [f for f, _ in flats],
+                              [self._outputs[b.key].lease() for b in buckets], [d for _, d in flats])
         result = {}
         for b, out in zip(buckets, outs, strict=True):
             result.update(zip((key for key, _, _ in b.members), self._members(b, out), strict=True))
@@ -85,34 +88,42 @@ class RingAllReduce:
         ring was made with average=False: what the communication thread runs.
         Returns the members' results."""
         b = self.analysis.buckets[j]
-        flat = self._flat(b, [np.ascontiguousarray(a) for a in arrays])
-        (out,) = self._ring([b.key], [flat], [self._outputs[b.key].lease()], self.average)
+        flat, divide = self._flat(b, [np.ascontiguousarray(a) for a in arrays], self.average)
+        (out,) = self._ring([b.key], [flat], [self._outputs[b.key].lease()], [divide])
         return self._members(b, out)
 
-    def _flat(self, bucket, arrays: list) -> np.ndarray:
-        """The bucket as one flat array: the gradient itself, or its members copied into the fused buffer."""
+    def _flat(self, bucket, arrays: list, average: bool) -> tuple[np.ndarray, bool]:
+        """The bucket as one flat array, and whether its sum over the ranks still
+        needs dividing by N: the gradient itself, or its members copied into the
+        fused buffer, floating-point ones divided by N on the way (the same pass
+        as a copy, and then the sum needs no pass of its own)."""
         buf = self._fused.get(bucket.key)
         if buf is None:
-            return arrays[0].reshape(-1)
+            return arrays[0].reshape(-1), average
+        scale = average and buf.dtype.kind in "fc"
         for (_, offset, n), a in zip(bucket.members, arrays, strict=True):
-            np.copyto(buf[offset:offset + n], a.reshape(-1))
+            if scale:
+                np.multiply(a.reshape(-1), 1.0 / self.size, out=buf[offset:offset + n])
+            else:
+                np.copyto(buf[offset:offset + n], a.reshape(-1))
         self.meter.tally["fused"] += len(bucket.members)
-        return buf
+        return buf, average and not scale
 
     def _members(self, bucket, out: np.ndarray) -> list[np.ndarray]:
         return [out[offset:offset + n].reshape(self.shapes[key]) for key, offset, n in bucket.members]
 
-    def _ring(self, keys: list, flats: list, outs: list, average: bool = True) -> list[np.ndarray]:
-        """Sum or average the flat arrays over the ranks into `outs`."""
+    def _ring(self, keys: list, flats: list, outs: list, divide: list) -> list[np.ndarray]:
+        """Sum the flat arrays over the ranks into `outs` (divided by N where
+        `divide` says so). The last reduce-scatter step adds straight into this
+        rank's chunk of the output, which the all-gather then sends from; every
+        other chunk of the output is copied once out of its receive slot."""
         s, n, r = self.session, self.size, self.rank
 
-        def finish(summed, out):           # a fully summed chunk into the output
-            if not average:
-                np.copyto(out, summed)
-            elif out.dtype.kind in "fc":
-                np.multiply(summed, 1.0 / n, out=out)
+        def finish(chunk):                 # this rank's fully summed chunk, in place
+            if chunk.dtype.kind in "fc":
+                np.multiply(chunk, 1.0 / n, out=chunk)
             else:                          # integers average by floor division
-                np.floor_divide(summed, n, out=out)
+                np.floor_divide(chunk, n, out=chunk)
 
         live = [i for i, f in enumerate(flats) if f.size]
         if n == 1:
@@ -125,26 +136,25 @@ class RingAllReduce:
         for step in range(n - 1):                                   # reduce-scatter
             for i in live:
                 s.send(ring_name(keys[i], "rs", step, r), outgoing[i])
-            c = ring_chunk("rs", step, r, n, receiving=True)
+            c = ring_chunk("rs", step, r, n, receiving=True)        # the last step: chunk r + 1, complete
             for i in live:
-                nxt = ring_name(keys[i], "rs", step + 1, r) if step < n - 2 else ring_name(keys[i], "ag", 0, r)
-                dst = s.buffer(nxt)                # the sum lands where the next write leaves from
+                last = step == n - 2
+                # a partial sum lands where the next write leaves from; the complete one in the output
+                dst = outs[i][bounds[i][c]] if last else s.buffer(ring_name(keys[i], "rs", step + 1, r))
                 with s.recv(ring_name(keys[i], "rs", step, left)) as chunk:
                     np.add(flats[i][bounds[i][c]], chunk, out=dst)
+                if last and divide[i]:
+                    finish(dst)
                 outgoing[i] = dst
-        for i in live:
-            finish(outgoing[i], outs[i][bounds[i][(r + 1) % n]])
         for step in range(n - 1):                                   # all-gather
             for i in live:
                 s.send(ring_name(keys[i], "ag", step, r), outgoing[i])
             c = ring_chunk("ag", step, r, n, receiving=True)
             for i in live:
+                dst = outs[i][bounds[i][c]]
                 with s.recv(ring_name(keys[i], "ag", step, left)) as chunk:
-                    finish(chunk, outs[i][bounds[i][c]])
-                    if step < n - 2:               # forwarded next step: into staging, once
-                        outgoing[i] = s.buffer(ring_name(keys[i], "ag", step + 1, r))
-                        np.copyto(outgoing[i], chunk)
-                        self.meter.tally["forwarded"] += 1
+                    np.copyto(dst, chunk)
+                outgoing[i] = dst                  # forwarded next step (N > 2) from the output itself
         return outs
 
     def launch(self, j: int, arrays: list) -> None:
