@@ -14,6 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_plugin as hvd
+from tests.tf.reference_steps import distributed_and_local
 
 out_dir = sys.argv[1]
 steps = int(sys.argv[2]) if len(sys.argv) > 2 else 6
@@ -52,24 +53,7 @@ def digest(variables):
 model, reference = cnn(3 + hvd.rank()), cnn(3)       # different starts, fixed by the broadcast
 hvd.broadcast_variables(model.variables, root_rank=0)
 opt, ref_opt = keras.optimizers.SGD(0.05), keras.optimizers.SGD(0.05)
-
-
-def dist_step(x, y):
-    with tf.GradientTape() as tape:
-        loss_value = loss_fn(y, model(x))
-    grads = hvd.DistributedGradientTape(tape).gradient(loss_value, model.trainable_variables)
-    opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-    return loss_value
-
-
-@tf.function
-def local_step(x, y):
-    with tf.GradientTape() as tape:
-        loss_value = loss_fn(y, reference(x))
-    ref_opt.apply_gradients(zip(tape.gradient(loss_value, reference.trainable_variables),
-                                reference.trainable_variables, strict=True))
-
-
+dist_step, local_step = distributed_and_local(hvd, model, reference, opt, ref_opt, loss_fn)
 graph_step = tf.function(dist_step)
 calls, buffers = [], []
 for step in range(total):
