@@ -1,6 +1,6 @@
 """Gradients all-reduced while backprop runs: a small CNN whose backward pass takes
 measurable time, trained with DistributedGradientTape inside tf.function, then
-eagerly. Run as every worker of a job (RDMATENSOR_FUSION_THRESHOLD and
+eagerly, then by Keras' fit with DistributedOptimizer. Run as every worker of a job (RDMATENSOR_FUSION_THRESHOLD and
 RDMATENSOR_TIMELINE from the environment); writes what it saw to OUT_DIR.
 
     python overlap_script.py OUT_DIR [steps]
@@ -14,11 +14,12 @@ import numpy as np
 import tensorflow as tf
 
 import tf_plugin as hvd
+import tf_plugin.keras as hvd_keras
 from tests.tf.reference_steps import distributed_and_local
 
 out_dir = sys.argv[1]
 steps = int(sys.argv[2]) if len(sys.argv) > 2 else 6
-EAGER_STEPS = 2
+EAGER_STEPS, FIT_STEPS = 2, 4
 hvd.init()
 GLOBAL_BATCH = 64
 rng = np.random.default_rng(0)                 # the same data on every rank; each takes its shard
@@ -61,13 +62,20 @@ for step in range(total):
     local_step(*batch(step, shard=False))
     calls.append(hvd.stats()["control_calls"])
     buffers.append(hvd.stats()["output_buffers"])
-stats = hvd.stats()
 report = {
-    "rank": hvd.rank(), "calls": calls, "buffers": buffers, "stats": stats,
+    "rank": hvd.rank(), "calls": calls, "buffers": buffers,
     "max_diff": max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
                     for a, b in zip(model.trainable_variables, reference.trainable_variables, strict=True)),
     "same": len(set(hvd.allgather_object(digest(model.trainable_variables)))) == 1,
 }
+
+# Keras fit with DistributedOptimizer: the same gradients, so the same tensor set (no new plan)
+model.compile(optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss=loss_fn)
+x, y = zip(*(batch(step) for step in range(FIT_STEPS)), strict=True)
+model.fit(np.concatenate(x), np.concatenate(y), batch_size=GLOBAL_BATCH // hvd.size(), epochs=1, shuffle=False,
+          verbose=0)
+report["fit_same"] = len(set(hvd.allgather_object(digest(model.trainable_variables)))) == 1
+report["stats"] = hvd.stats()
 hvd.shutdown()                                   # ends the time line's JSON array
 with open(f"{out_dir}/rank{report['rank']}.json", "w") as f:
     json.dump(report, f)

@@ -8,7 +8,7 @@ from pathlib import Path
 from .processes import run_workers
 
 SCRIPT = Path(__file__).parent / "overlap_script.py"
-STEPS, EAGER_STEPS = 6, 2
+STEPS, EAGER_STEPS, FIT_STEPS = 6, 2, 4
 
 
 def rounds_of(trace: list) -> dict:
@@ -29,19 +29,20 @@ def test_gradients_reduced_while_backprop_runs(tmp_path, monkeypatch):
     reps = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for rep in reps:
         # the same variables on both ranks, bit for bit, and those of one process on the global batch
-        assert rep["same"] and rep["max_diff"] < 1e-5
+        assert rep["same"] and rep["max_diff"] < 1e-5 and rep["fit_same"]
         # the first step plans the gradients (eager steps reuse the plan): no control call after it
         assert rep["calls"] == [rep["calls"][0]] * (STEPS + EAGER_STEPS)
         # output buffers come back once TensorFlow frees the gradients: none allocated after step 2
         assert rep["buffers"][1:] == [rep["buffers"][1]] * (STEPS + EAGER_STEPS - 1)
         s = rep["stats"]
-        assert s["allreduces"] == STEPS + EAGER_STEPS and 0 < s["overlap"] <= 1
+        assert s["allreduces"] == STEPS + EAGER_STEPS + FIT_STEPS and 0 < s["overlap"] <= 1
+        assert s["extensions"] == 1                          # fit's gradients are the tape's tensor set
         assert 0 < s["overlapped_seconds"] < s["ring_seconds"] <= s["comm_seconds"]
 
         trace = json.loads((tmp_path / f"timeline-{rep['rank']}.json").read_text())    # valid JSON
         assert {"TensorFlow", "communication"} <= {e["args"]["name"] for e in trace if e["name"] == "thread_name"}
         rounds = rounds_of(trace)
-        assert sorted(rounds) == list(range(STEPS + EAGER_STEPS))
+        assert sorted(rounds) == list(range(STEPS + EAGER_STEPS + FIT_STEPS))
         buckets = sorted(rounds[0]["ready"])
         assert len(buckets) == 4                      # a bucket per conv layer
         assert rep["buffers"][1] <= 2 * len(buckets)
@@ -52,12 +53,13 @@ def test_gradients_reduced_while_backprop_runs(tmp_path, monkeypatch):
                 assert r["wait"][j][1] >= r["ring"][j][1]     # and its result is taken after it ends
             # one thread, buckets in the plan's order
             assert all(r["ring"][j][1] <= r["ring"][j + 1][0] for j in buckets[:-1])
-        # inside tf.function, the first bucket's ring starts while backprop still computes the last
-        # bucket's gradients, and at least once it is even over by then (the peer's bucket too)
-        last_ready = {k: max(rounds[k]["ready"].values()) for k in range(STEPS)}
-        started = [k for k in range(STEPS) if rounds[k]["ring"][0][0] < last_ready[k]]
-        finished = [k for k in range(STEPS) if rounds[k]["ring"][0][1] < last_ready[k]]
-        assert len(started) >= STEPS // 2 and finished, (started, finished)
+        # inside tf.function (the tape's, then fit's), the first bucket's ring starts while backprop still
+        # computes the last bucket's gradients, and at least once it is even over by then (the peer's too)
+        for graph in (range(STEPS), range(STEPS + EAGER_STEPS, STEPS + EAGER_STEPS + FIT_STEPS)):
+            last_ready = {k: max(rounds[k]["ready"].values()) for k in graph}
+            started = [k for k in graph if rounds[k]["ring"][0][0] < last_ready[k]]
+            finished = [k for k in graph if rounds[k]["ring"][0][1] < last_ready[k]]
+            assert len(started) >= len(graph) // 2 and finished, (started, finished)
 
 
 def test_fusion_threshold_from_init_or_the_environment(monkeypatch):
