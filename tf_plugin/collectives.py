@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from rdmatensor import Plan, PlanMismatch, TensorSpec, connect
+from rdmatensor import Plan, PlanMismatch, TensorSpec, UsageError, connect
 
 from .analyzer import Analysis, VarInfo, buckets_of, fusion_threshold, ring_specs
 from .background import CommThread
@@ -243,7 +243,10 @@ class Collectives:
 
     def collect(self, group: AllreduceGroup, j: int) -> list[np.ndarray]:
         """Bucket j's results (its members, in order), once its ring is done."""
-        return self.comm.collect(self._sets[group.key].index, j)
+        ts = self._sets.get(group.key)
+        if ts is None:
+            raise UsageError(f"rank {self.rank}: bucket {j} of an all-reduce collected before any launch")
+        return self.comm.collect(ts.index, j)
 
     def allreduce(self, names, arrays, average: bool = True) -> list[np.ndarray]:
         """Sum or average over the ranks; the outputs are 64-byte aligned arrays that

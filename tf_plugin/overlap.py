@@ -14,12 +14,19 @@ Every wait runs after every launch of its all-reduce (control dependencies):
 a wait blocks one of TensorFlow's inter-op threads, and it must never hold
 one that a launch, or the backprop feeding it, still needs. The launches are
 chained in bucket order, so every rank hands its buckets over in the plan's
-order; the communication thread runs them in that order anyway.
+order (the communication thread runs them in that order anyway), and the
+first launch of an all-reduce waits for the last wait of the previous one in
+the same graph: two all-reduces of one tensor set never mix their buckets,
+whether or not TensorFlow's automatic control dependencies order them.
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import tensorflow as tf
+
+_last_wait = weakref.WeakKeyDictionary()     # graph -> the last wait op of its latest all-reduce
 
 
 def static(tensors) -> bool:
@@ -32,7 +39,8 @@ def bucketed(tensors: list, members: list[list[int]], launch, collect, name: str
     `tensors` of bucket j's members, in order; `launch(j, arrays)` hands bucket
     j over, `collect(j)` returns its members' results. A tensor in no bucket
     (zero elements) comes back as zeros."""
-    tokens, previous = [], []
+    graph = tf.compat.v1.get_default_graph()
+    tokens, previous = [], [_last_wait[graph]] if graph in _last_wait else []
     for j, positions in enumerate(members):
         with tf.control_dependencies(previous):
             token = tf.numpy_function(_launcher(launch, j), [tensors[p] for p in positions], tf.int64,
@@ -47,6 +55,7 @@ def bucketed(tensors: list, members: list[list[int]], launch, collect, name: str
             for p, r in zip(positions, results, strict=True):
                 r.set_shape(tensors[p].shape)
                 out[p] = r
+            _last_wait[graph] = results[0].op
     return [t if t is not None else tf.zeros_like(tensors[p]) for p, t in enumerate(out)]
 
 

@@ -75,6 +75,22 @@ x, y = zip(*(batch(step) for step in range(FIT_STEPS)), strict=True)
 model.fit(np.concatenate(x), np.concatenate(y), batch_size=GLOBAL_BATCH // hvd.size(), epochs=1, shuffle=False,
           verbose=0)
 report["fit_same"] = len(set(hvd.allgather_object(digest(model.trainable_variables)))) == 1
+
+
+@tf.function
+def twice(x, y):
+    """Two all-reduces of one tensor set in one graph: each its own round, never mixed."""
+    with tf.GradientTape(persistent=True) as tape:
+        loss_value = loss_fn(y, model(x))
+        doubled = 2.0 * loss_value
+    once = hvd.DistributedGradientTape(tape).gradient(loss_value, model.trainable_variables)
+    again = hvd.DistributedGradientTape(tape).gradient(doubled, model.trainable_variables)
+    return once, again
+
+
+once, again = twice(*batch(0))
+report["twice_exact"] = all(np.array_equal(2 * np.asarray(a), np.asarray(b)) for a, b in zip(once, again,
+                                                                                              strict=True))
 report["stats"] = hvd.stats()
 hvd.shutdown()                                   # ends the time line's JSON array
 with open(f"{out_dir}/rank{report['rank']}.json", "w") as f:

@@ -8,7 +8,7 @@ from pathlib import Path
 from .processes import run_workers
 
 SCRIPT = Path(__file__).parent / "overlap_script.py"
-STEPS, EAGER_STEPS, FIT_STEPS = 6, 2, 4
+STEPS, EAGER_STEPS, FIT_STEPS, TWICE = 6, 2, 4, 2
 
 
 def rounds_of(trace: list) -> dict:
@@ -30,19 +30,21 @@ def test_gradients_reduced_while_backprop_runs(tmp_path, monkeypatch):
     for rep in reps:
         # the same variables on both ranks, bit for bit, and those of one process on the global batch
         assert rep["same"] and rep["max_diff"] < 1e-5 and rep["fit_same"]
+        # two all-reduces of one tensor set in one graph (the loss, then twice the loss): doubled exactly
+        assert rep["twice_exact"]
         # the first step plans the gradients (eager steps reuse the plan): no control call after it
         assert rep["calls"] == [rep["calls"][0]] * (STEPS + EAGER_STEPS)
         # output buffers come back once TensorFlow frees the gradients: none allocated after step 2
         assert rep["buffers"][1:] == [rep["buffers"][1]] * (STEPS + EAGER_STEPS - 1)
         s = rep["stats"]
-        assert s["allreduces"] == STEPS + EAGER_STEPS + FIT_STEPS and 0 < s["overlap"] <= 1
+        assert s["allreduces"] == STEPS + EAGER_STEPS + FIT_STEPS + TWICE and 0 < s["overlap"] <= 1
         assert s["extensions"] == 1                          # fit's gradients are the tape's tensor set
         assert 0 < s["overlapped_seconds"] < s["ring_seconds"] <= s["comm_seconds"]
 
         trace = json.loads((tmp_path / f"timeline-{rep['rank']}.json").read_text())    # valid JSON
         assert {"TensorFlow", "communication"} <= {e["args"]["name"] for e in trace if e["name"] == "thread_name"}
         rounds = rounds_of(trace)
-        assert sorted(rounds) == list(range(STEPS + EAGER_STEPS + FIT_STEPS))
+        assert sorted(rounds) == list(range(STEPS + EAGER_STEPS + FIT_STEPS + TWICE))
         buckets = sorted(rounds[0]["ready"])
         assert len(buckets) == 4                      # a bucket per conv layer
         assert rep["buffers"][1] <= 2 * len(buckets)
