@@ -2,18 +2,36 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo demo-two-hosts test test-host test-rdma clean proto bench
+.PHONY: setup demo demo-two-hosts test test-host test-rdma clean proto bench bench-models
 
 setup:
 	@bash scripts/setup.sh $(VENV)
 
-# Data-parallel training (ring all-reduce, 2 workers, mlp) on real SoftRoCE:
-# rdmatensor over verbs and tcp, rdmatensor's gRPC baseline, and TensorFlow's
-# own MultiWorkerMirroredStrategy, one after the other, side by side.
+# Data-parallel training (ring all-reduce, 2 workers, 8 images each). On the
+# host, a real model (MobileNetV2, 32x32) over rdmatensor's shm and tcp beside
+# its gRPC baseline, TensorFlow's own MultiWorkerMirroredStrategy and the
+# no-communication floor; then, on real SoftRoCE in a VM, verbs beside tcp and
+# the gRPC baseline (mlp: every instruction is emulated there).
 demo: setup
 	$(PY) -m rdmatensor devices
+	$(PY) -m tf_plugin.launch --model mobilenetv2 --workers 2 --batch 16 --steps 20 \
+	    --provider none,shm,tcp,grpc,tf-grpc
 	$(PY) -m tf_plugin.launch --mode allreduce --workers 2 --model mlp --steps 30 --threads \
-	    --provider verbs,tcp,grpc,tf-grpc --softroce-vm
+	    --provider verbs,tcp,grpc --softroce-vm
+	@echo "In the VM, verbs is SoftRoCE: software RDMA in a kernel emulated instruction by instruction (qemu TCG)," \
+	    "so it cannot beat the kernel's loopback TCP there; on an RDMA NIC the writes leave the CPU."
+
+# Real models on the host, 2 workers with 8 images each at 32x32, one table per
+# model, each from one run: the no-communication floor, rdmatensor over shm and
+# tcp, its gRPC baseline and TensorFlow's own strategy; JSON in docs/models/.
+BENCH_MODELS ?= resnet50 vgg16 densenet121 mobilenetv2 lm
+BENCH_STEPS ?= 30
+bench-models: setup
+	mkdir -p docs/models
+	for m in $(BENCH_MODELS); do \
+	    $(PY) -m tf_plugin.launch --model $$m --workers 2 --batch 16 --steps $(BENCH_STEPS) \
+	        --provider none,shm,tcp,grpc,tf-grpc --json docs/models/$$m.json || exit 1; \
+	done
 
 # A Session over verbs between two SoftRoCE VMs: every dtype, 1 B to 64 MiB,
 # a growing dynamic tensor, checked byte for byte.

@@ -56,8 +56,8 @@ def main() -> int:
         if found:
             suites.append(("rdma", pytest_rdma, f"natively on {found[0].name}"))
         else:
-            suites.append(("rdma", [py, "-m", "rdmatensor", "softroce", "vm", "--share", str(results),
-                                    "--", *pytest_rdma],
+            suites.append(("rdma", [py, "-m", "rdmatensor", "softroce", "vm", "--timeout", "1800",
+                                    "--share", str(results), "--", *pytest_rdma],
                            "inside a SoftRoCE VM (this host has no ACTIVE RDMA port)"))
 
     print("=== lint: ruff check", flush=True)

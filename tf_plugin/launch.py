@@ -1,18 +1,26 @@
-"""rdmatensor-train: launch a training job on this machine and report it.
+"""rdmatensor-train: run a training job on this machine and report it.
 
-    rdmatensor-train --mode ps|allreduce --workers N [--ps M] --provider P \\
-                     --model mlp|cnn|embed --steps K [--json FILE] [--seed S]
+    rdmatensor-train --mode ps|allreduce --workers N [--ps M] --provider P[,P...] \\
+                     --model M [--image-size S] --steps K [--batch B] [--json FILE] [--seed S]
 
-One process per rank (TF_CONFIG set per rank, as TensorFlow expects; a
-random token shared through RDMATENSOR_TOKEN), or threads of one process
-with --threads. Prints steps/s, bytes moved per step, copies per step, time
-in communication and the final loss; --json writes them with every rank's
-result.
+One process per rank, started by rdmatensor-run's launcher (TF_CONFIG and a
+shared random token per rank; a failing rank is named and stops the job),
+or threads of one process with --threads. Prints steps/s, the median step
+time, bytes moved, copies and time in communication per step, and the final
+loss; --json writes them with every rank's result.
 
---provider takes auto, verbs, shm, tcp, grpc (rdmatensor's gRPC baseline) or
-tf-grpc (TensorFlow's own MultiWorkerMirroredStrategy, tf_baseline.py), or a
-comma-separated list of them: the jobs run one after the other and a table
-compares their steps/s (as ratios to tf-grpc or grpc when in the list).
+--model: mlp, cnn, embed (tiny), resnet50, vgg16, densenet121, mobilenetv2
+(keras.applications, weights=None, --image-size square inputs) or lm (a small
+Transformer language model with a sparse embedding gradient). --batch is the
+global batch, split evenly over the workers.
+
+--provider takes auto, verbs, shm, tcp, grpc (rdmatensor's gRPC baseline),
+tf-grpc (TensorFlow's own MultiWorkerMirroredStrategy, tf_baseline.py) or
+none (the same ranks training with no communication: the compute floor), or
+a comma-separated list of them: the jobs run one after the other and a
+table compares them: the scaling efficiency (the floor's median step time
+over each one's, when none is in the list) and steps/s as a ratio to
+TensorFlow's own (when tf-grpc is in the list).
 
 --softroce-vm re-runs the command inside `rdmatensor softroce vm` (all ranks
 in one VM, real SoftRoCE); that happens by itself when verbs is asked for and
@@ -23,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import shlex
 import subprocess
 import sys
@@ -31,24 +38,24 @@ import tempfile
 import time
 from pathlib import Path
 
-from rdmatensor.providers import REGISTRY
+from .job import BACKENDS, JobConfig, JobError, RankResult, Summary, compare, summarize
+from .models import APPLICATIONS, MODELS
 
-from .cluster import Cluster
-
-PROVIDERS = ("auto", *REGISTRY, "tf-grpc")
 IN_VM = "TF_PLUGIN_IN_VM"     # set on the command re-run inside the VM: never re-run twice
 
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="rdmatensor-train", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(__doc__.split("\n\n")[2:]))
     p.add_argument("--mode", choices=("ps", "allreduce"), default="allreduce")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--ps", type=int, default=1, help="parameter servers (ps mode)")
     p.add_argument("--provider", default="auto",
-                   help=f"one of {', '.join(PROVIDERS)}, or several separated by commas")
-    p.add_argument("--model", choices=("mlp", "cnn", "embed"), default="mlp")
-    p.add_argument("--steps", type=int, default=50)
+                   help=f"one of {', '.join(BACKENDS)}, or several separated by commas")
+    p.add_argument("--model", choices=MODELS, default="mlp")
+    p.add_argument("--image-size", type=int, default=32, help="keras.applications models: input height and width")
+    p.add_argument("--steps", type=int, default=50, help="steps per job; the first traces and is not timed")
     p.add_argument("--batch", type=int, default=64, help="global batch size (split over the workers)")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
@@ -56,19 +63,25 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--no-fusion", action="store_true", help="allreduce: one ring per gradient")
     p.add_argument("--threads", action="store_true",
                    help="ranks as threads of this process (one TensorFlow import; tf-grpc excepted)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole job")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds for each job")
     p.add_argument("--softroce-vm", action="store_true", help="run inside a SoftRoCE VM")
     p.add_argument("--vm-timeout", type=float, default=900.0)
     args = p.parse_args(argv)
     args.providers = [x.strip() for x in args.provider.split(",") if x.strip()]
-    bad = [x for x in args.providers if x not in PROVIDERS]
-    if bad or not args.providers:
-        p.error(f"unknown provider(s) {bad}: choose from {', '.join(PROVIDERS)}")
-    if args.workers < 1 or (args.mode == "ps" and args.ps < 1):
-        p.error("need at least one worker (and one ps in ps mode)")
-    if args.batch % args.workers:
-        p.error(f"--batch {args.batch} must split evenly over {args.workers} workers")
+    if not args.providers:
+        p.error(f"--provider: choose from {', '.join(BACKENDS)}")
+    try:
+        args.configs = [config_of(args, provider) for provider in args.providers]
+    except JobError as exc:
+        p.error(str(exc))
     return args
+
+
+def config_of(args, provider: str) -> JobConfig:
+    threads = args.threads and provider in BACKENDS and BACKENDS[provider].threads
+    return JobConfig(mode=args.mode, model=args.model, provider=provider, workers=args.workers,
+                     ps=args.ps if args.mode == "ps" else 0, steps=args.steps, seed=args.seed, batch=args.batch,
+                     lr=args.lr, in_graph=not threads, fusion=not args.no_fusion, image_size=args.image_size)
 
 
 # ------------------------------------------------------------------ the VM
@@ -115,55 +128,33 @@ def _replace_json(argv: list[str], path: str) -> list[str]:
 
 
 # ------------------------------------------------------------------ processes
-def run_processes(config: dict, workers: int, ps: int, timeout: float) -> list[dict]:
-    """One process per rank, TF_CONFIG each; their results in rank order."""
-    cluster = Cluster.local(workers, ps)
-    token = secrets.token_hex(16)
+def run_processes(config: JobConfig, timeout: float) -> list[RankResult]:
+    """One process per rank, started by rdmatensor-run's launcher; results in rank order.
+    The ranks' output (each line prefixed with its rank) goes to a log, shown when the job fails."""
+    from .run import launch
     with tempfile.TemporaryDirectory(prefix="tf_plugin-") as tmp:
-        procs = []
-        for task in cluster.tasks():
-            env = dict(os.environ, TF_CONFIG=task.to_tf_config(), RDMATENSOR_TOKEN=token)
-            env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-            out, log = Path(tmp, f"rank{task.rank}.json"), Path(tmp, f"rank{task.rank}.log")
-            with open(log, "wb") as logf:
-                procs.append((task, out, log, subprocess.Popen(
-                    [sys.executable, "-m", "tf_plugin.runner", "--config", json.dumps(config),
-                     "--out", str(out)], env=env, stdout=logf, stderr=subprocess.STDOUT)))
-        deadline = time.monotonic() + timeout
-        failed = None
-        while failed is None and any(p.poll() is None for *_, p in procs):
-            failed = next(((t, p.returncode, log) for t, _, log, p in procs
-                           if p.returncode not in (None, 0)), None)
-            if failed is None and time.monotonic() > deadline:
-                failed = (procs[0][0], f"no result within {timeout:.0f} s", procs[0][2])
-            time.sleep(0.05)
-        failed = failed or next(((t, p.returncode, log) for t, _, log, p in procs if p.returncode), None)
-        for *_, p in procs:                   # the others would wait for the failed one forever
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        if failed:
-            task, rc, log = failed
-            tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
-            raise RuntimeError(f"rank {task.rank} ({task.task_type} {task.task_index}) "
-                               f"exited with {rc}:\n{tail}")
-        return [json.loads(out.read_text()) for _, out, _, _ in procs]
+        command = [sys.executable, "-m", "tf_plugin.runner", "--config", json.dumps(config.to_dict()), "--out", tmp]
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        log = Path(tmp, "ranks.log")
+        with open(log, "wb") as f:
+            status = launch(command, config.workers, ps=config.ps, timeout=timeout, stdout=f, stderr=f)
+        if status:
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+            raise RuntimeError(f"the {config.provider} job failed (exit status {status}):\n{tail}")
+        return [RankResult.from_dict(json.loads(Path(tmp, f"rank{r}.json").read_text()))
+                for r in range(config.workers + config.ps)]
 
 
-def run_job(args, provider: str) -> dict:
+def run_job(args, config: JobConfig) -> tuple[Summary, list[RankResult]]:
     from . import runner
-    threads = args.threads and provider != "tf-grpc"
-    config = dict(mode=args.mode, model=args.model, provider=provider, steps=args.steps, seed=args.seed,
-                  batch=args.batch, lr=args.lr, in_graph=not threads, fusion=not args.no_fusion)
-    ps = args.ps if args.mode == "ps" else 0
     t0 = time.monotonic()
-    if threads:
-        results = runner.run_threads(config, args.workers, ps, join_timeout=args.timeout)
+    if args.threads and config.backend.threads:
+        results = runner.run_threads(config, join_timeout=args.timeout)
     else:
-        results = run_processes(config, args.workers, ps, args.timeout)
-    summary = runner.summarize(results)
-    summary["wall_seconds"] = time.monotonic() - t0
-    return {"config": config, "summary": summary, "ranks": results}
+        results = run_processes(config, args.timeout)
+    summary = summarize(config, results)
+    summary.wall_seconds = time.monotonic() - t0
+    return summary, results
 
 
 # ------------------------------------------------------------------ report
@@ -171,38 +162,49 @@ def _fmt(v, spec: str = ".1f") -> str:
     return "n/a" if v is None else format(v, spec)
 
 
-def report(s: dict, out=sys.stdout) -> None:
-    roles = f"{s['workers']} worker(s)" + (f" + {s['ps']} ps" if s["ps"] else "")
-    print(f"{s['mode']} / {s['model']} / {roles} / provider {s['provider']} / {s['steps']} steps", file=out)
-    print(f"  steps/s             {s['steps_per_s']:.1f}", file=out)
-    print(f"  bytes moved/step    {_fmt(s['bytes_per_step'], '.0f')}"
-          f"  ({_fmt(s['writes_per_step'], '.0f')} writes)", file=out)
-    print(f"  copies/step         {_fmt(s['copies_per_step'], '.1f')}; "
-          f"zero-copy receives into TF {_fmt(s['zero_copy_ingest_per_step'], '.0f')}", file=out)
-    frac = "" if s["comm_fraction"] is None else f" ({100 * s['comm_fraction']:.0f}% of a step)"
-    print(f"  communication       {_fmt(s['comm_ms_per_step'], '.2f')} ms/step per worker{frac}", file=out)
-    if s["dynamic"]:
-        print(f"  dynamic tensors     {s['dynamic']} sends, {s['fallbacks']} fallbacks, "
-              f"{s['grows']} grows", file=out)
-    print(f"  final loss          {_fmt(s['final_loss'], '.6f')}", file=out, flush=True)
+def report(s: Summary, out=None) -> None:
+    out = out or sys.stdout
+    c = s.config
+    roles = f"{s.workers} worker(s)" + (f" + {s.ps} ps" if s.ps else "")
+    size = f" {c.image_size}x{c.image_size}" if c.model in APPLICATIONS else ""
+    print(f"{c.mode} / {c.model}{size} / {roles} / provider {c.provider} / {c.steps} steps, "
+          f"global batch {c.batch}", file=out)
+    print(f"  steps/s             {s.steps_per_s:.2f}  (median step {s.median_step_ms:.1f} ms)", file=out)
+    print(f"  bytes moved/step    {_fmt(s.bytes_per_step, '.0f')}"
+          f"  ({_fmt(s.writes_per_step, '.0f')} writes)", file=out)
+    print(f"  copies/step         {_fmt(s.copies_per_step, '.1f')}; "
+          f"zero-copy receives into TF {_fmt(s.zero_copy_ingest_per_step, '.0f')}", file=out)
+    frac = "" if s.comm_fraction is None else f" ({100 * s.comm_fraction:.0f}% of a step)"
+    print(f"  communication       {_fmt(s.comm_ms_per_step, '.2f')} ms/step per worker{frac}", file=out)
+    if s.dynamic:
+        print(f"  dynamic tensors     {s.dynamic} sends, {s.fallbacks} fallbacks, {s.grows} grows", file=out)
+    print(f"  final loss          {_fmt(s.final_loss, '.6f')}", file=out, flush=True)
 
 
-def compare(summaries: list[dict], out=sys.stdout) -> dict:
-    by = {s["provider_asked"]: s for s in summaries}
-    base = next((b for b in ("tf-grpc", "grpc") if b in by), None)
-    print(f"\n{'provider':10} {'steps/s':>9} {'ratio':>8} {'MB/step':>9} {'copies/step':>12} "
-          f"{'comm ms/step':>13}  final loss", file=out)
-    ratios = {}
-    for name, s in by.items():
-        ratio = s["steps_per_s"] / by[base]["steps_per_s"] if base else None
-        ratios[name] = ratio
-        mb = None if s.get("bytes_per_step") is None else s["bytes_per_step"] / 1e6
-        print(f"{name:10} {s['steps_per_s']:9.1f} {_fmt(ratio, '.2f') + 'x':>8} {_fmt(mb, '.3f'):>9} "
-              f"{_fmt(s.get('copies_per_step'), '.1f'):>12} {_fmt(s.get('comm_ms_per_step'), '.2f'):>13}  "
-              f"{_fmt(s['final_loss'], '.6f')}", file=out)
-    if base:
-        print(f"(ratio: steps/s over {base}'s; comm: time per worker in communication)", file=out, flush=True)
-    return {"baseline": base, "ratios": ratios}
+def comparison(summaries: list[Summary], out=None) -> dict:
+    """The side-by-side table; returns it for --json."""
+    out = out or sys.stdout
+    baseline, rows = compare(summaries)
+    vs = f"vs {baseline}" if baseline else "ratio"
+    print(f"\n{'provider':10} {'steps/s':>8} {'median ms':>10} {'efficiency':>10} {vs:>10} "
+          f"{'MB/step':>9} {'copies/step':>11} {'comm ms':>8}  final loss", file=out)
+    for row in rows:
+        s = row.summary
+        mb = None if s.bytes_per_step is None else s.bytes_per_step / 1e6
+        eff = "n/a" if row.efficiency is None else f"{100 * row.efficiency:.0f}%"
+        ratio = "n/a" if row.ratio is None else f"{row.ratio:.2f}x"
+        print(f"{row.provider:10} {s.steps_per_s:8.2f} {s.median_step_ms:10.1f} {eff:>10} {ratio:>10} "
+              f"{_fmt(mb, '.2f'):>9} {_fmt(s.copies_per_step, '.1f'):>11} "
+              f"{_fmt(s.comm_ms_per_step, '.1f'):>8}  {_fmt(s.final_loss, '.6f')}", file=out)
+    print("(efficiency: the no-communication floor's median step time over this one's, when none ran; "
+          f"{vs}: steps/s over {BASELINES.get(baseline, 'a baseline (tf-grpc or grpc) in the same run')}; "
+          "comm: ms per step per worker)", file=out, flush=True)
+    return {"baseline": baseline,
+            "ratios": {r.provider: r.ratio for r in rows},
+            "efficiency": {r.provider: r.efficiency for r in rows}}
+
+
+BASELINES = {"tf-grpc": "TensorFlow's own MultiWorkerMirroredStrategy", "grpc": "rdmatensor's gRPC baseline"}
 
 
 def main(argv=None) -> int:
@@ -210,15 +212,16 @@ def main(argv=None) -> int:
     args = parse(argv)
     if _needs_vm(args):
         return _run_in_vm(argv, args)
-    jobs = []
-    for provider in args.providers:
-        job = run_job(args, provider)
-        job["summary"]["provider_asked"] = provider
-        report(job["summary"])
-        jobs.append(job)
-    doc = {"jobs": jobs}
+    jobs, summaries = [], []
+    for config in args.configs:
+        summary, results = run_job(args, config)
+        report(summary)
+        summaries.append(summary)
+        jobs.append({"config": config.to_dict(), "summary": summary.to_dict(),
+                     "ranks": [r.to_dict() for r in results]})
+    doc = {"command": "rdmatensor-train " + shlex.join(argv), "jobs": jobs}
     if len(jobs) > 1:
-        doc["comparison"] = compare([j["summary"] for j in jobs])
+        doc["comparison"] = comparison(summaries)
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1))
     return 0

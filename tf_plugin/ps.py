@@ -44,7 +44,7 @@ class PSWorker:
 
     def push(self, grads) -> None:
         with self.meter.comm():
-            for v, g in zip(self.analysis.variables, grads, strict=False):
+            for v, g in zip(self.analysis.variables, grads, strict=True):
                 if v.sparse:
                     self.session.send(grad_name(self.rank, v.key, "values"), _host(g.values))
                     self.session.send(grad_name(self.rank, v.key, "indices"), _host(g.indices))
@@ -78,7 +78,7 @@ class ParameterServer:
 
     def _apply_fn(self, *flat):
         n, grads, it = self.analysis.workers, [], iter(flat)
-        for v, _var in zip(self.infos, self.variables, strict=False):
+        for v in self.infos:
             if v.sparse:
                 values = [next(it) for _ in range(n)]
                 indices = [next(it) for _ in range(n)]
@@ -86,13 +86,13 @@ class ParameterServer:
                                               tf.constant(v.shape, tf.int64)))
             else:
                 grads.append(tf.add_n([next(it) for _ in range(n)]) / n)
-        self.optimizer.apply_gradients(zip(grads, self.variables, strict=False))
+        self.optimizer.apply_gradients(zip(grads, self.variables, strict=True))
 
     def push(self) -> None:
         values = [_host(t) for t in self._read()]
         with self.meter.comm():
             for w in range(self.analysis.workers):
-                for v, value in zip(self.infos, values, strict=False):
+                for v, value in zip(self.infos, values, strict=True):
                     self.session.send(param_name(w, v.key), value)
 
     def pull(self) -> list:

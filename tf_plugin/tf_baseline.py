@@ -18,11 +18,13 @@ from __future__ import annotations
 import os
 import time
 
+from .job import JobConfig, RankResult
 
-def run_rank(cluster, config: dict) -> dict:
-    from .runner import DEFAULTS
-    cfg = dict(DEFAULTS, **config)
-    if cfg["mode"] != "allreduce":
+
+def run_rank(cluster, config: JobConfig, token: str | None = None) -> RankResult:
+    """One worker of the strategy (`token` unused: TensorFlow's servers take none)."""
+    cfg = config
+    if cfg.mode != "allreduce":
         raise ValueError("the tf-grpc baseline is MultiWorkerMirroredStrategy: use --mode allreduce")
     os.environ["TF_CONFIG"] = cluster.to_tf_config()     # the strategy reads it
     import tensorflow as tf
@@ -31,48 +33,38 @@ def run_rank(cluster, config: dict) -> dict:
         implementation=tf.distribute.experimental.CommunicationImplementation.RING)
     t_setup = time.perf_counter()
     strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=comm)
-    name, n = cfg["model"], cluster.num_workers
+    name, n = cfg.model, cluster.num_workers
     with strategy.scope():
-        model = models.build(name, cfg["seed"])
-        opt = models.optimizer(cfg["lr"])
+        model = models.build(name, cfg.seed, cfg.image_size)
+        opt = models.optimizer(cfg.lr)
         opt.build(model.trainable_variables)
-    data = models.dataset(name, cfg["seed"])
-    x_spec, y_spec = models.input_specs(name)
+    data = models.dataset(name, cfg.seed, image_size=cfg.image_size)
 
     def replica_step(x, y):
         with tf.GradientTape() as tape:
             loss = models.loss_fn(y, model(x))
             scaled = loss / n            # the optimizer sums gradients over replicas
         grads = tape.gradient(scaled, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables, strict=False))
+        opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
         return loss
 
-    @tf.function(input_signature=[x_spec, y_spec])
+    @tf.function(input_signature=list(models.input_specs(name, cfg.image_size)))
     def train_step(x, y):
         return strategy.run(replica_step, args=(x, y))
 
-    losses = []
+    losses, step_seconds = [], []
 
     def loop(k):
-        x, y = models.batch(data, k, cfg["batch"], cluster.task_index, n)
+        x, y = models.batch(data, k, cfg.batch, cluster.task_index, n)
         losses.append(float(train_step(x, y)))
 
     loop(0)
     setup = time.perf_counter() - t_setup
-    steps = int(cfg["steps"])
-    t0 = time.perf_counter()
-    for k in range(1, steps):
+    for k in range(1, cfg.steps):
+        t0 = time.perf_counter()
         loop(k)
-    seconds = time.perf_counter() - t0
+        step_seconds.append(time.perf_counter() - t0)
     grad_bytes = sum(int(v.numpy().nbytes) for v in model.trainable_variables)
     ring = 2 * (n - 1) / n * grad_bytes           # what a ring all-reduce sends per rank, in theory
-    timed = max(steps - 1, 1)
-    return {"rank": cluster.rank, "role": "worker", "mode": "allreduce", "model": name,
-            "provider": "tf-grpc", "steps": steps, "timed_steps": steps - 1, "losses": losses,
-            "setup_seconds": setup, "seconds": seconds, "steps_per_s": (steps - 1) / seconds,
-            "comm_seconds": None, "comm_ms_per_step": None,
-            "bytes_sent_per_step": ring, "writes_per_step": None,
-            "session_copies_per_step": None, "plugin_copies_per_step": None,
-            "zero_copy_per_step": None, "timed": timed,
-            "stats": {"dynamic": 0, "fallbacks": 0, "grows": 0, "note": "bytes: theoretical ring volume"}}
-
+    return RankResult(cluster.rank, "worker", "tf-grpc", losses, step_seconds, setup,
+                      bytes_sent_per_step=ring, note="bytes: theoretical ring volume; setup includes the first step")

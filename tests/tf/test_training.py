@@ -20,7 +20,7 @@ def test_ps_two_workers_one_ps_processes_match_single_process(tmp_path, close_to
         assert line in proc.stdout
     job = json.loads(out.read_text())["jobs"][0]
     s = job["summary"]
-    assert s["provider"] == "tcp" and (s["workers"], s["ps"]) == (2, 1)
+    assert s["provider_used"] == "tcp" and (s["workers"], s["ps"]) == (2, 1)
     assert len(job["ranks"]) == 3 and {r["role"] for r in job["ranks"]} == {"worker", "ps"}
     close_to_reference("mlp", s["losses"])
     # 4 variables: each worker pushes 4 gradients, the ps pushes 4 variables to each worker
@@ -32,29 +32,33 @@ def test_ps_two_workers_one_ps_processes_match_single_process(tmp_path, close_to
 
 def test_allreduce_two_workers_match_single_process(close_to_reference):
     from tf_plugin import runner
-    results = runner.run_threads(dict(mode="allreduce", model="mlp", provider="tcp", steps=STEPS), 2)
-    s = runner.summarize(results)
-    close_to_reference("mlp", s["losses"])
-    assert [r["losses"] for r in results][0] != [r["losses"] for r in results][1]   # own shards
-    assert s["writes_per_step"] == 2 * 2               # 2 ranks x (1 rs + 1 ag) chunk of the fused bucket
-    assert s["copies_per_step"] == 2 * 4               # each gradient into the fusion buffer
-    unfused = runner.run_threads(dict(mode="allreduce", model="mlp", provider="tcp", steps=3,
-                                      fusion=False), 2)
-    close_to_reference("mlp", runner.summarize(unfused)["losses"], 3)
-    assert runner.summarize(unfused)["writes_per_step"] == 2 * 4 * 2   # per variable
-    assert runner.summarize(unfused)["copies_per_step"] == 0          # tcp writes from TF's buffers
+    from tf_plugin.job import JobConfig, summarize
+    config = JobConfig(mode="allreduce", model="mlp", provider="tcp", steps=STEPS)
+    results = runner.run_threads(config)
+    s = summarize(config, results)
+    close_to_reference("mlp", s.losses)
+    assert results[0].losses != results[1].losses      # own shards
+    assert s.writes_per_step == 2 * 2                  # 2 ranks x (1 rs + 1 ag) chunk of the fused bucket
+    assert s.copies_per_step == 2 * 4                  # each gradient into the fusion buffer
+    unfused = JobConfig(mode="allreduce", model="mlp", provider="tcp", steps=3, fusion=False)
+    s = summarize(unfused, runner.run_threads(unfused))
+    close_to_reference("mlp", s.losses, 3)
+    assert s.writes_per_step == 2 * 4 * 2              # per variable
+    assert s.copies_per_step == 0                      # tcp writes from TF's buffers
 
 
 def test_dynamic_sparse_gradients_train_with_fallback_counted(close_to_reference):
     """The embedding's gradient crosses as deduplicated rows: a dynamic first dimension."""
     from tf_plugin import runner
+    from tf_plugin.job import JobConfig, summarize
     steps = 10
-    results = runner.run_threads(dict(mode="ps", model="embed", provider="tcp", steps=steps), 2, 1)
-    close_to_reference("embed", runner.summarize(results)["losses"], steps)
+    config = JobConfig(mode="ps", model="embed", provider="tcp", steps=steps, ps=1)
+    results = runner.run_threads(config)
+    close_to_reference("embed", summarize(config, results).losses, steps)
     for r in results[:2]:                              # each worker: values + indices every step
-        assert r["stats"]["dynamic"] == 2 * steps
-        assert r["stats"]["fallbacks"] == 2 * steps
-    assert results[2]["stats"]["dynamic"] == 0        # the ps sends dense variables
+        assert r.dynamic == 2 * steps
+        assert r.fallbacks == 2 * steps
+    assert results[2].dynamic == 0                     # the ps sends dense variables
 
 
 def test_horovod_like_tape_inside_tf_function(close_to_reference):

@@ -1,4 +1,4 @@
-"""One contract, every provider: verbs (real SoftRoCE, in the VM), shm, tcp, grpc."""
+"""One contract, every provider: verbs and the verbs-rpc baseline (real SoftRoCE, in the VM), shm, tcp, grpc."""
 import threading
 import time
 
@@ -9,7 +9,7 @@ from rdmatensor import (AuthenticationError, PeerLost, Plan, PlanMismatch, SendT
                         TensorMismatch, TensorSpec, UnknownTensor, UsageError)
 from rdmatensor.plan import SUPPORTED_DTYPES
 
-from ..support.providers import PROVIDERS
+from ..support.providers import PROVIDERS, SCALE_PROVIDERS, each_with
 from ..support.ranks import check, run_ranks
 
 
@@ -55,7 +55,8 @@ def test_every_dtype_arrives_intact(provider):
         np.testing.assert_array_equal(got[name], arr, err_msg=name)
 
 
-@pytest.mark.parametrize("nbytes", [1, 63, 4096, (1 << 20) + 7, 64 << 20])
+@pytest.mark.parametrize("provider,nbytes", each_with(PROVIDERS, [1, 63, 4096, (1 << 20) + 7])
+                         + each_with(SCALE_PROVIDERS, [64 << 20]))
 def test_sizes_from_one_byte_to_64_mib(provider, nbytes):
     plan = Plan([TensorSpec("blob", (nbytes,), np.uint8, 0, 1)])
     data = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
@@ -72,8 +73,9 @@ def test_sizes_from_one_byte_to_64_mib(provider, nbytes):
     assert res[0]["bytes_sent"] == nbytes and res[0]["writes"] == 1
 
 
+@pytest.mark.parametrize("provider", SCALE_PROVIDERS)
 def test_a_thousand_small_tensors_for_100_steps(provider):
-    n, steps = 1000, 20 if provider.startswith("verbs") else 100
+    n, steps = 1000, 100 if provider != "verbs" else 20
     plan = Plan([TensorSpec(f"w{i}", (4,), np.float32, 0, 1) for i in range(n)])
 
     def body(s, r):
@@ -94,6 +96,7 @@ def test_a_thousand_small_tensors_for_100_steps(provider):
     assert res[0]["writes"] == n + (steps - 1) * len(range(0, n, 97))
 
 
+@pytest.mark.parametrize("provider", SCALE_PROVIDERS)
 def test_many_to_one_and_ring_with_three_ranks(provider):
     specs = [TensorSpec("g1", (256,), np.float64, 1, 0), TensorSpec("g2", (256,), np.float64, 2, 0),
              TensorSpec("p1", (256,), np.float64, 0, 1), TensorSpec("p2", (256,), np.float64, 0, 2),
@@ -221,6 +224,7 @@ def test_dynamic_tensors_grow_and_shrink_intact(provider):
     assert stats["grows"] >= 2
 
 
+@pytest.mark.parametrize("provider", SCALE_PROVIDERS)
 def test_sends_and_recvs_from_several_threads(provider):
     names = [f"t{i}" for i in range(8)]
     plan = Plan([TensorSpec(n, (2048,), np.float32, 0, 1) for n in names])

@@ -1,0 +1,94 @@
+"""tf_plugin.job: the job description refuses what cannot run; summaries and the
+side-by-side comparison (floor efficiency, ratio to TensorFlow's own) come out of
+real runs, including the real models' smallest members."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tf_plugin.job import BACKENDS, JobConfig, JobError, RankResult, compare, summarize
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(model="alexnet"), "model 'alexnet': choose one of"),
+    (dict(provider="pigeon"), "provider 'pigeon': choose one of"),
+    (dict(provider="tf-grpc", mode="ps", ps=1), "has no ps mode"),
+    (dict(mode="ps"), "the ps mode needs at least one parameter server"),
+    (dict(ps=1), "the allreduce mode none"),
+    (dict(batch=63), "batch 63 (global) does not split evenly over 2 workers"),
+    (dict(steps=1), "need at least 2"),
+    (dict(model="resnet50", image_size=16), "image_size 16: resnet50 needs at least 32"),
+    (dict(workers=0), "workers 0"),
+])
+def test_a_job_that_cannot_run_is_refused_naming_the_field(fields, message):
+    with pytest.raises(JobError, match=message.replace("(", "\\(").replace(")", "\\)")):
+        JobConfig(**fields)
+
+
+def test_backends_are_the_providers_plus_tensorflow_and_the_floor():
+    from rdmatensor.providers import REGISTRY
+    assert set(BACKENDS) == {"auto", *REGISTRY, "tf-grpc", "none"}
+    assert BACKENDS["tf-grpc"].modes == ("allreduce",) and not BACKENDS["tf-grpc"].threads
+    config = JobConfig(model="lm", batch=16, image_size=64)
+    assert JobConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    with pytest.raises(JobError, match="unknown job field"):
+        JobConfig.from_dict({"modle": "mlp"})
+
+
+def test_summary_and_comparison_arithmetic():
+    def job(provider, step_ms):
+        results = [RankResult(r, "worker", provider, losses=[1.0 + r, 0.5 + r], step_seconds=[step_ms / 1e3] * 2,
+                              comm_seconds=0.0 if provider == "none" else None) for r in range(2)]
+        return summarize(JobConfig(provider=provider, steps=3), results)
+    floor, tf, shm = job("none", 100.0), job("tf-grpc", 400.0), job("shm", 125.0)
+    assert floor.losses == [1.5, 1.0] and floor.median_step_ms == pytest.approx(100.0)
+    assert floor.steps_per_s == pytest.approx(10.0) and floor.comm_ms_per_step == 0.0
+    assert tf.comm_ms_per_step is None                       # not measured: stays None, not 0
+    baseline, rows = compare([floor, shm, tf])
+    assert baseline == "tf-grpc"
+    by = {r.provider: r for r in rows}
+    assert by["shm"].efficiency == pytest.approx(0.8) and by["shm"].ratio == pytest.approx(3.2)
+    assert by["tf-grpc"].efficiency == pytest.approx(0.25) and by["tf-grpc"].ratio == pytest.approx(1.0)
+    grpc = job("grpc", 250.0)
+    assert compare([shm, grpc])[0] == "grpc" and compare([shm, grpc])[1][0].ratio == pytest.approx(2.0)
+    baseline, alone = compare([shm])
+    assert baseline is None and alone[0].efficiency is None and alone[0].ratio is None
+
+
+def test_floor_beside_tcp_in_one_run(tmp_path, close_to_reference):
+    """rdmatensor-train --provider none,tcp: the floor moves nothing, tcp learns the reference."""
+    out = tmp_path / "cmp.json"
+    proc = subprocess.run([sys.executable, "-m", "tf_plugin.launch", "--workers", "2", "--provider", "none,tcp",
+                           "--model", "mlp", "--steps", "20", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "efficiency" in proc.stdout and "median step" in proc.stdout
+    doc = json.loads(out.read_text())
+    floor, tcp = (job["summary"] for job in doc["jobs"])
+    assert floor["bytes_per_step"] == 0 and floor["writes_per_step"] == 0
+    assert tcp["bytes_per_step"] > 0 and len(doc["jobs"][1]["ranks"][0]["step_seconds"]) == 19
+    assert doc["comparison"]["efficiency"]["none"] == 1.0 and 0 < doc["comparison"]["efficiency"]["tcp"]
+    close_to_reference("mlp", tcp["losses"])
+    assert doc["command"].startswith("rdmatensor-train --workers 2")
+
+
+def test_transformer_lm_two_workers_match_one_process_on_the_global_batch():
+    """The LM's sparse embedding gradient, all-reduced as dense, trains as one process does."""
+    from tf_plugin import models, runner
+    config = JobConfig(model="lm", provider="tcp", steps=4, batch=8)
+    s = summarize(config, runner.run_threads(config))
+    want = models.train_local("lm", 4, global_batch=8)
+    np.testing.assert_allclose(s.losses, want, rtol=1e-4)
+    assert s.writes_per_step == 2 * 2                        # one fused float32 bucket, rs + ag per rank
+
+
+def test_mobilenetv2_trains_over_shm():
+    """The smallest keras.applications model, 32x32: its ~160 gradients go as one fused bucket."""
+    from tf_plugin import runner
+    config = JobConfig(model="mobilenetv2", provider="shm", steps=2, batch=4)
+    s = summarize(config, runner.run_threads(config))
+    assert s.writes_per_step == 2 * 2 and np.isfinite(s.final_loss)
+    # each rank sends half the float32 bucket twice (reduce-scatter, all-gather)
+    assert s.bytes_per_step == pytest.approx(2 * 2_236_682 * 4, rel=0.01)

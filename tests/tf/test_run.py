@@ -1,0 +1,304 @@
+"""rdmatensor-run: ranks, environment, prefixed output, failures, timeout, arguments.
+
+The ranks here are small plain Python scripts (no TensorFlow): the launcher is
+what is tested, with real processes, signals and process groups."""
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tf_plugin import run
+
+LAUNCHER = [sys.executable, "-m", "tf_plugin.run"]
+
+
+def launcher(*args, timeout=60, **kw):
+    """Run rdmatensor-run; (completed process, seconds)."""
+    t0 = time.monotonic()
+    proc = subprocess.run([*LAUNCHER, *args], capture_output=True, text=True, timeout=timeout, **kw)
+    return proc, time.monotonic() - t0
+
+
+def script(tmp_path, name, body):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def gone(pid: int) -> bool:
+    """No such process, or only its zombie (killed, waiting for whoever reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def lines_of(text: str, rank: int) -> list[str]:
+    prefix = f"[{rank}] "
+    return [line[len(prefix):] for line in text.splitlines() if line.startswith(prefix)]
+
+
+def test_two_ranks_get_distinct_tf_config_ranks_and_one_token(tmp_path):
+    body = script(tmp_path, "env.py", """
+        import json, os, sys
+        print(json.dumps({k: v for k, v in os.environ.items()
+                          if k.startswith(("TF_CONFIG", "RDMATENSOR_", "HOROVOD_", "OMPI_"))}))
+        print("to stderr", file=sys.stderr)
+    """)
+    proc, _ = launcher("-np", "2", "--provider", "tcp", sys.executable, body)
+    assert proc.returncode == 0, proc.stderr
+    envs = {r: json.loads(lines_of(proc.stdout, r)[0]) for r in (0, 1)}
+    assert lines_of(proc.stderr, 0) == lines_of(proc.stderr, 1) == ["to stderr"]
+    configs = {r: json.loads(e["TF_CONFIG"]) for r, e in envs.items()}
+    workers = configs[0]["cluster"]["worker"]
+    assert len(workers) == 2 and len(set(workers)) == 2 and "ps" not in configs[0]["cluster"]
+    for r in (0, 1):
+        e = envs[r]
+        assert configs[r]["cluster"]["worker"] == workers
+        assert configs[r]["task"] == {"type": "worker", "index": r}
+        assert (e["RDMATENSOR_RANK"], e["RDMATENSOR_SIZE"]) == (str(r), "2")
+        assert (e["RDMATENSOR_LOCAL_RANK"], e["RDMATENSOR_LOCAL_SIZE"]) == (str(r), "2")
+        assert (e["HOROVOD_RANK"], e["HOROVOD_LOCAL_SIZE"], e["OMPI_COMM_WORLD_SIZE"]) == (str(r), "2", "2")
+        assert e["RDMATENSOR_PROVIDER"] == "tcp"
+    assert envs[0]["RDMATENSOR_TOKEN"] == envs[1]["RDMATENSOR_TOKEN"] and len(envs[0]["RDMATENSOR_TOKEN"]) == 32
+    again, _ = launcher("-np", "1", sys.executable, body)
+    assert json.loads(lines_of(again.stdout, 0)[0])["RDMATENSOR_TOKEN"] != envs[0]["RDMATENSOR_TOKEN"]
+    assert "RDMATENSOR_PROVIDER" not in json.loads(lines_of(again.stdout, 0)[0])
+
+
+def test_ps_tasks_join_tf_config_after_the_workers(tmp_path):
+    body = script(tmp_path, "cfg.py", """
+        import os
+        print(os.environ["TF_CONFIG"])
+        print(os.environ["RDMATENSOR_LOCAL_RANK"], os.environ["RDMATENSOR_LOCAL_SIZE"],
+              os.environ.get("HOROVOD_SIZE", "-"))
+    """)
+    proc, _ = launcher("-np", "2", "--ps", "1", sys.executable, body)
+    assert proc.returncode == 0, proc.stderr
+    cfg = json.loads(lines_of(proc.stdout, 2)[0])
+    assert len(cfg["cluster"]["worker"]) == 2 and len(cfg["cluster"]["ps"]) == 1
+    assert cfg["task"] == {"type": "ps", "index": 0}
+    # local rank and size count the host's tasks of the same type: 2 workers, 1 ps here
+    assert [lines_of(proc.stdout, r)[1] for r in range(3)] == ["0 2 2", "1 2 2", "0 1 -"]
+
+
+def test_long_lines_from_both_ranks_arrive_whole(tmp_path):
+    body = script(tmp_path, "lines.py", """
+        import os, sys
+        r = os.environ["RDMATENSOR_RANK"]
+        for i in range(300):
+            stream = sys.stdout if i % 2 else sys.stderr
+            stream.write(f"{r}:{i}:" + r * 5000 + "\\n")
+            stream.flush()
+        sys.stdout.write("no newline at the end")
+    """)
+    proc, _ = launcher("-np", "2", sys.executable, body)
+    assert proc.returncode == 0, proc.stderr
+    for r in (0, 1):
+        out, err = lines_of(proc.stdout, r), lines_of(proc.stderr, r)
+        assert len(out) == 151 and len(err) == 150 and out[-1] == "no newline at the end"
+        for line in out[:-1] + err:
+            head, _, payload = line.rpartition(":")
+            assert head.startswith(f"{r}:") and payload == str(r) * 5000, line[:80]
+    assert all(line.startswith(("[0] ", "[1] ")) for line in proc.stdout.splitlines())
+
+
+@pytest.mark.parametrize("death", ["exit3", "sigkill"])
+def test_a_failing_rank_stops_the_job_naming_it_and_leaves_no_process(tmp_path, death):
+    """Rank 1 fails; rank 0 (and its own child) would sleep for a minute."""
+    pids = tmp_path / "pids"
+    body = script(tmp_path, "fail.py", f"""
+        import os, signal, subprocess, sys, time
+        if os.environ["RDMATENSOR_RANK"] == "0":
+            child = subprocess.Popen(["sleep", "60"])
+            with open({str(pids)!r}, "w") as f:
+                f.write(f"{{os.getpid()}} {{child.pid}}")
+            time.sleep(60)
+        else:
+            while not os.path.exists({str(pids)!r}):
+                time.sleep(0.05)
+            if {death!r} == "exit3":
+                sys.exit(3)
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    proc, seconds = launcher("-np", "2", "--grace", "2", sys.executable, body)
+    want = "exited with status 3" if death == "exit3" else "was killed by signal 9 (SIGKILL)"
+    assert f"rank 1 (worker 1 on localhost) {want}" in proc.stderr, proc.stderr
+    assert proc.returncode == (3 if death == "exit3" else 128 + 9)
+    assert seconds < 15, f"the launcher took {seconds:.1f} s to stop the job"
+    for pid in map(int, pids.read_text().split()):
+        assert gone(pid), f"process {pid} outlived the job"
+
+
+def test_a_rank_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path):
+    pidfile = tmp_path / "pid"
+    body = script(tmp_path, "stubborn.py", f"""
+        import os, signal, sys, time
+        if os.environ["RDMATENSOR_RANK"] == "0":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            open({str(pidfile)!r}, "w").write(str(os.getpid()))
+            time.sleep(60)
+        while not os.path.exists({str(pidfile)!r}):
+            time.sleep(0.05)
+        sys.exit(1)
+    """)
+    proc, seconds = launcher("-np", "2", "--grace", "1", sys.executable, body)
+    assert proc.returncode == 1 and "still running after 1 s: SIGKILL" in proc.stderr, proc.stderr
+    assert seconds < 15 and gone(int(pidfile.read_text()))
+
+
+def sleeper(tmp_path):
+    """A rank that records its pid, then sleeps for a minute; (script, pid file)."""
+    pids = tmp_path / "pids"
+    return script(tmp_path, "sleep.py", f"""
+        import os, time
+        with open({str(pids)!r}, "a") as f:
+            f.write(f"{{os.getpid()}}\\n")
+        time.sleep(60)
+    """), pids
+
+
+def test_timeout_stops_every_rank_with_status_124(tmp_path):
+    body, pids = sleeper(tmp_path)
+    proc, seconds = launcher("-np", "2", "--timeout", "2", sys.executable, body)
+    assert proc.returncode == 124, proc.stderr
+    assert "did not finish within its 2 s timeout (--timeout)" in proc.stderr
+    assert seconds < 12
+    assert len(pids.read_text().split()) == 2 and all(gone(int(p)) for p in pids.read_text().split())
+
+
+def test_sigterm_to_the_launcher_stops_the_ranks(tmp_path):
+    body, pids = sleeper(tmp_path)
+    proc = subprocess.Popen([*LAUNCHER, "-np", "2", sys.executable, body], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 20
+    while (not pids.exists() or len(pids.read_text().split()) < 2) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 143 and "got SIGTERM" in err, err
+    assert all(gone(int(p)) for p in pids.read_text().split())
+
+
+def test_every_rank_succeeding_exits_zero_and_a_missing_command_is_named(tmp_path):
+    proc, _ = launcher("-np", "2", sys.executable, "-c", "pass")
+    assert proc.returncode == 0 and proc.stderr == ""
+    proc, _ = launcher("-np", "1", "/nonexistent/command")
+    assert proc.returncode != 0 and "cannot start rank 0" in proc.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-np", "0", "true"], "need at least one worker"),
+    (["-np", "3", "-H", "localhost:2", "true"], "3 ranks, but the hosts have 2 slot(s)"),
+    (["-np", "2", "--ps", "1", "-H", "localhost:2", "true"], "-np 2 + --ps 1 = 3 ranks"),
+    (["-np", "2", "-H", "a:x", "true"], "slots of 'a' must be a positive integer, not 'x'"),
+    (["-np", "2", "-H", "a:0", "true"], "slots of 'a' must be a positive integer"),
+    (["-np", "2", "-H", ":2", "true"], "':2' is not host[:slots]"),
+    (["-np", "2", "-H", "a:1,a:1", "true"], "host 'a' is listed twice"),
+    (["-np", "2"], "give the command every rank runs"),
+    (["-np", "2", "--timeout", "0", "true"], "--timeout 0: must be positive"),
+    (["-np", "2", "--provider", "carrier-pigeon", "true"], "invalid choice: 'carrier-pigeon'"),
+    (["-np", "2", "-H", "elsewhere:2", "--softroce-vm", "true"], "-H must name only this host"),
+])
+def test_bad_arguments_are_refused_saying_what_is_wrong(args, message):
+    proc, _ = launcher(*args)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_hosts_fill_in_order_with_local_ranks_and_ssh_for_remote_hosts():
+    with pytest.raises(run.LaunchError, match="4 ranks, but the hosts have 3 slot"):
+        run.place(3, run.parse_hosts("localhost:1,node1:2"), ps=1, ports=[0] * 4)
+    placements = run.place(3, run.parse_hosts("localhost:1,node1:2,node2"), ps=1, ports=[7000, 7001, 7002, 7003])
+    assert [(p.rank, p.task_type, p.index, p.host, p.local_rank, p.local_size, p.local) for p in placements] == [
+        (0, "worker", 0, "localhost", 0, 1, True), (1, "worker", 1, "node1", 0, 2, False),
+        (2, "worker", 2, "node1", 1, 2, False), (3, "ps", 0, "node2", 0, 1, False)]
+    shared = run.place(3, run.parse_hosts("node1:2,node2:2"), ps=1, ports=[0] * 4)
+    assert [(p.host, p.task_type, p.local_rank, p.local_size) for p in shared] == [
+        ("node1", "worker", 0, 2), ("node1", "worker", 1, 2), ("node2", "worker", 0, 1), ("node2", "ps", 0, 1)]
+    # a remote peer cannot reach 127.0.0.1: the local rank is named by this machine's host name
+    import socket
+    assert [p.address for p in placements] == [f"{socket.gethostname()}:7000", "node1:7001", "node1:7002",
+                                               "node2:7003"]
+    env = run.rank_env(placements, placements[2], "tok", "verbs")
+    assert json.loads(env["TF_CONFIG"]) == {"cluster": {"worker": [placements[0].address, "node1:7001",
+                                                                   "node1:7002"], "ps": ["node2:7003"]},
+                                            "task": {"type": "worker", "index": 2}}
+    assert (env["RDMATENSOR_LOCAL_RANK"], env["HOROVOD_LOCAL_RANK"], env["HOROVOD_SIZE"]) == ("1", "1", "3")
+    cmd = run.ssh_command("node1", {"A": "x y", "B": "it's"}, ["python", "train.py", "--lr", "0.1"], "/data/my job",
+                          ssh_port=2222)
+    assert cmd[:6] == ["ssh", "-o", "BatchMode=yes", "-p", "2222", "node1"] and len(cmd) == 7
+    script_text = run.remote_script({"A": "x y", "B": "it's"}, ["python", "train.py", "--lr", "0.1"], "/data/my job")
+    assert cmd[6] == "sh -c " + shlex.quote(script_text)
+    assert script_text.startswith("cd '/data/my job' || exit 127\n")
+    setsid, sh, dash_c, rank_command = shlex.split(script_text.splitlines()[2])[:4]
+    assert (setsid, sh, dash_c) == ("setsid", "sh", "-c")
+    assert shlex.split(rank_command) == ["exec", "env", "A=x y", "B=it's", "python", "train.py", "--lr", "0.1"]
+    job = run.Job(placements, ["python", "train.py"], provider="tcp", forward=["FORWARDED_VAR"], token="tok")
+    os.environ["FORWARDED_VAR"] = "1"
+    try:
+        argv, env_local = job.argv_of(placements[1])
+    finally:
+        del os.environ["FORWARDED_VAR"]
+    assert argv[:4] == ["ssh", "-o", "BatchMode=yes", "node1"] and env_local is None
+    assert "FORWARDED_VAR=1" in argv[4] and "RDMATENSOR_TOKEN=tok" in argv[4] and "PYTHONUNBUFFERED=1" in argv[4]
+    argv, env_local = job.argv_of(placements[0])
+    assert argv == ["python", "train.py"] and env_local["RDMATENSOR_PROVIDER"] == "tcp"
+
+
+def remote_rank(tmp_path, body: str, env=None):
+    """A rank started the way a remote host starts it (the ssh remote script, run by sh
+    here instead of sshd), its standard input standing for the ssh connection."""
+    text = run.remote_script(env or {"RANK_VAR": "r1"}, [sys.executable, script(tmp_path, "remote.py", body)],
+                             str(tmp_path), grace=1)
+    return subprocess.Popen(["sh", "-c", text], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_remote_script_runs_the_rank_in_its_directory_with_its_variables_and_status(tmp_path):
+    proc = remote_rank(tmp_path, """
+        import os, sys
+        print(os.getcwd(), os.environ["RANK_VAR"])
+        sys.exit(3)
+    """)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 3 and out.split() == [str(tmp_path), "r1"]
+
+
+def test_remote_rank_stops_when_its_connection_ends(tmp_path):
+    """Closing the connection (the launcher stopping, or the ssh client dying) stops the
+    rank's whole process group on the remote host."""
+    pids = tmp_path / "pids"
+    proc = remote_rank(tmp_path, f"""
+        import os, subprocess, time
+        child = subprocess.Popen(["sleep", "60"])
+        open({str(pids)!r}, "w").write(f"{{os.getpid()}} {{child.pid}}")
+        time.sleep(60)
+    """)
+    deadline = time.monotonic() + 20
+    while not pids.exists() or len(pids.read_text().split()) < 2:
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    proc.stdin.close()
+    proc.wait(timeout=20)
+    assert time.monotonic() - t0 < 5 and proc.returncode == 128 + signal.SIGTERM
+    for pid in map(int, pids.read_text().split()):
+        assert gone(pid), f"process {pid} outlived its connection"
+
+
+@pytest.mark.vm
+def test_softroce_vm_runs_every_rank_in_one_vm_with_an_active_rdma_port(vm_ready):
+    probe = ("import os; from rdmatensor.devices import active_port; "
+             "print(os.environ['RDMATENSOR_RANK'], os.environ['RDMATENSOR_PROVIDER'], active_port()[0].name)")
+    proc, _ = launcher("-np", "2", "--provider", "verbs", "--softroce-vm", "--timeout", "120",
+                       sys.executable, "-c", probe, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(x for x in proc.stdout.splitlines() if x.startswith("[")) == ["[0] 0 verbs rxe0",
+                                                                                "[1] 1 verbs rxe0"]

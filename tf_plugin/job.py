@@ -1,0 +1,268 @@
+"""One training job: what to run (JobConfig), what each rank measured (RankResult),
+the job's figures (Summary), and the backends a job can run on (BACKENDS).
+
+Backends:
+    auto, verbs, shm, tcp, ...    rdmatensor's providers (rdmatensor.providers.REGISTRY, baselines
+                                  such as grpc included), trained by runner.run_rank
+    tf-grpc                       TensorFlow's own MultiWorkerMirroredStrategy (tf_baseline.py)
+    none                          the same ranks training with no communication at all: the
+                                  compute floor every other backend is measured against
+
+Both runners build their RankResult here and the launcher summarizes and
+compares them here, so every backend reports the same figures. This module
+does not import TensorFlow.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import statistics
+from dataclasses import dataclass, field
+
+from rdmatensor.providers import REGISTRY
+
+from . import models
+
+MODES = ("allreduce", "ps")
+
+
+class JobError(ValueError):
+    """A job description that cannot run, saying which field is wrong."""
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    kind: str                     # rdmatensor | tensorflow | none
+    about: str
+    modes: tuple[str, ...]
+    entry: str                    # "module:function" running one rank: (cluster, JobConfig, token) -> RankResult
+    threads: bool = True          # can its ranks share one process (runner.run_threads)?
+
+    def run_rank(self, cluster, config: "JobConfig", token: str | None = None) -> "RankResult":
+        module, function = self.entry.split(":")
+        return getattr(importlib.import_module(module), function)(cluster, config, token)
+
+
+def _backends() -> dict[str, Backend]:
+    table = {"auto": Backend("auto", "rdmatensor", "rdmatensor, the provider chosen by auto", MODES,
+                             "tf_plugin.runner:run_rank")}
+    for name, provider in REGISTRY.items():
+        table[name] = Backend(name, "rdmatensor", f"rdmatensor over {name}: {provider.description}", MODES,
+                              "tf_plugin.runner:run_rank")
+    table["tf-grpc"] = Backend("tf-grpc", "tensorflow", "TensorFlow's own MultiWorkerMirroredStrategy (gRPC ring)",
+                               ("allreduce",), "tf_plugin.tf_baseline:run_rank", threads=False)
+    table["none"] = Backend("none", "none", "no communication: the compute floor", MODES,
+                            "tf_plugin.runner:run_rank")
+    return table
+
+
+BACKENDS = _backends()
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """A training job. `batch` is the global batch, split evenly over the workers;
+    `image_size` applies to the keras.applications models; `in_graph` runs the
+    all-reduce inside the step's tf.function (ranks in separate processes only);
+    `fusion` all-reduces every gradient of a dtype as one bucket."""
+    mode: str = "allreduce"
+    model: str = "mlp"
+    provider: str = "auto"
+    workers: int = 2
+    ps: int = 0
+    steps: int = 20
+    seed: int = 0
+    batch: int = 64
+    lr: float = 0.05
+    timeout: float = 120.0
+    in_graph: bool = False
+    fusion: bool = True
+    image_size: int = 32
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise JobError(f"mode {self.mode!r}: choose one of {', '.join(MODES)}")
+        if self.model not in models.MODELS:
+            raise JobError(f"model {self.model!r}: choose one of {', '.join(models.MODELS)}")
+        backend = BACKENDS.get(self.provider)
+        if backend is None:
+            raise JobError(f"provider {self.provider!r}: choose one of {', '.join(BACKENDS)}")
+        if self.mode not in backend.modes:
+            raise JobError(f"provider {self.provider!r} ({backend.about}) has no {self.mode} mode")
+        if self.workers < 1:
+            raise JobError(f"workers {self.workers}: need at least one")
+        if (self.mode == "ps") != (self.ps > 0) or self.ps < 0:
+            raise JobError(f"ps {self.ps}: the ps mode needs at least one parameter server, "
+                           "the allreduce mode none")
+        if self.steps < 2:
+            raise JobError(f"steps {self.steps}: need at least 2 (the first one traces and is not timed)")
+        if self.batch < self.workers or self.batch % self.workers:
+            raise JobError(f"batch {self.batch} (global) does not split evenly over {self.workers} workers")
+        if self.lr <= 0 or self.timeout <= 0:
+            raise JobError(f"lr {self.lr} and timeout {self.timeout} must be positive")
+        if self.model in models.APPLICATIONS and self.image_size < models.MIN_IMAGE_SIZE:
+            raise JobError(f"image_size {self.image_size}: {self.model} needs at least {models.MIN_IMAGE_SIZE}")
+
+    @property
+    def backend(self) -> Backend:
+        return BACKENDS[self.provider]
+
+    @property
+    def per_worker_batch(self) -> int:
+        return self.batch // self.workers
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> "JobConfig":
+        unknown = set(doc) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise JobError(f"unknown job field(s) {sorted(unknown)}")
+        return cls(**doc)
+
+
+@dataclass
+class RankResult:
+    """What one rank measured. Per-step figures cover the timed steps (all but the
+    first, which traces); None where the backend cannot measure a figure."""
+    rank: int
+    role: str                               # worker | ps
+    provider: str                           # the provider actually used (auto resolved)
+    losses: list[float] = field(default_factory=list)      # a worker's loss, one per step
+    step_seconds: list[float] = field(default_factory=list)
+    setup_seconds: float = 0.0
+    comm_seconds: float | None = None
+    bytes_sent_per_step: float | None = None
+    writes_per_step: float | None = None
+    session_copies_per_step: float | None = None
+    plugin_copies_per_step: float | None = None
+    zero_copy_per_step: float | None = None
+    dynamic: int = 0                        # session counters over the whole job
+    fallbacks: int = 0
+    grows: int = 0
+    note: str = ""
+
+    @property
+    def timed_steps(self) -> int:
+        return len(self.step_seconds)
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.step_seconds)
+
+    @classmethod
+    def from_session(cls, cluster, losses, step_seconds, setup_seconds, comm_seconds, before: dict,
+                     after: dict, tally_before: dict, tally_after: dict) -> "RankResult":
+        """A rank trained over an rdmatensor session: stats() and Meter tallies around the timed steps."""
+        timed = max(len(step_seconds), 1)
+
+        def per_step(start, end, key):
+            return (end[key] - start[key]) / timed
+
+        copies = sum(per_step(tally_before, tally_after, k) for k in ("copied", "forwarded", "fused"))
+        return cls(cluster.rank, cluster.task_type, after["provider"], list(losses), list(step_seconds),
+                   setup_seconds, comm_seconds, per_step(before, after, "bytes_sent"),
+                   per_step(before, after, "writes"), per_step(before, after, "copies"), copies,
+                   per_step(tally_before, tally_after, "zero_copy"),
+                   after["dynamic"], after["fallbacks"], after["grows"])
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> "RankResult":
+        return cls(**doc)
+
+
+def _total(values):
+    """Sum, or None when a figure was not measured by this backend."""
+    values = list(values)
+    return None if any(v is None for v in values) else sum(values)
+
+
+@dataclass
+class Summary:
+    """One job's figures from its ranks' results (see summarize)."""
+    config: JobConfig
+    provider_used: str
+    workers: int
+    ps: int
+    timed_steps: int
+    steps_per_s: float
+    median_step_ms: float
+    setup_seconds: float
+    bytes_per_step: float | None
+    writes_per_step: float | None
+    copies_per_step: float | None           # includes the grpc baseline's (de)serialization copies
+    zero_copy_ingest_per_step: float | None
+    comm_ms_per_step: float | None          # per worker
+    comm_fraction: float | None
+    dynamic: int
+    fallbacks: int
+    grows: int
+    losses: list[float]                     # the global loss per step: mean over the workers' shards
+    wall_seconds: float = 0.0               # set by the launcher: start to results, setup included
+
+    @property
+    def provider(self) -> str:
+        return self.config.provider
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.losses[-1] if self.losses else None
+
+    def to_dict(self) -> dict:
+        doc = dataclasses.asdict(self)
+        doc["config"] = self.config.to_dict()
+        doc["final_loss"] = self.final_loss
+        return doc
+
+
+def summarize(config: JobConfig, results: list[RankResult]) -> Summary:
+    """A job's figures. A step's time is its slowest worker's (ranks wait for each
+    other in every step except on `none`, where the slowest rank still bounds
+    the job); steps/s counts the timed steps over the slowest worker's time."""
+    workers = [r for r in results if r.role == "worker"]
+    if not workers:
+        raise JobError("no worker results to summarize")
+    timed = min(w.timed_steps for w in workers)
+    per_step = [max(w.step_seconds[k] for w in workers) for k in range(timed)]
+    seconds = max(w.seconds for w in workers)
+    losses = [sum(w.losses[k] for w in workers) / len(workers) for k in range(min(len(w.losses) for w in workers))]
+    comm = _total(w.comm_seconds for w in workers)
+    copies = _total(v for r in results for v in (r.session_copies_per_step, r.plugin_copies_per_step))
+    return Summary(
+        config=config, provider_used=results[0].provider, workers=len(workers), ps=len(results) - len(workers),
+        timed_steps=timed, steps_per_s=timed / seconds if seconds else 0.0,
+        median_step_ms=1e3 * statistics.median(per_step) if per_step else 0.0,
+        setup_seconds=max(r.setup_seconds for r in results),
+        bytes_per_step=_total(r.bytes_sent_per_step for r in results),
+        writes_per_step=_total(r.writes_per_step for r in results),
+        copies_per_step=copies,
+        zero_copy_ingest_per_step=_total(r.zero_copy_per_step for r in results),
+        comm_ms_per_step=None if comm is None else 1e3 * comm / len(workers) / max(timed, 1),
+        comm_fraction=None if comm is None or not seconds else comm / len(workers) / seconds,
+        dynamic=sum(r.dynamic for r in results), fallbacks=sum(r.fallbacks for r in results),
+        grows=sum(r.grows for r in results), losses=losses)
+
+
+@dataclass
+class Row:
+    provider: str
+    summary: Summary
+    efficiency: float | None      # floor (none) median step time / this median step time
+    ratio: float | None           # this steps/s over the baseline's
+
+
+def compare(summaries: list[Summary]) -> tuple[str | None, list[Row]]:
+    """Rows side by side: the scaling efficiency against `none` (when it ran) and
+    steps/s over the baseline: TensorFlow's own strategy (tf-grpc), else
+    rdmatensor's gRPC baseline, whichever ran in the same run."""
+    by = {s.provider: s for s in summaries}
+    floor = by.get("none")
+    baseline = next((b for b in ("tf-grpc", "grpc") if b in by), None)
+    base = by[baseline].steps_per_s if baseline else 0.0
+    return baseline, [Row(s.provider, s, floor.median_step_ms / s.median_step_ms if floor and s.median_step_ms
+                          else None, s.steps_per_s / base if base else None) for s in summaries]
