@@ -9,7 +9,9 @@ Where the job comes from:
 - RDMATENSOR_TOKEN: the job's shared secret (required with more than one rank);
 - RDMATENSOR_LOCAL_RANK / RDMATENSOR_LOCAL_SIZE: set by the launcher; without
   them, the workers of TF_CONFIG on this worker's host are counted;
-- RDMATENSOR_PROVIDER (default auto), RDMATENSOR_TIMEOUT (seconds, default 120).
+- RDMATENSOR_PROVIDER (default auto), RDMATENSOR_TIMEOUT (seconds, default 120),
+  RDMATENSOR_FUSION_THRESHOLD (bytes per all-reduce bucket), RDMATENSOR_TIMELINE
+  (the all-reduce's time line, see timeline.py).
 """
 from __future__ import annotations
 
@@ -69,12 +71,13 @@ def local_of(cluster: Cluster) -> tuple[int, int]:
 
 
 def init(model=None, provider: str | None = None, cluster: Cluster | None = None, token: str | None = None,
-         timeout: float | None = None) -> None:
+         timeout: float | None = None, fusion_threshold: int | None = None) -> None:
     """Join the job: connect the bootstrap channel between the workers. No model is
     needed; with one (a built Keras model), the tensor sets of its first step
     (gradient all-reduce of its trainable variables, broadcast of all its
     variables from rank 0) are planned now, in one exchange. Calling init() again
-    only plans ahead for the model given."""
+    only plans ahead for the model given. `fusion_threshold`: bytes per
+    all-reduce bucket (default RDMATENSOR_FUSION_THRESHOLD, else 4 MiB)."""
     global _world
     if _world is None:
         if cluster is None and os.environ.get("TF_CONFIG"):
@@ -92,7 +95,12 @@ def init(model=None, provider: str | None = None, cluster: Cluster | None = None
         peers = {r: a for r, a in enumerate(cluster.workers)}
         boot = Bootstrap(rank, peers, provider, token, timeout)
         hosts = [_host(a) for a in cluster.workers]
-        _world = World(rank, size, *local_of(cluster), boot, Collectives(boot, hosts, provider, token, timeout))
+        try:
+            collectives = Collectives(boot, hosts, provider, token, timeout, fusion_threshold)
+        except BaseException:
+            boot.close()
+            raise
+        _world = World(rank, size, *local_of(cluster), boot, collectives)
         atexit.register(shutdown)          # peers hear a goodbye, not a silence, when a script just ends
     if model is not None:
         from .horovod import plan_ahead
