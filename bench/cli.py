@@ -335,6 +335,17 @@ def evaluate_targets(rows: list[dict], setup_rows: list[dict]) -> list[dict]:
         if s["tensors"] == 10000 and s["provider"] in ("shm", "tcp"):
             check(f"setup of 10,000 tensors on {s['provider']} < 1 s", s["setup_s"] < 1.0,
                   f"{s['setup_s']:.3f} s")
+    # Per-message overhead on the host: a tiny tensor's half round trip, and a
+    # step of 1,000 tiny tensors (sent, then received) per tensor.
+    for provider, bound in (("shm", 10.0), ("tcp", 20.0)):
+        r = row("lat", provider, 8)
+        if r:
+            check(f"{provider} 8 B half round trip <= {bound:.0f} us", r["lat_us"]["median"] <= bound,
+                  f"{r['lat_us']['median']:.1f} us")
+    r = row("step", "shm", 1000 * 8)
+    if r and r.get("extra", {}).get("tensors") == 1000 and r.get("msg_per_s"):
+        check("shm 1,000-tensor step (1000x8) <= 5 us per tensor", 1e6 / r["msg_per_s"] <= 5.0,
+              f"{1e6 / r['msg_per_s']:.1f} us per tensor")
     return out
 
 

@@ -37,7 +37,8 @@ def segment_prefix(job: str | None = None) -> str:
     return f"{SEGMENT_PREFIX}{job}-" if JOB_ID.fullmatch(job) else SEGMENT_PREFIX
 
 
-def _map_shared(name: str, size: int, create: bool) -> mmap.mmap:
+def _map_shared(name: str, size: int | None, create: bool) -> mmap.mmap:
+    """Map a segment; `size` None (opening only) maps all of it."""
     path = os.path.join(SHM_DIR, name)
     # 0600 and O_EXCL: only this user can map it, and never a segment someone planted.
     # Opening a peer's segment: no symlink followed, no FIFO waited on, and only a
@@ -52,7 +53,9 @@ def _map_shared(name: str, size: int, create: bool) -> mmap.mmap:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
                 raise ForeignSegment(f"{name} is not a shared segment of this user")
-            if st.st_size < size:
+            if size is None:
+                size = st.st_size
+            if size <= 0 or st.st_size < size:
                 raise ForeignSegment(f"shared segment {name} holds {st.st_size} bytes, expected {size}")
         return mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
     finally:
@@ -129,13 +132,14 @@ class MappedArena:
     Its name is unlinked once mapped: the two mappings keep the memory, and
     nothing is left in /dev/shm however either process ends."""
 
-    def __init__(self, name: str, size: int):
+    def __init__(self, name: str, size: int | None = None):
+        """Map `size` bytes of the peer's segment `name` (all of it when None)."""
         if "/" in name or not name.startswith(SEGMENT_PREFIX):
             raise ForeignSegment(f"{name!r} is not an rdmatensor segment name")
         self._map = _map_shared(name, size, create=False)
         _unlink(name)
-        self.size = size
-        self.buf = np.frombuffer(self._map, dtype=np.uint8, count=size)
+        self.name, self.size = name, len(self._map)
+        self.buf = np.frombuffer(self._map, dtype=np.uint8, count=self.size)
 
     def close(self) -> None:
         if self.buf is None:

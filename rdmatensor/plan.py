@@ -96,7 +96,9 @@ class TensorSpec:
         return 0 if self.is_static else _align(8 * (1 + len(self.shape)))
 
     def matches(self, array: np.ndarray) -> bool:
-        return array.dtype == self.dtype and len(array.shape) == len(self.shape) and all(
+        if array.dtype != self.dtype:
+            return False
+        return array.shape == self.shape or len(array.shape) == len(self.shape) and all(
             want is None or want == got for want, got in zip(self.shape, array.shape, strict=False))
 
     def canonical(self) -> dict:

@@ -68,6 +68,9 @@ def test_targets_are_judged_from_the_rows():
         {"mode": "bw", "provider": "tcp", "size": 64 << 20, "mb_per_s": 900.0, "ratio_to_reference": 0.9,
          "ratio_to_grpc": 3.0},
         {"mode": "lat", "provider": "shm", "size": 4096, "lat_us": {"median": 10.0}, "ratio_to_grpc": 0.04},
+        {"mode": "lat", "provider": "shm", "size": 8, "lat_us": {"median": 9.5}},
+        {"mode": "lat", "provider": "tcp", "size": 8, "lat_us": {"median": 20.5}},
+        {"mode": "step", "provider": "shm", "size": 8000, "msg_per_s": 250000.0, "extra": {"tensors": 1000}},
     ]
     setup = [{"provider": "tcp", "tensors": 10000, "setup_s": 1.5}]
     got = {t["target"]: t["met"] for t in evaluate_targets(rows, setup)}
@@ -75,6 +78,9 @@ def test_targets_are_judged_from_the_rows():
     assert got["tcp 64 MiB >= 4x grpc"] is False
     assert got["shm 4 KiB latency <= 1/20 of grpc"] is True
     assert got["setup of 10,000 tensors on tcp < 1 s"] is False
+    assert got["shm 8 B half round trip <= 10 us"] is True
+    assert got["tcp 8 B half round trip <= 20 us"] is False
+    assert got["shm 1,000-tensor step (1000x8) <= 5 us per tensor"] is True
 
 
 @pytest.mark.rdma

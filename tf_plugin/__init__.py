@@ -18,11 +18,15 @@ One concept per module:
     models      demo models (mlp, cnn, embed), synthetic data, single-process reference
     step        the traced loss-and-gradients function the analyzer and trainers share
     analyzer    analyze(model | tf.function, mode, workers, ps) -> Analysis(plan, explain())
-    ingest      received slot -> tf.Tensor with no copy (DLPack); when the slot is released
+    ingest      received slot -> tf.Tensor with no copy (DLPack); when the slot is released;
+                output buffers reused once TensorFlow frees them
+    background  the communication thread: every bucket's ring, in plan order, while backprop runs
+    overlap     the all-reduce in a graph: one launch op and one wait op per bucket
+    timeline    RDMATENSOR_TIMELINE: when buckets were ready, rings ran, TensorFlow waited (Chrome trace)
     ops         send(tensor, name, dst) / recv(name, src, dtype, shape) inside tf.function
     ps          parameter-server training (PSWorker, ParameterServer)
-    allreduce   the ring all-reduce over an analyzed plan (RingAllReduce)
-    meter       time in communication, copies made by the plugin
+    ring        the ring all-reduce over an analyzed plan (RingAllReduce, RingGradientTape)
+    meter       time in communication, its overlap with backprop, copies made by the plugin
     runner      one rank (run_rank), or all ranks as threads (run_threads); summaries
     tf_baseline TensorFlow's MultiWorkerMirroredStrategy on the same model, for comparison
     launch      the rdmatensor-train command (python -m tf_plugin.launch)

@@ -12,9 +12,10 @@ From them and the cluster roles it lays out
              into its right neighbour (reduce-scatter then all-gather, N-1
              steps each), plus a one-time broadcast of the variables from
              rank 0. A bucket is one gradient, or with fusion (the default,
-             as Horovod's fusion buffer) all gradients of a dtype laid end to
-             end, each at a 64-byte aligned offset: the writes per step no
-             longer grow with the number of variables;
+             as Horovod's fusion buffer) gradients of a dtype laid end to end
+             until a threshold of bytes, each at a 64-byte aligned offset, in
+             the order backprop produces them: few writes per step, and a
+             bucket's ring can start while backprop still runs;
 - pipeline:  whatever the stages' `ops.send` calls move (analyze_pipeline).
 
     python -m tf_plugin.analyzer --model mlp --mode ps --workers 2 --ps 1
@@ -22,6 +23,7 @@ From them and the cluster roles it lays out
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from dataclasses import dataclass, field
@@ -63,25 +65,54 @@ def bcast_name(var: str, dst: int) -> str:
     return f"bcast/{var}/r{dst}"
 
 
-def buckets_of(infos, fusion: bool) -> list["Bucket"]:
-    """The all-reduce buckets: one per variable, or one per dtype when fused."""
-    if not fusion:
-        return [Bucket(v.key, v.dtype, ((v.key, 0, int(np.prod(v.shape))),), int(np.prod(v.shape)))
-                for v in infos if int(np.prod(v.shape))]
-    groups: dict = {}
-    for v in infos:
-        if int(np.prod(v.shape)):
-            groups.setdefault(v.dtype, []).append(v)
+FUSION_THRESHOLD = 4 << 20   # bytes per fused bucket: several buckets per model, so rings start during backprop
+
+
+def fusion_threshold(threshold: int | None = None) -> int:
+    """Bytes per fused bucket: `threshold` if given, else RDMATENSOR_FUSION_THRESHOLD
+    (Horovod's HOROVOD_FUSION_THRESHOLD), else FUSION_THRESHOLD. 0: no fusion."""
+    if threshold is None:
+        raw = os.environ.get("RDMATENSOR_FUSION_THRESHOLD")
+        try:
+            threshold = FUSION_THRESHOLD if raw is None else int(raw)
+        except ValueError:
+            raise PlanError(f"RDMATENSOR_FUSION_THRESHOLD={raw!r}: expected a number of bytes") from None
+    if threshold < 0:
+        raise PlanError(f"fusion threshold {threshold}: expected bytes >= 0")
+    return int(threshold)
+
+
+def buckets_of(infos, fusion: bool, threshold: int | None = None) -> list["Bucket"]:
+    """The all-reduce buckets, in the order backprop produces their gradients:
+    the variables taken last to first (the last layer's gradient exists first),
+    gathered per dtype, each member at a 64-byte aligned offset; a bucket is
+    closed as soon as it holds `threshold` bytes (see fusion_threshold), so it
+    exceeds the threshold by less than its last gradient, and a layer's small
+    gradients (bias, normalization) ride with the next large one instead of
+    costing a ring of their own. Buckets are ordered by their last member, so
+    bucket k is complete no later than bucket k + 1 in a backward pass.
+    Without fusion (or with threshold 0): one bucket per variable."""
+    threshold = fusion_threshold(threshold) if fusion else 0
+    filling: dict = {}            # dtype -> (members so far, aligned elements used)
+    closed = []                   # (position of the last member, dtype, members)
+    for position, v in enumerate(reversed(infos)):
+        n = int(np.prod(v.shape))
+        if not n:
+            continue
+        members, used = filling.pop(v.dtype, ([], 0))
+        members.append((v.key, used, n, position))
+        if (used + n) * v.dtype.itemsize >= threshold:
+            closed.append((position, v.dtype, members))
+        else:
+            step = max(1, TF_ALIGN // v.dtype.itemsize)      # the next member starts 64-byte aligned
+            filling[v.dtype] = (members, used + -(-n // step) * step)
+    closed += [(members[-1][3], dtype, members) for dtype, (members, _) in filling.items()]
     buckets = []
-    for dtype, vs in groups.items():
-        step = max(1, TF_ALIGN // dtype.itemsize)        # each member starts 64-byte aligned
-        members, offset = [], 0
-        for v in vs:
-            n = int(np.prod(v.shape))
-            members.append((v.key, offset, n))
-            offset += -(-n // step) * step
-        end = members[-1][1] + members[-1][2]        # no padding after the last member
-        buckets.append(Bucket(f"fused/{dtype.name}", dtype, tuple(members), end))
+    for k, (_, dtype, members) in enumerate(sorted(closed, key=lambda c: c[0])):
+        members = tuple(m[:3] for m in members)
+        end = members[-1][1] + members[-1][2]            # no padding after the last member
+        key = members[0][0] if not fusion else f"fused{k}/{dtype.name}"
+        buckets.append(Bucket(key, dtype, members, end))
     return buckets
 
 
@@ -251,14 +282,16 @@ def variables_of(step) -> list[VarInfo]:
 
 
 def analyze(target, mode: str = "allreduce", workers: int = 2, ps: int = 0, input_signature=None,
-            loss=None, sparse: str | None = None, optimizer=None, fusion: bool = True) -> Analysis:
+            loss=None, sparse: str | None = None, optimizer=None, fusion: bool = True,
+            threshold: int | None = None) -> Analysis:
     """The plan of a training job.
 
     `target`: a built Keras model, a tf.function with an input signature, or
     a `Step`. The optimizer (`optimizer`, else the model's), once built, is
     only reported: it stays where the updates are applied. `fusion`
-    (allreduce): one ring over all gradients of a dtype instead of one per
-    gradient. Ranks: workers 0..N-1, ps N..N+M-1."""
+    (allreduce): gradients of a dtype laid end to end in buckets of about
+    `threshold` bytes (see buckets_of) instead of one ring per gradient. Ranks:
+    workers 0..N-1, ps N..N+M-1."""
     if mode not in ("ps", "allreduce"):
         raise PlanError(f"mode {mode!r}: expected ps or allreduce (pipelines: analyze_pipeline)")
     if workers < 1 or (mode == "ps" and ps < 1):
@@ -289,7 +322,7 @@ def analyze(target, mode: str = "allreduce", workers: int = 2, ps: int = 0, inpu
         for v in infos:
             if v.sparse:
                 raise PlanError(f"{v.key}: allreduce needs dense gradients (sparse='dense')")
-        buckets = buckets_of(infos, fusion)
+        buckets = buckets_of(infos, fusion, threshold)
         for spec, kind in ring_specs(buckets, n):
             add(spec, kind)
         for v in infos:

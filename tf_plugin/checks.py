@@ -9,21 +9,24 @@ CheckedCollectives is the Collectives of every Horovod-API rank:
   on rank 0: rank 1 did not take part within the timeout (...)".
 - Divergence. Ranks that call different collectives (a tensor whose shape or
   dtype changed on one rank only; a collective one rank skips) would each
-  wait for the other: one moves the tensors of a set already planned while
-  the other proposes a new set over the bootstrap channel. Each side can see
-  it: the proposal lies unread in the first one's bootstrap slot, the first
-  one's data lies unread in the proposer's slots. Ranks in step never leave
-  either there for long (a rank proposes only after it finished every
-  collective before, and everything it sent for those arrives within network
-  latency), so a watchdog that sees either for a grace period (5 s, at most
-  half the timeout) fails the rank with PlanMismatch naming both calls.
+  wait for the other: one proposes a new tensor set over the bootstrap
+  channel while the other moves the tensors of a set already planned, and
+  writes some of them to the proposer. The proposer sees it exactly: it has
+  no all-reduce left to run (the communication thread is idle) and yet a
+  peer's tensors of a planned set lie unread in its slots, which never
+  happens to ranks in step (a rank proposes only after every collective
+  before it, in program order, has taken in what it needed). After a short
+  grace the proposer fails and closes its sessions with PlanMismatch naming
+  both calls; the other rank, whose wait then ends with that peer gone,
+  finds the peer's proposal unread in its own bootstrap slot and raises the
+  same PlanMismatch instead of a bare PeerLost.
 - Non-finite values (optional: RDMATENSOR_CHECK_FINITE=1, or
-  init(check_finite=True)). Each rank notes which of its floating inputs
-  hold a NaN or Inf, and checks the reduced outputs. A NaN or Inf in any
-  rank's input reaches every rank's output, so every rank finds it in the
-  same call; one exchange of the notes then lets every rank raise the same
-  NonFiniteValue, naming the tensor and the rank(s) it came from. The
-  sessions stay usable: a script may skip that step.
+  init(check_finite=True)). Each rank notes which of its floating inputs of
+  an all-reduce hold a NaN or Inf and checks the reduced outputs. A NaN or
+  Inf in any rank's input reaches every rank's output, so every rank raises
+  NonFiniteValue in the same call, naming the tensor; the rank whose value
+  held it says so (`peer` is itself), the others that their own was finite.
+  The sessions stay usable: a script may skip that step.
 
 This module does not import TensorFlow.
 """
@@ -43,13 +46,15 @@ from rdmatensor import PeerLost, PlanMismatch, RdmaTensorError, Timeout
 
 from .collectives import Collectives, entries_of
 
-MAX_GRACE = 5.0             # seconds something may lie unread before the ranks are declared diverged
+GRACE = 2.0                 # seconds a peer's tensors may lie unread before the ranks are declared diverged
 WATCH_EVERY = 0.25
+WHY = ("the ranks diverged: a tensor whose shape or dtype changed on some ranks only, or a collective "
+       "called on some ranks only")
 
 
 class NonFiniteValue(RdmaTensorError):
-    """A NaN or Inf in a tensor given to allreduce (RDMATENSOR_CHECK_FINITE): `tensor`
-    names it, `peer` the (first) rank whose value held it."""
+    """A NaN or Inf in an all-reduce (RDMATENSOR_CHECK_FINITE): `tensor` names it,
+    `peer` is this rank when its own value held it, else None."""
 
 
 def finite_check_from_env() -> bool:
@@ -61,33 +66,30 @@ def describe(entries: list[dict]) -> str:
     if not entries:
         return "an empty collective"
     kind, _, arg = entries[0]["op"].partition(":")
-    op = {"allreduce": f"allreduce ({arg})", "broadcast": f"broadcast from rank {arg}"}.get(kind, kind)
+    op = {"allreduce": f"allreduce ({arg.split(':')[0]})", "broadcast": f"broadcast from rank {arg}"}.get(kind, kind)
     shown = ", ".join(f"{e['name']!r} {e['dtype']} {list(e['shape'])}" for e in entries[:3])
     more = f" and {len(entries) - 3} more" if len(entries) > 3 else ""
     return f"{op} of {shown}{more}"
 
 
 @dataclass
-class Activity:
-    """The collective this rank is in (described only when a message needs it)."""
-    kind: str
-    op: str
-    names: list
-    arrays: list
-    phase: str = "data"          # plan: agreeing on a new tensor set over the bootstrap; data: moving tensors
+class Planning:
+    """This rank proposing tensor sets (the requests given to ensure)."""
+    requests: list
     since: float = field(default_factory=time.monotonic)
 
     @property
     def entries(self) -> list[dict]:
-        return entries_of(self.kind, self.op, self.names, self.arrays)
+        return [e for kind, op, names, arrays in self.requests for e in entries_of(kind, op, names, arrays)]
 
 
 class CheckedCollectives(Collectives):
     def __init__(self, *args, check_finite: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.check_finite = check_finite
-        self.grace = min(MAX_GRACE, self.timeout / 2)
-        self._activity: Activity | None = None
+        self.grace = min(GRACE, self.timeout / 2)
+        self._planning: Planning | None = None
+        self._local_bad: dict = {}          # (set key, bucket) -> this rank's inputs holding NaN or Inf
         self._stop = threading.Event()
         self._watchdog = None
         if self.size > 1:
@@ -97,28 +99,37 @@ class CheckedCollectives(Collectives):
 
     # ----------------------------------------------------------- the calls
     def ensure(self, requests):
-        act = self._activity
-        if act is None:
+        self._planning = Planning(list(requests))
+        try:
             return super().ensure(requests)
-        act.phase, act.since = "plan", time.monotonic()
-        sets = super().ensure(requests)
-        act.phase, act.since = "data", time.monotonic()      # not on failure: _doing needs the phase
-        return sets
+        finally:
+            self._planning = None
+
+    def launch(self, group, j: int, arrays: list) -> None:
+        kind, op, names, described = group.request
+        if self.check_finite:
+            self._local_bad[(group.key, j)] = self._non_finite(self._members(group, j), arrays)
+        with self._naming(kind, op, names, described):
+            super().launch(group, j, arrays)
+
+    def collect(self, group, j: int) -> list[np.ndarray]:
+        kind, op, names, described = group.request
+        with self._naming(kind, op, names, described):
+            out = super().collect(group, j)
+        if self.check_finite:
+            self._check_outputs(group, j, out)
+        return out
 
     def allreduce(self, names, arrays, average: bool = True):
-        with self._doing("allreduce", "average" if average else "sum", names, arrays) as act:
-            local_bad = self._non_finite(names, arrays) if self.check_finite else []
-            out = super().allreduce(names, arrays, average)
-            if self.check_finite:
-                self._check_outputs(act, names, out, local_bad)
-            return out
+        with self._naming("allreduce", "average" if average else "sum", names, arrays):
+            return super().allreduce(names, arrays, average)
 
     def broadcast(self, names, arrays, root: int):
-        with self._doing("broadcast", str(root), names, arrays):
+        with self._naming("broadcast", str(root), names, arrays):
             return super().broadcast(names, arrays, root)
 
     def allgather(self, names, arrays):
-        with self._doing("allgather", "", names, arrays):
+        with self._naming("allgather", "", names, arrays):
             return super().allgather(names, arrays)
 
     def close(self) -> None:
@@ -129,24 +140,16 @@ class CheckedCollectives(Collectives):
 
     # ------------------------------------------------------- naming errors
     @contextlib.contextmanager
-    def _doing(self, kind: str, op: str, names, arrays):
-        if self.size == 1:
-            yield None
-            return
-        act = Activity(kind, op, list(names), list(arrays))
-        self._activity = act
+    def _naming(self, kind: str, op: str, names, arrays):
+        """Raise whatever the collective raises again, saying which call it was."""
         try:
-            yield act
+            yield
         except RdmaTensorError as exc:
             if exc.tensor is not None and exc.tensor in names:
-                raise                                   # named already (divergence, non-finite)
-            if isinstance(exc, PeerLost) and exc.peer in self._suspects(act):
-                # The rank that left had diverged from this one: say that, not only that it left.
-                try:
-                    diverged = self._divergence(act, exc.peer)
-                except RdmaTensorError:
-                    diverged = None
-                if diverged is not None:
+                raise                                   # named already
+            if isinstance(exc, PeerLost) and exc.peer is not None:
+                diverged = self._diverged_peer(exc.peer, entries_of(kind, op, names, arrays))
+                if diverged is not None:                # the peer left because the ranks diverged
                     raise diverged from exc
             what = f"{kind} of {names[0]!r}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
             if isinstance(exc, Timeout) and exc.peer is not None:
@@ -154,78 +157,73 @@ class CheckedCollectives(Collectives):
             else:
                 message = f"{what} on rank {self.rank}: {exc}"
             raise type(exc)(message, peer=exc.peer, tensor=names[0]) from exc
-        finally:
-            self._activity = None
 
     # ---------------------------------------------------------- non-finite
+    @staticmethod
+    def _members(group, j: int) -> list[str]:
+        names = group.request[2]
+        return [names[int(key)] for key, _, _ in group.buckets[j].members]
+
     @staticmethod
     def _non_finite(names, arrays) -> list[str]:
         return [n for n, a in zip(names, arrays, strict=True)
                 if np.asarray(a).dtype.kind in "fc" and not np.isfinite(a).all()]
 
-    def _check_outputs(self, act: Activity, names, outputs, local_bad: list[str]) -> None:
-        bad = self._non_finite(names, outputs)
+    def _check_outputs(self, group, j: int, outputs) -> None:
+        bad = self._non_finite(self._members(group, j), outputs)
         if not bad:
             return
-        act.phase = "plan"                              # in the bootstrap now, on every rank
-        notes = [json.loads(raw) for raw in self.bootstrap.allgather("finite", json.dumps(local_bad).encode())]
         tensor = bad[0]
-        ranks = [r for r, theirs in enumerate(notes) if tensor in theirs]
-        if ranks:
-            where = f"rank {ranks[0]}'s value" if len(ranks) == 1 else f"the values of ranks {ranks}"
-            message = f"allreduce of {tensor!r}: {where} held NaN or Inf (seen on rank {self.rank})"
-        else:
-            message = (f"allreduce of {tensor!r}: every rank's value was finite, the reduced one is not "
-                       f"(overflow; seen on rank {self.rank})")
-        raise NonFiniteValue(message, peer=ranks[0] if ranks else None, tensor=tensor)
+        if tensor in self._local_bad.get((group.key, j), ()):
+            raise NonFiniteValue(f"allreduce of {tensor!r}: rank {self.rank}'s value holds NaN or Inf",
+                                 peer=self.rank, tensor=tensor)
+        raise NonFiniteValue(f"allreduce of {tensor!r}: the reduced value holds NaN or Inf from another rank "
+                             f"(rank {self.rank}'s own value is finite)", tensor=tensor)
 
     # ---------------------------------------------------------- divergence
     def _watch(self) -> None:
         seen, since = None, 0.0
         while not self._stop.wait(WATCH_EVERY):
-            act = self._activity
-            suspect = next(iter(self._suspects(act)), None) if act is not None else None
-            key = None if suspect is None else (id(act), act.phase, suspect)
+            planning = self._planning
+            stale = self._stale(planning) if planning is not None else None
+            key = None if stale is None else (id(planning), stale)
             if key != seen:
                 seen, since = key, time.monotonic()
                 continue
             if key is None or time.monotonic() - since < self.grace:
                 continue
-            try:
-                error = self._divergence(act, suspect)
-            except RdmaTensorError:
-                continue                                # it was read after all: not stuck
+            error = self._proposer_error(planning, stale)
             for session in (self.session, self.bootstrap.session):
                 if session is not None:
                     session.abort(error)
+                    session.close()         # the peer's wait ends now, and it learns why (_naming)
             return
 
-    def _suspects(self, act: Activity) -> list[int]:
-        """The ranks that left something unread here that they would not have, had
-        they called the same collective: a bootstrap message (a proposal) while this
-        rank moves tensors (data phase), or tensors of the current generation while
-        this rank proposes a new set (plan phase)."""
-        if act.phase == "data":
-            return self.bootstrap.unread()
+    def _stale(self, planning: Planning) -> str | None:
+        """A tensor of a planned set that a peer wrote here while this rank, with no
+        all-reduce left to run, proposes new sets: one it will never read."""
         session = self.session
-        if session is None:
-            return []
-        return sorted({session.plan.specs[name].src for name in session.unread()})
+        if session is None or not self.comm.idle():
+            return None
+        unread = session.unread()
+        return unread[0] if unread else None
 
-    def _divergence(self, act: Activity, peer: int) -> PlanMismatch:
-        """The error both ranks get: what `peer` calls, what this rank calls."""
-        mine = describe(act.entries)
-        why = ("the ranks diverged: a tensor whose shape or dtype changed on some ranks only, or a "
-               "collective called on some ranks only")
-        if act.phase == "data":
+    def _proposer_error(self, planning: Planning, tensor: str) -> PlanMismatch:
+        peer = self.session.plan.specs[tensor].src
+        index = int(re.search(r"(?:^|/)s(\d+)/", tensor).group(1))      # set i's tensors: s{i}/..., ring/s{i}/...
+        mine = planning.entries
+        return PlanMismatch(f"rank {peer} is in {describe(self._order[index].entries)} while rank {self.rank} "
+                            f"calls {describe(mine)}, new to the plan: {WHY}", peer=peer, tensor=mine[0]["name"])
+
+    def _diverged_peer(self, peer: int, mine: list[dict]) -> PlanMismatch | None:
+        """The error to raise when `peer` left while its proposal lies unread here."""
+        if peer not in self.bootstrap.unread():
+            return None
+        try:
             tag, data = self.bootstrap.take(peer, timeout=0)
-            theirs = (describe([e for s in json.loads(data)["sets"] for e in s]) + ", new to the plan,"
-                      if tag == "plan" else f"the exchange {tag!r}")
-            return PlanMismatch(f"rank {peer} calls {theirs} while rank {self.rank} is in {mine}: {why}",
-                                peer=peer, tensor=act.names[0])
-        session = self.session
-        name = next(n for n in session.unread() if session.plan.specs[n].src == peer)
-        index = int(re.search(r"(?:^|/)s(\d+)/", name).group(1))     # set i's tensors: s{i}/..., ring/s{i}/...
-        theirs = describe(self._order[index].entries)
-        return PlanMismatch(f"rank {peer} is in {theirs} while rank {self.rank} calls {mine}, new to the plan: "
-                            f"{why}", peer=peer, tensor=act.names[0])
+        except RdmaTensorError:
+            return None
+        theirs = (describe([e for s in json.loads(data)["sets"] for e in s]) + ", new to the plan,"
+                  if tag == "plan" else f"the exchange {tag!r}")
+        return PlanMismatch(f"rank {peer} calls {theirs} while rank {self.rank} is in {describe(mine)}: {WHY}",
+                            peer=peer, tensor=mine[0]["name"])

@@ -14,14 +14,21 @@ plan costs no control call, whatever the step.
 
 What each set becomes in the plan:
 
-- allreduce: the ring of tf_plugin.ring over fused buckets (one per
-  dtype), its chunks laid out by analyzer.ring_specs;
+- allreduce: the ring of tf_plugin.ring over fused buckets
+  (analyzer.buckets_of: in the order backprop produces the gradients, up to
+  the fusion threshold each), its chunks laid out by analyzer.ring_specs.
+  Every bucket's ring runs on the communication thread (background.py): a
+  graph hands each bucket over as soon as its gradients exist (launch) and
+  takes its result later (collect); eagerly, all are handed over, then
+  collected. The fusion threshold is part of the set, so ranks that disagree
+  on it fail with PlanMismatch;
 - broadcast: one tensor per (tensor, non-root rank), written by the root;
 - allgather: one dynamic-shape tensor (first dimension None) per (tensor,
   ordered pair of ranks), its first room the largest any rank proposed.
 
-The previous generation is closed once the next one is connected: its setup
-barrier means every rank finished every collective of the old one. This
+The previous generation is closed once the next one is connected and the
+communication thread has finished every ring on it: the new setup barrier
+means every rank finished every other collective of the old one. This
 module does not import TensorFlow until a ring is built.
 """
 from __future__ import annotations
@@ -33,11 +40,13 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from rdmatensor import Plan, PlanMismatch, TensorSpec, connect
+from rdmatensor import Plan, PlanMismatch, TensorSpec, UsageError, connect
 
-from .analyzer import Analysis, VarInfo, buckets_of, ring_specs
+from .analyzer import Analysis, VarInfo, buckets_of, fusion_threshold, ring_specs
+from .background import CommThread
 from .bootstrap import Bootstrap, PortReservation
 from .meter import Meter
+from .timeline import Timeline
 
 COUNTED = ("control_calls", "bytes_sent", "bytes_received", "writes", "recvs", "copies", "dynamic", "grows")
 
@@ -51,6 +60,27 @@ class TensorSet:
     entries: list                  # per tensor: {"name", "shape", "dtype"} (allgather: shape[0] None)
     specs: list = field(default_factory=list)
     analysis: Analysis | None = None
+
+
+@dataclass
+class AllreduceGroup:
+    """An all-reduce as a graph builds it: its tensor set's request and key, and
+    its buckets (the layout every rank derives from the agreed set)."""
+    request: tuple
+    key: tuple
+    buckets: list
+
+
+def allreduce_op(average: bool, threshold: int) -> str:
+    """An all-reduce set's op: how it combines, and the fusion threshold that cut its buckets."""
+    return f"{'average' if average else 'sum'}:{threshold}"
+
+
+def allreduce_buckets(shapes, dtypes, threshold: int) -> list:
+    """The buckets of an all-reduce set; member keys are positions in the set, as strings."""
+    infos = [VarInfo(str(j), tuple(s), np.dtype(d), False, {}) for j, (s, d) in enumerate(zip(shapes, dtypes,
+                                                                                           strict=True))]
+    return buckets_of(infos, fusion=True, threshold=threshold)
 
 
 def set_key(kind: str, op: str, names, arrays) -> tuple:
@@ -86,6 +116,13 @@ def first_difference(proposals: list[list[dict]]) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class _Described:
+    """A tensor's shape and dtype, standing for its array before it exists."""
+    shape: tuple
+    dtype: np.dtype
+
+
 def _contiguous(a) -> np.ndarray:
     """C-contiguous, keeping 0-d arrays 0-d (np.ascontiguousarray makes them 1-d)."""
     a = np.asarray(a)
@@ -97,11 +134,14 @@ class Collectives:
     session, and allreduce / broadcast / allgather of numpy arrays through it."""
 
     def __init__(self, bootstrap: Bootstrap, hosts: list[str], provider: str, token: str, timeout: float,
-                 watch=lambda session: None):
+                 threshold: int | None = None, watch=lambda session: None):
         self.bootstrap, self.hosts, self.watch = bootstrap, hosts, watch   # watch: each generation's session
         self.rank, self.size = bootstrap.rank, bootstrap.size
         self.provider, self.token, self.timeout = provider, token, timeout
+        self.threshold = fusion_threshold(threshold)     # bytes per all-reduce bucket
         self.meter = Meter()
+        self.comm = CommThread(self.rank, timeout, self.meter,
+                               Timeline.from_env(self.rank) if self.size > 1 else None)
         self.session = None
         self.generations = 0
         self._sets: dict[tuple, TensorSet] = {}
@@ -149,6 +189,7 @@ class Collectives:
             reservation.close()            # the new session's control server binds it now
         session = connect(self.rank, peers, plan, provider=self.provider, token=self.token, timeout=self.timeout)
         self.watch(session)
+        self.comm.drain()                  # no ring still runs on the session being replaced
         for key, ts in new:
             self._sets[key] = ts
             self._order.append(ts)
@@ -163,7 +204,8 @@ class Collectives:
         dtypes = [np.dtype(e["dtype"]) for e in ts.entries]
         if ts.kind == "allreduce":
             infos = [VarInfo(str(j), s, d, False, {}) for j, (s, d) in enumerate(zip(shapes, dtypes, strict=True))]
-            buckets = [replace(b, key=f"{prefix}/{b.key}") for b in buckets_of(infos, fusion=True)]
+            threshold = int(ts.op.split(":")[1])
+            buckets = [replace(b, key=f"{prefix}/{b.key}") for b in allreduce_buckets(shapes, dtypes, threshold)]
             ts.specs = [spec for spec, _ in ring_specs(buckets, n)]
             ts.analysis = Analysis(Plan(ts.specs), "allreduce", n, 0, infos, buckets=buckets)
         elif ts.kind == "broadcast":
@@ -185,17 +227,51 @@ class Collectives:
         session.close()
 
     # --------------------------------------------------------- collectives
+    def allreduce_group(self, names, shapes, dtypes, average: bool = True) -> AllreduceGroup:
+        """An all-reduce of tensors whose shapes are known ahead (a graph being
+        built): its buckets, for launch() and collect()."""
+        described = [_Described(tuple(s), np.dtype(d)) for s, d in zip(shapes, dtypes, strict=True)]
+        request = ("allreduce", allreduce_op(average, self.threshold), list(names), described)
+        return AllreduceGroup(request, set_key(*request), allreduce_buckets(shapes, dtypes, self.threshold))
+
+    def launch(self, group: AllreduceGroup, j: int, arrays: list) -> None:
+        """Hand bucket j of the group's all-reduce to the communication thread (the
+        first launch of a new set plans it: every rank must make the same calls)."""
+        with self._lock:
+            ts = self._sets.get(group.key) or self.ensure([group.request])[0]
+            ring = self._ring(ts)
+            self.comm.launch(ts.index, j, arrays, len(ts.analysis.buckets), ring.reduce_bucket, ring.describe)
+
+    def collect(self, group: AllreduceGroup, j: int) -> list[np.ndarray]:
+        """Bucket j's results (its members, in order), once its ring is done."""
+        ts = self._sets.get(group.key)
+        if ts is None:
+            raise UsageError(f"rank {self.rank}: bucket {j} of an all-reduce collected before any launch")
+        return self.comm.collect(ts.index, j)
+
     def allreduce(self, names, arrays, average: bool = True) -> list[np.ndarray]:
-        """Sum or average over the ranks; the outputs are new 64-byte aligned arrays."""
+        """Sum or average over the ranks; the outputs are 64-byte aligned arrays that
+        stay untouched while anything refers to them."""
         if self.size == 1:
             return [_contiguous(a) for a in arrays]
-        (ts,) = self.ensure([("allreduce", "average" if average else "sum", names, arrays)])
-        with self._lock:
-            ring = self._rings.get(ts.index)
-            if ring is None:
-                from .ring import RingAllReduce
-                ring = self._rings[ts.index] = RingAllReduce(self.session, ts.analysis, self.meter)
-            return ring.allreduce_arrays([str(j) for j in range(len(arrays))], arrays, average)
+        arrays = [_contiguous(a) for a in arrays]
+        group = self.allreduce_group(names, [a.shape for a in arrays], [a.dtype for a in arrays], average)
+        members = [[int(key) for key, _, _ in b.members] for b in group.buckets]
+        for j, positions in enumerate(members):
+            self.launch(group, j, [arrays[p] for p in positions])
+        out = [None] * len(arrays)
+        for j, positions in enumerate(members):
+            for p, result in zip(positions, self.collect(group, j), strict=True):
+                out[p] = result
+        return [o if o is not None else np.zeros_like(a) for o, a in zip(out, arrays, strict=True)]
+
+    def _ring(self, ts: TensorSet):
+        ring = self._rings.get(ts.index)
+        if ring is None:
+            from .ring import RingAllReduce
+            ring = self._rings[ts.index] = RingAllReduce(self.session, ts.analysis, self.meter,
+                                                         average=ts.op.startswith("average"))
+        return ring
 
     def broadcast(self, names, arrays, root: int) -> list[np.ndarray]:
         """Root's arrays on every rank (each rank passes arrays of the same shapes);
@@ -266,9 +342,13 @@ class Collectives:
             return dict(totals, provider=current.get("provider"), generations=self.generations,
                         extensions=max(0, self.generations - 1), tensor_sets=len(self._order),
                         tensors=len(self.session.plan) if self.session else 0,
-                        plugin_copies=self.meter.copies, comm_seconds=self.meter.comm_seconds)
+                        plugin_copies=self.meter.copies, comm_seconds=self.meter.comm_seconds,
+                        ring_seconds=self.meter.ring_seconds, overlapped_seconds=self.meter.overlapped_seconds,
+                        overlap=self.meter.overlap, allreduces=self.meter.rounds,
+                        output_buffers=self.meter.tally["allocated"])
 
     def close(self) -> None:
+        self.comm.close()
         with self._lock:
             self._retire(self.session)
             self.session = None

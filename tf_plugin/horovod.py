@@ -3,22 +3,26 @@
 Every collective takes TensorFlow tensors, eagerly or inside tf.function:
 eagerly it runs right there on numpy aliases of the tensors; in a graph it
 is one stateful tf.numpy_function, so it runs in program order and blocks
-one of TensorFlow's inter-op threads while it waits. What moves and where it
-lands is tf_plugin.collectives' business: the first call of a tensor set
-extends the plan once, later calls cost no control call.
+one of TensorFlow's inter-op threads while it waits; an all-reduce of tensors
+with static shapes is one launch op and one wait op per bucket instead, its
+rings overlapping backprop (tf_plugin.overlap). What moves and where it lands
+is tf_plugin.collectives' business: the first call of a tensor set extends
+the plan once, later calls cost no control call.
 
 Outputs reach TensorFlow with no copy where they are 64-byte aligned (the
 ring's outputs are): see ingest.borrow.
 """
 from __future__ import annotations
 
+import functools
 import types
 
 import numpy as np
 import tensorflow as tf
 
-from . import ingest
+from . import ingest, overlap
 from .analyzer import var_key
+from .collectives import allreduce_op
 from .world import Average, ReduceOp, Sum, world
 
 __all__ = ["Compression", "DistributedGradientTape", "allreduce", "grouped_allreduce", "allgather", "broadcast",
@@ -98,10 +102,22 @@ def _through_numpy(fn, tensors: list, shapes: list, name: str) -> list:
 
 
 def _allreduce_many(tensors, names, average: bool, compression) -> list:
+    """Eagerly: every bucket handed to the communication thread, then collected.
+    In a graph, with static shapes: one launch op per bucket, fed only by that
+    bucket's tensors, and one wait op per bucket (tf_plugin.overlap), so rings run
+    while backprop still computes later buckets; otherwise one numpy_function."""
     packed = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
     sent = [p[0] for p in packed]
-    reduced = _through_numpy(lambda arrays: world().collectives.allreduce(names, arrays, average),
-                             sent, [t.shape for t in sent], "rdmatensor_allreduce")
+    collectives = world().collectives
+    if tf.executing_eagerly() or not overlap.static(sent) or world().size == 1:
+        reduced = _through_numpy(lambda arrays: world().collectives.allreduce(names, arrays, average),
+                                 sent, [t.shape for t in sent], "rdmatensor_allreduce")
+    else:
+        group = collectives.allreduce_group(names, [tuple(t.shape) for t in sent],
+                                            [t.dtype.as_numpy_dtype for t in sent], average)
+        members = [[int(key) for key, _, _ in b.members] for b in group.buckets]
+        reduced = overlap.bucketed(sent, members, functools.partial(collectives.launch, group),
+                                   functools.partial(collectives.collect, group), "rdmatensor_allreduce")
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, packed, strict=True)]
 
 
@@ -161,7 +177,8 @@ def plan_ahead(model) -> None:
         return [types.SimpleNamespace(shape=tuple(v.shape), dtype=np.dtype(tf.as_dtype(v.dtype).as_numpy_dtype))
                 for v in variables]
     trainable, every = list(model.trainable_variables), list(model.variables)
-    requests = [("allreduce", "average", _names(trainable), described(trainable)),
+    threshold = world().collectives.threshold
+    requests = [("allreduce", allreduce_op(True, threshold), _names(trainable), described(trainable)),
                 ("broadcast", "0", _names(every), described(every))]
     world().collectives.ensure([r for r in requests if r[2]])
 

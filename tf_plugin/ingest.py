@@ -25,6 +25,8 @@ sender cannot write the next value until the slot is released.
 """
 from __future__ import annotations
 
+import collections
+import ctypes
 import threading
 import weakref
 
@@ -94,6 +96,38 @@ def aligned_empty(shape, dtype) -> np.ndarray:
     raw = np.empty(nbytes + TF_ALIGN, np.uint8)
     start = -raw.ctypes.data % TF_ALIGN
     return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+class Reused:
+    """Flat 64-byte aligned output buffers of one size, handed to TensorFlow with
+    no copy step after step, never overwritten while TensorFlow still holds them.
+
+    lease() returns a fresh ndarray over a free buffer. Its base is a ctypes
+    array, not an ndarray, so numpy stops collapsing view chains at the lease:
+    every view cut from it (the tensors' outputs) keeps it alive, and a
+    finalizer on it puts the buffer back once the last one is gone (TensorFlow
+    drops its reference when it frees the tensor). A buffer is allocated only
+    while every existing one is still held: one or two in steady training,
+    without the page faults of a fresh allocation per step."""
+
+    def __init__(self, size: int, dtype, tally: dict | None = None):
+        self.size, self.dtype, self.tally = size, np.dtype(dtype), tally
+        self._free = collections.deque()       # thread-safe append/pop: finalizers run on TF's threads
+        self.allocated = 0
+
+    def lease(self) -> np.ndarray:
+        try:
+            raw = self._free.pop()
+        except IndexError:
+            raw = aligned_empty((self.size,), self.dtype)
+            self.allocated += 1
+            if self.tally is not None:
+                self.tally["allocated"] = self.tally.get("allocated", 0) + 1
+        if not raw.nbytes:
+            return raw
+        lease = np.frombuffer((ctypes.c_char * raw.nbytes).from_address(raw.ctypes.data), self.dtype)
+        weakref.finalize(lease, self._free.append, raw)
+        return lease
 
 
 def borrow(array: np.ndarray, tally: dict | None = None) -> tf.Tensor:

@@ -8,8 +8,8 @@
 (`import tf_plugin as hvd` is the Horovod API; it runs this ring too, over a
 plan grown from the step, see collectives.py.)
 
-The ring: each bucket (one gradient, or with fusion every gradient of a
-dtype laid end to end, see analyzer.buckets_of) is cut into N chunks
+The ring: each bucket (one gradient, or with fusion gradients of a dtype
+laid end to end up to a threshold, see analyzer.buckets_of) is cut into N chunks
 (analyzer.ring_bounds). Reduce-scatter (N-1 steps): every rank writes one
 chunk into its right neighbour's preallocated slot, which adds it to its own
 copy of that chunk *directly into the registered staging buffer of its next
@@ -18,77 +18,113 @@ All-gather (N-1 steps) passes the summed chunks around. Every chunk of every
 step is its own TensorSpec, so each is one one-sided write, with no control
 message.
 
-Copies: with fusion, each gradient is copied once into the bucket (fewer,
-larger writes: on tcp the per-write cost dominates small models); without,
-chunk 0 leaves from TensorFlow's gradient buffer (verbs: one copy into
-staging). Sums land in staging (no copy); all-gathered chunks are scaled by
-1/N into the output array (the averaging, not a copy) and, when N > 2,
-copied once into staging to be forwarded. The outputs are 64-byte aligned
-and reach TensorFlow with no copy (DLPack, or numpy_function's output).
+Passes over the bytes: each gradient in a bucket of several is copied once
+into it (fewer, larger writes: on tcp the per-write cost dominates small
+models), divided by N on the way when averaging floating point; a gradient
+alone in its bucket leaves from TensorFlow's buffer (verbs: one copy into
+staging) and its sum is divided in place. Partial sums land in staging, the
+complete sum of this rank's chunk straight in the output, which the
+all-gather sends from; every other chunk is copied once from its slot into
+the output (and, when N > 2, forwarded from there). The outputs are 64-byte
+aligned buffers reused once TensorFlow freed the previous step's
+(ingest.Reused), and reach TensorFlow with no copy (DLPack, or
+numpy_function's output).
+
+Eagerly, every bucket's ring advances in lockstep on the calling thread
+(allreduce). Inside tf.function (RingGradientTape) each bucket is handed to
+the communication thread as soon as its gradients exist (tf_plugin.overlap)
+and its ring (reduce_bucket) runs while backprop goes on.
 """
 from __future__ import annotations
 
 import numpy as np
 import tensorflow as tf
 
-from . import ingest
+from . import ingest, overlap
 from .analyzer import Analysis, bcast_name, ring_bounds, ring_chunk, ring_name, var_key
+from .background import CommThread
 from .meter import Meter
+from .timeline import Timeline
 
 
 class RingAllReduce:
-    def __init__(self, session, analysis: Analysis, meter: Meter | None = None):
-        self.session, self.analysis = session, analysis
+    def __init__(self, session, analysis: Analysis, meter: Meter | None = None, average: bool = True):
+        self.session, self.analysis, self.average = session, analysis, average
         self.meter = meter or Meter()
         self.rank, self.size = session.rank, analysis.workers
         self.index = {v.key: i for i, v in enumerate(analysis.variables)}
         self.shapes = {v.key: v.shape for v in analysis.variables}
         self._fused = {}        # a fused bucket's input buffer: reused every step, padding stays zero
+        self._outputs = {}      # a bucket's output buffers, reused once TensorFlow let go of them
         for b in analysis.buckets:
             if len(b.members) > 1:
                 self._fused[b.key] = ingest.aligned_empty((b.size,), b.dtype)
                 self._fused[b.key][...] = 0
+            self._outputs[b.key] = ingest.Reused(b.size, b.dtype, self.meter.tally)
+        self._comm = None       # the communication thread of the in-graph ring (RingGradientTape)
 
     # ------------------------------------------------------------- all-reduce
     def allreduce_arrays(self, keys, arrays, average: bool = True) -> list[np.ndarray]:
         """Average (or with average=False, sum) numpy gradients over the workers
-        (`keys` name them as in the plan).
+        (`keys` name them as in the plan), every bucket at once on this thread.
 
         A fused bucket costs one copy per member into its buffer; its output
         members are 64-byte aligned views, fit for TensorFlow with no copy.
         Every ring step writes the chunks of all buckets before waiting for
         any: 2(N-1) round trips per step, however many buckets there are."""
         by_key = {k: np.ascontiguousarray(a) for k, a in zip(keys, arrays, strict=False)}
-        flats = []
-        for b in self.analysis.buckets:
-            buf = self._fused.get(b.key)
-            if buf is None:
-                flats.append(by_key[b.members[0][0]].reshape(-1))
-                continue
-            for key, offset, n in b.members:
-                np.copyto(buf[offset:offset + n], by_key[key].reshape(-1))
-            self.meter.tally["fused"] += len(b.members)
-            flats.append(buf)
+        buckets = self.analysis.buckets
+        flats = [self._flat(b, [by_key[key] for key, _, _ in b.members], average) for b in buckets]
         with self.meter.comm():
-            outs = self._ring([b.key for b in self.analysis.buckets], flats, average)
+            outs = self._ring([b.key for b in buckets], [f for f, _ in flats],
+                              [self._outputs[b.key].lease() for b in buckets], [d for _, d in flats])
         result = {}
-        for b, out in zip(self.analysis.buckets, outs, strict=False):
-            for key, offset, n in b.members:
-                result[key] = out[offset:offset + n].reshape(self.shapes[key])
+        for b, out in zip(buckets, outs, strict=True):
+            result.update(zip((key for key, _, _ in b.members), self._members(b, out), strict=True))
         return [result[k] if k in result else np.zeros_like(by_key[k]) for k in keys]
 
-    def _ring(self, keys: list, flats: list, average: bool = True) -> list[np.ndarray]:
+    def reduce_bucket(self, j: int, arrays: list) -> list[np.ndarray]:
+        """Bucket j's ring alone (its members' arrays in order), averaged unless the
+        ring was made with average=False: what the communication thread runs.
+        Returns the members' results."""
+        b = self.analysis.buckets[j]
+        flat, divide = self._flat(b, [np.ascontiguousarray(a) for a in arrays], self.average)
+        (out,) = self._ring([b.key], [flat], [self._outputs[b.key].lease()], [divide])
+        return self._members(b, out)
+
+    def _flat(self, bucket, arrays: list, average: bool) -> tuple[np.ndarray, bool]:
+        """The bucket as one flat array, and whether its sum over the ranks still
+        needs dividing by N: the gradient itself, or its members copied into the
+        fused buffer, floating-point ones divided by N on the way (the same pass
+        as a copy, and then the sum needs no pass of its own)."""
+        buf = self._fused.get(bucket.key)
+        if buf is None:
+            return arrays[0].reshape(-1), average
+        scale = average and buf.dtype.kind in "fc"
+        for (_, offset, n), a in zip(bucket.members, arrays, strict=True):
+            if scale:
+                np.multiply(a.reshape(-1), 1.0 / self.size, out=buf[offset:offset + n])
+            else:
+                np.copyto(buf[offset:offset + n], a.reshape(-1))
+        self.meter.tally["fused"] += len(bucket.members)
+        return buf, average and not scale
+
+    def _members(self, bucket, out: np.ndarray) -> list[np.ndarray]:
+        return [out[offset:offset + n].reshape(self.shapes[key]) for key, offset, n in bucket.members]
+
+    def _ring(self, keys: list, flats: list, outs: list, divide: list) -> list[np.ndarray]:
+        """Sum the flat arrays over the ranks into `outs` (divided by N where
+        `divide` says so). The last reduce-scatter step adds straight into this
+        rank's chunk of the output, which the all-gather then sends from; every
+        other chunk of the output is copied once out of its receive slot."""
         s, n, r = self.session, self.size, self.rank
 
-        def finish(summed, out):           # a fully summed chunk into the output
-            if not average:
-                np.copyto(out, summed)
-            elif out.dtype.kind in "fc":
-                np.multiply(summed, 1.0 / n, out=out)
+        def finish(chunk):                 # this rank's fully summed chunk, in place
+            if chunk.dtype.kind in "fc":
+                np.multiply(chunk, 1.0 / n, out=chunk)
             else:                          # integers average by floor division
-                np.floor_divide(summed, n, out=out)
+                np.floor_divide(chunk, n, out=chunk)
 
-        outs = [ingest.aligned_empty(f.shape, f.dtype) for f in flats]
         live = [i for i, f in enumerate(flats) if f.size]
         if n == 1:
             for f, o in zip(flats, outs, strict=False):
@@ -100,27 +136,46 @@ class RingAllReduce:
         for step in range(n - 1):                                   # reduce-scatter
             for i in live:
                 s.send(ring_name(keys[i], "rs", step, r), outgoing[i])
-            c = ring_chunk("rs", step, r, n, receiving=True)
+            c = ring_chunk("rs", step, r, n, receiving=True)        # the last step: chunk r + 1, complete
             for i in live:
-                nxt = ring_name(keys[i], "rs", step + 1, r) if step < n - 2 else ring_name(keys[i], "ag", 0, r)
-                dst = s.buffer(nxt)                # the sum lands where the next write leaves from
+                last = step == n - 2
+                # a partial sum lands where the next write leaves from; the complete one in the output
+                dst = outs[i][bounds[i][c]] if last else s.buffer(ring_name(keys[i], "rs", step + 1, r))
                 with s.recv(ring_name(keys[i], "rs", step, left)) as chunk:
                     np.add(flats[i][bounds[i][c]], chunk, out=dst)
+                if last and divide[i]:
+                    finish(dst)
                 outgoing[i] = dst
-        for i in live:
-            finish(outgoing[i], outs[i][bounds[i][(r + 1) % n]])
         for step in range(n - 1):                                   # all-gather
             for i in live:
                 s.send(ring_name(keys[i], "ag", step, r), outgoing[i])
             c = ring_chunk("ag", step, r, n, receiving=True)
             for i in live:
+                dst = outs[i][bounds[i][c]]
                 with s.recv(ring_name(keys[i], "ag", step, left)) as chunk:
-                    finish(chunk, outs[i][bounds[i][c]])
-                    if step < n - 2:               # forwarded next step: into staging, once
-                        outgoing[i] = s.buffer(ring_name(keys[i], "ag", step + 1, r))
-                        np.copyto(outgoing[i], chunk)
-                        self.meter.tally["forwarded"] += 1
+                    np.copyto(dst, chunk)
+                outgoing[i] = dst                  # forwarded next step (N > 2) from the output itself
         return outs
+
+    def launch(self, j: int, arrays: list) -> None:
+        """Hand bucket j's gradients to the communication thread (in a graph: see RingGradientTape)."""
+        if self._comm is None:
+            self._comm = CommThread(self.rank, self.session.timeout, self.meter, Timeline.from_env(self.rank))
+        self._comm.launch("gradients", j, arrays, len(self.analysis.buckets), self.reduce_bucket, self.describe)
+
+    def collect(self, j: int) -> list[np.ndarray]:
+        """Bucket j's averaged gradients, once its ring is done."""
+        return self._comm.collect("gradients", j)
+
+    def describe(self, j: int) -> dict:
+        """What bucket j holds, for the time line and errors."""
+        b = self.analysis.buckets[j]
+        return {"bucket_key": b.key, "tensors": len(b.members), "bytes": b.size * b.dtype.itemsize}
+
+    def close(self) -> None:
+        """Stop the communication thread, if one was started (idempotent)."""
+        if self._comm is not None:
+            self._comm.close()
 
     def allreduce(self, grads, variables=None) -> list[tf.Tensor]:
         """Average gradients (tensors, eager) over the workers; `variables` name them
@@ -161,8 +216,9 @@ class RingAllReduce:
 class RingGradientTape:
     """Wraps a tf.GradientTape: gradient() returns gradients averaged over the
     workers of an analyzed ring. Eager: the ring runs right there. Inside
-    tf.function: it runs as a tf.numpy_function (inputs and outputs alias
-    TensorFlow's buffers). For a plan grown from the step instead, see
+    tf.function: one launch op per bucket as soon as its gradients exist, the
+    rings on the communication thread while backprop goes on, one wait op per
+    bucket (tf_plugin.overlap). For a plan grown from the step instead, see
     tf_plugin.horovod.DistributedGradientTape."""
 
     def __init__(self, tape: tf.GradientTape, ring: RingAllReduce):
@@ -177,9 +233,6 @@ class RingGradientTape:
         grads = [tf.convert_to_tensor(g) for g in grads]          # sparse as dense
         if tf.executing_eagerly():
             return ring.allreduce(grads, sources)
-        keys = ring._keys(sources, len(grads))
-        out = tf.numpy_function(lambda *a: ring.allreduce_arrays(keys, a), grads,
-                                [g.dtype for g in grads], stateful=True, name="rdmatensor_allreduce")
-        for o, g in zip(out, grads, strict=False):
-            o.set_shape(g.shape)
-        return out
+        position = {k: p for p, k in enumerate(ring._keys(sources, len(grads)))}
+        members = [[position[key] for key, _, _ in b.members] for b in ring.analysis.buckets]
+        return overlap.bucketed(grads, members, ring.launch, ring.collect, "rdmatensor_allreduce")

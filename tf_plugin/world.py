@@ -10,7 +10,9 @@ Where the job comes from:
 - RDMATENSOR_LOCAL_RANK / RDMATENSOR_LOCAL_SIZE: set by the launcher; without
   them, the workers of TF_CONFIG on this worker's host are counted;
 - RDMATENSOR_PROVIDER (default auto), RDMATENSOR_TIMEOUT (seconds, default 120),
-  RDMATENSOR_CHECK_FINITE (1: allreduce raises NonFiniteValue on a NaN or Inf, see checks.py).
+  RDMATENSOR_FUSION_THRESHOLD (bytes per all-reduce bucket), RDMATENSOR_TIMELINE
+  (the all-reduce's time line, see timeline.py), RDMATENSOR_CHECK_FINITE (1:
+  allreduce raises NonFiniteValue on a NaN or Inf, see checks.py).
 """
 from __future__ import annotations
 
@@ -72,14 +74,16 @@ def local_of(cluster: Cluster) -> tuple[int, int]:
 
 
 def init(model=None, provider: str | None = None, cluster: Cluster | None = None, token: str | None = None,
-         timeout: float | None = None, check_finite: bool | None = None) -> None:
+         timeout: float | None = None, fusion_threshold: int | None = None,
+         check_finite: bool | None = None) -> None:
     """Join the job: connect the bootstrap channel between the workers. No model is
     needed; with one (a built Keras model), the tensor sets of its first step
     (gradient all-reduce of its trainable variables, broadcast of all its
     variables from rank 0) are planned now, in one exchange. Calling init() again
-    only plans ahead for the model given. `check_finite` (default
-    RDMATENSOR_CHECK_FINITE): allreduce raises NonFiniteValue, naming the tensor
-    and the rank, when a floating input holds a NaN or Inf."""
+    only plans ahead for the model given. `fusion_threshold`: bytes per
+    all-reduce bucket (default RDMATENSOR_FUSION_THRESHOLD, else 4 MiB).
+    `check_finite` (default RDMATENSOR_CHECK_FINITE): allreduce raises
+    NonFiniteValue, naming the tensor, when a floating value holds a NaN or Inf."""
     global _world
     if _world is None:
         if cluster is None and os.environ.get("TF_CONFIG"):
@@ -102,9 +106,13 @@ def init(model=None, provider: str | None = None, cluster: Cluster | None = None
         hosts = [_host(a) for a in cluster.workers]
         if check_finite is None:
             check_finite = finite_check_from_env()
-        _world = World(rank, size, *local_of(cluster), boot,
-                       CheckedCollectives(boot, hosts, provider, token, timeout, watch=failure.watch,
-                                          check_finite=check_finite))
+        try:
+            collectives = CheckedCollectives(boot, hosts, provider, token, timeout, fusion_threshold,
+                                             watch=failure.watch, check_finite=check_finite)
+        except BaseException:
+            boot.close()
+            raise
+        _world = World(rank, size, *local_of(cluster), boot, collectives)
         _at_exit(shutdown)                 # peers hear a goodbye, not a silence, when a script just ends
     if model is not None:
         from .horovod import plan_ahead

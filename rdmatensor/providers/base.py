@@ -10,8 +10,9 @@ outside an exposed region or with a wrong key: it is refused and reported.
 Lifecycle: construct -> configure() -> expose()/register_source() -> params()
 -> exchange over the control plane -> connect(peer_params) + attach(peer
 regions) -> write()/notify() -> close(). `on_imm(imm)` and `on_lost(error)`
-are called from the channel's own thread (or a waiting user thread, see
-wait_for()); `on_lost` is called at most once.
+are called from the channel's own thread or from a thread inside wait_for()
+or progress(); a provider may keep completions until one of those asks for
+them (shm keeps them in its ring). `on_lost` is called at most once.
 
 What a session needs to know about a provider is in `capabilities`; it never
 asks for a provider by name.

@@ -1,11 +1,20 @@
-"""shm: peers on the same host. The receiver's arenas are shared-memory
-segments; a write is a memcpy into the peer's mapped segment, then a header
-on a Unix socket that the receiver checks (region, key, bounds) before it
-reports the immediate."""
+"""shm: peers on the same host, with no system call per message.
+
+The receiver's arenas are shared-memory segments the sender maps; a write is
+a memcpy into one, then an entry (the write header) in the receiver's
+completion ring (ring.py), which the receiver checks like a NIC (region,
+key, bounds) before it reports the immediate. A waiting receiver polls its
+ring for a short while, then sleeps on the Unix socket the sender dialed; the
+sender sends a doorbell byte only when the ring says its consumer sleeps.
+The socket carries nothing else: its hang-up is how a lost peer is seen, at
+once, by a thread that sleeps until then.
+"""
 from __future__ import annotations
 
+import math
 import os
 import secrets
+import select
 import socket
 import time
 
@@ -13,25 +22,39 @@ import numpy as np
 
 from ..errors import ForeignSegment, PeerLost, RdmaTensorError, TransportError
 from ..memory import Arena, MappedArena
-from .base import WRITE_HEADER, WRITE_MAGIC, Capabilities
+from .base import WRITE_MAGIC, Capabilities
+from .ring import ORDERED_CPU, CompletionRing, full_fence
 from .stream import StreamChannel
+
+SPIN_SECONDS = 50e-6       # a waiter polls its ring this long before it sleeps
+SLEEP_SLICE = 0.05         # the longest sleep before a waiter looks at its own side again
+RING_FULL_TIMEOUT = 60.0   # a peer that takes in nothing this long is broken (credits keep a ring from filling)
+# Completions taken in at a time: a sender that finds a whole step's credits
+# waiting takes in one batch, writes, and so on, while its peer already reads.
+DRAIN_BATCH = 64
+_HANG_UP = select.POLLHUP | select.POLLRDHUP | select.POLLERR | select.POLLNVAL
 
 
 class ShmChannel(StreamChannel):
     name = "shm"
-    payload_inline = False
     capabilities = Capabilities(shared_arenas=True)
 
     @classmethod
     def viable(cls) -> tuple[bool, str]:
         if not os.access("/dev/shm", os.W_OK):
             return False, "/dev/shm is not writable"
+        if not ORDERED_CPU:
+            return False, "the shm completion ring relies on x86-64's store order"
         return True, "peers on this host share /dev/shm"
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, max_incoming: int = 128, **kwargs):
         self._path = f"\0rdmatensor-{secrets.token_hex(12)}"   # abstract: no file to clean up
-        super().__init__(*args, **kwargs)
-        self._mapped: dict[int, MappedArena] = {}
+        super().__init__(*args, max_incoming=max_incoming, **kwargs)
+        self._mapped: dict[int, tuple[MappedArena, memoryview]] = {}   # region id -> the peer's segment
+        self._ring_in = CompletionRing.create(max_incoming)    # the peer's completions to this side
+        self._ring_out: CompletionRing | None = None           # this side's, in the peer's segment
+        self._doorbell = select.poll()
+        self._scratch = bytearray(4096)
 
     def _listen(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -40,7 +63,7 @@ class ShmChannel(StreamChannel):
         return sock
 
     def _address(self) -> dict:
-        return {"path": self._path.encode().hex(), "host_id": host_id()}
+        return {"path": self._path.encode().hex(), "host_id": host_id(), "ring": self._ring_in.name}
 
     def _dial(self, params: dict, timeout: float) -> socket.socket:
         if params.get("host_id") != host_id():
@@ -58,6 +81,10 @@ class ShmChannel(StreamChannel):
                     raise PeerLost(f"cannot reach peer {self.peer}'s shm socket: {exc}") from exc
                 time.sleep(0.05)
 
+    def _connected(self, peer_params: dict) -> None:
+        self._ring_out = CompletionRing.attach(str(peer_params["ring"]), self.peer)
+        self._doorbell.register(self._sock, select.POLLIN | select.POLLRDHUP)
+
     def expose(self, region_id: int, arena: Arena) -> dict:
         if arena.name is None:
             raise TransportError("shm can only expose shared arenas")
@@ -70,23 +97,153 @@ class ShmChannel(StreamChannel):
             mapped = MappedArena(descriptor["shm_name"], int(descriptor["size"]))
         except (OSError, ValueError, RdmaTensorError) as exc:   # the peer named what we cannot map
             raise ForeignSegment(f"cannot map peer {self.peer}'s region {rid}: {exc}", peer=self.peer) from exc
-        old = self._mapped.pop(rid, None)
-        if old:
-            old.close()
-        self._mapped[rid] = mapped
+        self._unmap(rid)
+        self._mapped[rid] = (mapped, memoryview(mapped.buf))
         super().attach(descriptor)
 
+    def _unmap(self, region_id: int) -> None:
+        old = self._mapped.pop(region_id, None)
+        if old:
+            try:
+                old[1].release()
+            except BufferError:
+                pass                     # a write still copies into it: the mapping goes after
+            old[0].close()
+
+    # -- the sender -------------------------------------------------------
     def write(self, region_id: int, offset: int, src: np.ndarray, imm: int) -> None:
-        desc = self.check_remote(region_id, offset, src.nbytes)
-        mapped = self._mapped[region_id]
-        np.copyto(mapped.buf[offset:offset + src.nbytes], src)
-        self._send(WRITE_HEADER.pack(WRITE_MAGIC, region_id, desc["key"], imm, offset, src.nbytes), None)
+        n = src.nbytes
+        desc = self.check_remote(region_id, offset, n)
+        if n:
+            self._mapped[region_id][1][offset:offset + n] = src     # a memcpy, cheaper than np.copyto
+        self._post(region_id, desc["key"], imm, offset, n)
+
+    def notify(self, imm: int) -> None:
+        self._post(-1, 0, imm, 0, 0)
+
+    def _post(self, region: int, key: int, imm: int, offset: int, length: int) -> None:
+        """Put a completion in the peer's ring; ring its doorbell only if it sleeps."""
+        ring = self._ring_out
+        if ring is None or self._lost or self._closing:
+            raise PeerLost(f"the shm channel to peer {self.peer} is "
+                           f"{'not connected' if ring is None else 'closed'}", peer=self.peer)
+        with self._send_lock:
+            ring_bell = ring.push(region, key, imm, offset, length)
+            if ring_bell is None:
+                ring_bell = self._push_when_room(ring, (region, key, imm, offset, length))
+        if ring_bell:
+            try:
+                self._sock.send(b"\1", socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                pass                     # unread doorbells wait already: the peer wakes anyway
+            except OSError as exc:
+                raise PeerLost(f"peer {self.peer}'s doorbell failed: {exc}", peer=self.peer) from exc
+
+    def _push_when_room(self, ring: CompletionRing, entry: tuple) -> bool:
+        """The peer's ring is full: wait while it takes in, taking in this
+        side's own completions meanwhile (the peer may wait for one of them)."""
+        deadline = time.monotonic() + RING_FULL_TIMEOUT
+        while (ring_bell := ring.push(*entry)) is None:
+            if self._lost or self._closing:
+                raise PeerLost(f"the shm channel to peer {self.peer} closed while its ring was full",
+                               peer=self.peer)
+            if time.monotonic() > deadline:
+                raise TransportError(f"peer {self.peer} took in no completion for {RING_FULL_TIMEOUT:.0f} s",
+                                     peer=self.peer)
+            self.progress()
+            time.sleep(0.0001)
+        return ring_bell
+
+    # -- the receiver -----------------------------------------------------
+    def _consume(self, event, deadline: float) -> int:
+        """Under _read_lock: take in completions until `event` is set (None:
+        until there were any) or the deadline; how many were taken in."""
+        found = self._drain()
+        spin_until = 0.0
+        while not ((event.is_set() if event is not None else found) or self._lost or self._closing):
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            if not spin_until:
+                spin_until = now + SPIN_SECONDS
+            elif now >= spin_until:
+                self._sleep(deadline - now)
+                spin_until = time.monotonic() + SPIN_SECONDS
+            else:
+                os.sched_yield()         # a peer sharing this core runs now, not at the next tick
+            found += self._drain()
+        return found
+
+    def _drain(self) -> int:
+        """Take in every completion in the ring: each checked like a NIC, then reported."""
+        ring = self._ring_in
+        n, entries = ring.waiting(self.peer, DRAIN_BATCH)
+        if n:
+            on_imm = self.on_imm
+            for magic, region, key, imm, offset, length in entries:
+                if magic != WRITE_MAGIC:
+                    self.land(magic, region, key, offset, length)      # refuses it
+                if length:
+                    self.check_local(region, key, offset, length)     # land()'s other check, inline
+                on_imm(imm)
+                if self._lost:
+                    break
+            ring.consumed(n)
+        return n
+
+    def _sleep(self, remaining: float) -> None:
+        """Sleep on the doorbell, once the ring says so and is still empty."""
+        ring = self._ring_in
+        ring.sleeping(True)
+        try:
+            full_fence()                 # `sleeping` stored before the last look at head (ring.py)
+            if ring.waiting(self.peer, 1)[0]:
+                return
+            for _, events in self._doorbell.poll(math.ceil(min(remaining, SLEEP_SLICE) * 1000)):
+                if events & select.POLLIN:
+                    if self._sock.recv_into(self._scratch, len(self._scratch), socket.MSG_DONTWAIT) == 0:
+                        self._hang_up()
+                elif events & _HANG_UP:
+                    self._hang_up()
+        except (BlockingIOError, InterruptedError):
+            pass
+        finally:
+            ring.sleeping(False)
+
+    def _hang_up(self) -> None:
+        """The peer's end closed: what it completed before is still delivered."""
+        while self._drain() and not self._lost:
+            pass
+        raise PeerLost(f"peer {self.peer} closed the connection", peer=self.peer)
+
+    def _background(self) -> None:
+        """Sleep until the connection hangs up (only then: doorbells are the waiters'),
+        and report the loss at once."""
+        watch = select.poll()
+        watch.register(self._sock, select.POLLRDHUP)
+        while not self._closing and not self._lost:
+            try:
+                if not watch.poll(1000):
+                    continue
+            except (OSError, ValueError):
+                break
+            with self._read_lock:        # a waiter taking in completions finishes first
+                if not self._closing and not self._lost:
+                    try:
+                        self._hang_up()
+                    except Exception as exc:  # noqa: BLE001 - typed and reported there
+                        self._read_failed(exc)
+            break
 
     def close(self) -> None:
+        if self._closing:
+            return
         super().close()
-        for m in self._mapped.values():
-            m.close()
-        self._mapped.clear()
+        for ring in (self._ring_in, self._ring_out):
+            if ring is not None:
+                ring.close()
+        for rid in list(self._mapped):
+            self._unmap(rid)
 
 
 _HOST_ID = None

@@ -1,50 +1,34 @@
-"""Emulated one-sided writes over a byte stream: the shared core of tcp and shm.
+"""Emulated one-sided writes on a connection the peer dials: the shared core of tcp and shm.
 
 The responder listens, the initiator dials and proves it was told the
-responder's key over the authenticated control plane. Each write is a header
-(region, key, immediate, offset, length), checked against the exposed regions
-exactly as a NIC checks an rkey, and then either the payload itself, received
-straight into the target region (tcp), or nothing because the payload was
-already copied into the peer's mapped region (shm). A refused write closes
-the connection and is reported.
+responder's key over the authenticated control plane. What the connection
+carries afterwards is the provider's: write headers, each followed by its
+payload (tcp), or only doorbells, its hang-up reporting a lost peer (shm,
+whose payloads and write headers travel through shared memory). Either way
+each write header (region, key, immediate, offset, length) is checked against
+the exposed regions exactly as a NIC checks an rkey (land()), and a refused
+write closes the connection and is reported.
 """
 from __future__ import annotations
 
 import hmac
 import secrets
-import select
 import selectors
 import socket
 import threading
 import time
 from abc import abstractmethod
 
-import numpy as np
 
 from ..errors import PeerLost, RefusedWrite, TransportError
-from .base import WRITE_HEADER, WRITE_MAGIC, Channel
+from .base import WRITE_MAGIC, Channel
 
 AUTH_BYTES = 32
 HANDSHAKE_TIMEOUT = 5.0     # seconds a dialer has to present the key
 MAX_PENDING = 64           # handshakes in progress at once; the oldest goes first
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
-    """Fill `view` from the socket; False on a clean EOF before the first byte."""
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            if got == 0:
-                return False
-            raise PeerLost("connection closed in the middle of a message")
-        got += n
-    return True
-
-
 class StreamChannel(Channel):
-    payload_inline = True      # tcp: payload follows the header on the stream
-
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._key = secrets.token_bytes(AUTH_BYTES)
@@ -53,9 +37,8 @@ class StreamChannel(Channel):
         self._send_lock = threading.Lock()
         self._reader: threading.Thread | None = None
         self._closing = False
-        self._read_lock = threading.Lock()
-        self._header = bytearray(WRITE_HEADER.size)
-        self._last_inline = 0.0
+        self._read_lock = threading.Lock()     # one thread takes in what arrives at a time
+        self._last_inline = 0.0                # when a thread other than the channel's own last took writes in
 
     # -- what each stream transport provides -----------------------------
     @abstractmethod
@@ -69,6 +52,14 @@ class StreamChannel(Channel):
     @abstractmethod
     def _address(self) -> dict:
         """Where this side listens, as channel parameters."""
+
+    def _connected(self, peer_params: dict) -> None:
+        """The connection is up: finish joining the peer (KeyError, ValueError
+        or TypeError mean unusable parameters). Default: nothing more."""
+
+    @abstractmethod
+    def _background(self) -> None:
+        """The channel's own thread, from connect() to close()."""
 
     def params(self) -> dict:
         return {**self._address(), "key": self._key.hex()}
@@ -90,13 +81,13 @@ class StreamChannel(Channel):
             sock = self._accept(timeout)
         sock.settimeout(None)
         self._sock = sock
-        # One poll object per user: the reader thread's, and the inline one
-        # (used under _read_lock); a poll object is not safe to share.
-        self._poller, self._inline_poller = select.poll(), select.poll()
-        for p in (self._poller, self._inline_poller):
-            p.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
         self._listener.close()
-        self._reader = threading.Thread(target=self._read_loop, daemon=True,
+        try:
+            self._connected(peer_params)
+        except (KeyError, ValueError, TypeError, OverflowError) as exc:
+            raise TransportError(f"peer {self.peer} sent unusable {self.name} channel parameters: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+        self._reader = threading.Thread(target=self._background, daemon=True,
                                         name=f"rdmatensor-{self.name}-{self.rank}<-{self.peer}")
         self._reader.start()
 
@@ -182,60 +173,59 @@ class StreamChannel(Channel):
                 drop(sock)
             sel.close()
 
-    def _read_one(self, header: bytearray) -> None:
-        """Take in one write: check it like a NIC, land its payload, report its immediate."""
-        sock = self._sock
-        if not _recv_exact(sock, memoryview(header)):
-            raise PeerLost(f"peer {self.peer} closed the connection")
-        magic, region, key, imm, offset, length = WRITE_HEADER.unpack(header)
-        if magic != WRITE_MAGIC:
-            raise RefusedWrite(f"peer {self.peer} sent a malformed write header", peer=self.peer)
-        if length:
-            arena = self.check_local(region, key, offset, length)
-            if self.payload_inline:
-                target = memoryview(arena.buf)[offset:offset + length]
-                if not _recv_exact(sock, target):
-                    raise PeerLost(f"peer {self.peer} closed the connection mid-payload")
-        self.on_imm(imm)
+    @abstractmethod
+    def _consume(self, event, deadline: float) -> int:
+        """Under _read_lock: take in writes until `event` is set (None: until
+        there were any) or the deadline, polling first, then sleeping; how
+        many were taken in."""
 
     def wait_for(self, event, timeout: float) -> bool:
-        """Block in the kernel on the socket itself and take in what arrives on
-        this thread: one wake-up per message, no hand-off from the reader thread,
-        no spinning. Another thread already reading means just waiting."""
+        """Take in writes on the waiting thread itself until `event` is set: no
+        hand-off from another thread on the fast path. Another thread taking
+        them in already means just waiting for it."""
         deadline = time.monotonic() + timeout
-        while not event.is_set():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+        while True:
+            if self._reader is None or self._lost or self._closing:
+                return event.is_set()
+            if self._read_lock.acquire(blocking=False):
+                try:
+                    self._consume(event, deadline)
+                except Exception as exc:  # noqa: BLE001 - typed and reported there
+                    self._read_failed(exc)
+                finally:
+                    self._last_inline = time.monotonic()
+                    self._read_lock.release()
+            else:
+                event.wait(min(max(0.0, deadline - time.monotonic()), 0.0005))
+            if event.is_set():
+                return True
+            if time.monotonic() >= deadline:
                 return False
-            t0 = time.monotonic()
-            if not self.progress(block_for=min(remaining, 0.05)) and time.monotonic() - t0 < 0.0001:
-                event.wait(min(remaining, 0.0005))     # someone else is reading, or the channel is down
-        return True
 
     def progress(self, block_for: float = 0.0) -> bool:
-        """Take in every write waiting on the socket, on the calling thread,
-        first waiting up to `block_for` seconds for one to arrive."""
-        if threading.current_thread() is not self._reader:
-            self._last_inline = time.monotonic()
-        if self._sock is None or self._closing or self._lost:
+        """Take in writes that arrived (shm: a batch of them), on the calling
+        thread, first waiting up to `block_for` seconds for one."""
+        if self._reader is None or self._closing or self._lost:
             return False
         if not self._read_lock.acquire(blocking=False):
             return False
-        found = False
         try:
-            wait_ms = int(block_for * 1000)
-            while not self._closing and not self._lost and self._inline_poller.poll(0 if found else wait_ms):
-                self._read_one(self._header)
-                found = True
-        except (PeerLost, TransportError) as exc:
-            self._fail(exc)
-        except OSError as exc:
-            self._fail(PeerLost(f"connection to peer {self.peer} failed: {exc}"))
-        except Exception as exc:  # noqa: BLE001 - never stop reading without reporting why
-            self._fail(TransportError(f"{self.name} channel from peer {self.peer} failed: {exc!r}"))
+            return self._consume(None, time.monotonic() + block_for) > 0
+        except Exception as exc:  # noqa: BLE001 - typed and reported there
+            self._read_failed(exc)
+            return False
         finally:
+            if threading.current_thread() is not self._reader:
+                self._last_inline = time.monotonic()
             self._read_lock.release()
-        return found
+
+    def land(self, magic: int, region: int, key: int, offset: int, length: int):
+        """Check a write header as a NIC checks an rkey: the arena the payload
+        lands in, or None for a zero-length write (an immediate alone, which
+        like RDMA's names no region)."""
+        if magic != WRITE_MAGIC:
+            raise RefusedWrite(f"peer {self.peer} sent a malformed write header", peer=self.peer)
+        return self.check_local(region, key, offset, length) if length else None
 
     def _fail(self, exc: Exception) -> None:
         if not self._closing:
@@ -245,37 +235,17 @@ class StreamChannel(Channel):
         except OSError:
             pass
 
-    def _read_loop(self) -> None:
-        """Background progress: wake when the socket is readable, unless a
-        waiting thread is already spinning on it."""
-        while not self._closing and not self._lost:
-            try:
-                ready = self._poller.poll(200)
-            except (OSError, ValueError):
-                break
-            if not ready:
-                continue
-            if self._read_lock.locked() or time.monotonic() - self._last_inline < 0.002:
-                time.sleep(0.0005)      # a waiter is reading inline: let it take this
-                continue
-            self.progress()
-
-    def _send(self, header: bytes, payload: np.ndarray | None) -> None:
-        if self._sock is None:
-            raise TransportError(f"{self.name} channel to peer {self.peer} is not connected")
-        try:
-            with self._send_lock:
-                self._sock.sendall(header)
-                if payload is not None and payload.nbytes:
-                    self._sock.sendall(memoryview(payload))
-        except OSError as exc:
-            raise PeerLost(f"sending to peer {self.peer} failed: {exc}") from exc
-
-    def notify(self, imm: int) -> None:
-        self._send(WRITE_HEADER.pack(WRITE_MAGIC, -1, 0, imm, 0, 0), None)
+    def _read_failed(self, exc: Exception) -> None:
+        """Taking in failed (every reader's `except Exception`): close the
+        channel and report why, typed, never stop reading silently."""
+        if isinstance(exc, OSError):
+            exc = PeerLost(f"connection to peer {self.peer} failed: {exc}")
+        elif not isinstance(exc, (PeerLost, TransportError)):
+            exc = TransportError(f"{self.name} channel from peer {self.peer} failed: {exc!r}")
+        self._fail(exc)
 
     def peer_said_bye(self) -> None:
-        pass  # the stream's EOF follows everything the peer sent
+        pass  # the connection's end follows everything the peer sent
 
     def lost(self, error: Exception) -> None:
         """Report the loss and tear the connection down, so that no sender stays

@@ -228,9 +228,18 @@ class VerbsChannel(Channel):
     def _fail_all(self, exc: Exception) -> None:
         if not self._stop.is_set():
             self.lost(exc)
+        self._release_pending(exc)
+
+    def _release_pending(self, exc: Exception) -> None:
         for done in list(self._pending.values()):
             done.error = done.error or exc
             done.event.set()
+
+    def lost(self, error: Exception) -> None:
+        """Once the peer is lost (also when the session's heartbeat says so) no
+        thread reaps any more: a writer waiting for a completion gets the error."""
+        super().lost(error)
+        self._release_pending(error)
 
     def _event_loop(self) -> None:
         """Background progress: reap what the CQ holds, then block on its

@@ -13,12 +13,12 @@ from ..plan import Plan, TensorSpec
 from ..errors import UnknownTensor
 from ..providers.base import Channel
 
-COUNTERS = ("bytes_sent", "bytes_received", "writes", "recvs", "copies", "dynamic", "fallbacks", "grows",
-            "waits", "corrupt")
+COUNTERS = ("copies", "dynamic", "fallbacks", "grows", "waits", "corrupt")
 
 
 class Counters:
-    """The numbers stats() reports, safe to bump from any thread."""
+    """The numbers stats() reports, safe to bump from any thread (writes,
+    receives and their bytes are counted by each slot: Credits.traffic())."""
 
     def __init__(self):
         self._lock = threading.Lock()

@@ -17,8 +17,9 @@ import numpy as np
 from ..errors import CreditViolation, RdmaTensorError, RemoteError, SendTimeout
 from ..memory import Arena
 from ..plan import Slot
-from ..providers.base import IMM_CREDIT, IMM_DATA, make_imm, split_imm
+from ..providers.base import IMM_CREDIT, IMM_DATA, MAX_SLOTS, make_imm
 from .context import SessionContext
+from .flag import Flag
 from .liveness import Liveness
 
 log = logging.getLogger("rdmatensor")
@@ -28,16 +29,16 @@ class SendSlot:
     """The sender's end of a slot: its credit, where its bytes go, its staging memory."""
 
     def __init__(self, slot: Slot, peer: int, staging: np.ndarray):
-        self.slot, self.peer = slot, peer
-        self.credit = threading.Event()       # set: this side may write the slot
-        self.credit.set()
+        self.slot, self.peer, self.spec, self.name = slot, peer, slot.spec, slot.spec.name
+        self.credit = Flag(True)              # set: this side may write the slot
         self.region, self.offset, self.capacity = slot.arena, slot.offset, slot.size
         self.staging: np.ndarray | None = staging
+        self.view: np.ndarray | None = None   # staging as the tensor (static ones), once buffer() made it
+        self.staging_bytes: np.ndarray | None = None     # what one write of `view` sends
+        self.raw = False                      # `view` goes as it is: no header, no checksum
         self.pending = None                   # the last posted write's handle, while it may read staging
-
-    @property
-    def name(self) -> str:
-        return self.slot.spec.name
+        self.writes = self.bytes_sent = 0
+        self.imm = make_imm(IMM_DATA, slot.index)
 
 
 class RecvSlot:
@@ -55,17 +56,16 @@ class RecvSlot:
     EMPTY, FULL, HELD = "empty", "full", "held"
 
     def __init__(self, slot: Slot, peer: int, memory: np.ndarray):
-        self.slot, self.peer = slot, peer
+        self.slot, self.peer, self.spec, self.name = slot, peer, slot.spec, slot.spec.name
         self.memory: np.ndarray | None = memory     # this slot's bytes in the receive arena
+        self.view: np.ndarray | None = None          # the read-only tensor in memory, where it never moves
         self.grown: tuple[int, Arena] | None = None  # (region id, arena) once grown
         self.state = self.EMPTY
-        self.arrived = threading.Event()             # set while FULL, or for good once woken
+        self.arrived = Flag()                        # set while FULL, or for good once woken
+        self.credit_imm = make_imm(IMM_CREDIT, slot.index)
+        self.recvs = self.bytes_received = 0
         self._woken = False
         self._lock = threading.Lock()
-
-    @property
-    def name(self) -> str:
-        return self.slot.spec.name
 
     def arrive(self) -> None:
         with self._lock:
@@ -100,7 +100,7 @@ class RecvSlot:
             if self.state != self.EMPTY:
                 raise CreditViolation(f"{self.name!r} is still held: rank {self.peer} has no credit to grow it",
                                       peer=self.peer, tensor=self.name)
-            old, self.grown, self.memory = self.grown, (region_id, arena), arena.buf
+            old, self.grown, self.memory, self.view = self.grown, (region_id, arena), arena.buf, None
             return old
 
 
@@ -121,6 +121,13 @@ class Credits:
         self.send.update((st.name, st) for st in sending)
         self.recv.update((st.name, st) for st in receiving)
 
+    def traffic(self) -> dict:
+        """Writes and receives, and their bytes, summed over the slots that count them."""
+        return {"writes": sum(st.writes for st in self.send.values()),
+                "bytes_sent": sum(st.bytes_sent for st in self.send.values()),
+                "recvs": sum(st.recvs for st in self.recv.values()),
+                "bytes_received": sum(st.bytes_received for st in self.recv.values())}
+
     def recv_slot(self, peer: int, index: int) -> RecvSlot | None:
         states = self._recv_by_index.get(peer, [])
         return states[index] if 0 <= index < len(states) else None
@@ -128,17 +135,15 @@ class Credits:
     # -- immediates -------------------------------------------------------
     def on_imm(self, peer: int, imm: int) -> None:
         """An immediate from `peer`: DATA hands a slot to this side, CREDIT gives one back."""
-        kind, index = split_imm(imm)
+        kind, index = imm >> 30, imm & (MAX_SLOTS - 1)      # split_imm(), inline: once per tensor
         try:
-            if kind == IMM_DATA:
-                st = self.recv_slot(peer, index)
-                if st is None:
-                    raise CreditViolation(f"rank {peer} sent immediate {imm:#x} for no slot", peer=peer)
-                st.arrive()
-            elif kind == IMM_CREDIT and 0 <= index < len(self._send_by_index.get(peer, [])):
-                self._send_by_index[peer][index].credit.set()
-            else:
+            slots = (self._recv_by_index if kind == IMM_DATA else self._send_by_index).get(peer, ())
+            if kind > IMM_CREDIT or index >= len(slots):
                 raise CreditViolation(f"rank {peer} sent immediate {imm:#x} for no slot", peer=peer)
+            if kind == IMM_DATA:
+                slots[index].arrive()
+            else:
+                slots[index].credit.set()
         except RemoteError as exc:
             self.ctx.channels[peer].lost(exc)
 
@@ -146,13 +151,14 @@ class Credits:
     def take(self, st: SendSlot, timeout: float | None) -> None:
         """Take the slot's credit, waiting while the receiver holds the previous value."""
         if not st.credit.is_set():
-            self.ctx.counters.add("waits")
-            timeout = self.ctx.timeout if timeout is None else timeout
-            if not self.ctx.wait(st.credit, st.peer, timeout):
-                raise SendTimeout(f"{st.name!r}: rank {st.peer} held the previous value "
-                                  f"for more than {timeout:.1f} s", peer=st.peer, tensor=st.name)
-        self.live.check()
-        self.live.check(st.peer)
+            channel = self.ctx.channels[st.peer]
+            if not (channel.progress() and st.credit.is_set()):    # a credit already in, not taken in yet?
+                self.ctx.counters.add("waits")
+                timeout = self.ctx.timeout if timeout is None else timeout
+                if not channel.wait_for(st.credit, timeout):
+                    raise SendTimeout(f"{st.name!r}: rank {st.peer} held the previous value "
+                                      f"for more than {timeout:.1f} s", peer=st.peer, tensor=st.name)
+        self.live.check(st.peer)         # the session's error or the peer's (a loss also sets credits)
         st.credit.clear()
 
     def keep(self, st: SendSlot) -> None:
@@ -164,10 +170,10 @@ class Credits:
     def give_back(self, st: RecvSlot) -> None:
         """The user released the slot: return its credit to the sender."""
         st.release()
-        if self.ctx.closed or self.live.is_lost(st.peer):
+        if self.ctx.closed or st.peer in self.live.peer_errors:     # (live.is_lost(), inline)
             return
         try:
-            self.ctx.channels[st.peer].notify(make_imm(IMM_CREDIT, st.slot.index))
+            self.ctx.channels[st.peer].notify(st.credit_imm)
         except RdmaTensorError as exc:
             # The sender is gone; it needs no credit. Its loss is reported by
             # the channel once everything it sent has been taken in.

@@ -61,6 +61,9 @@ class Session:
         self._barriers = Barriers(ctx, self._live)
         self._sender = Sender(ctx, self._credits, self._growth, self._live)
         self._receiver = Receiver(ctx, self._credits, self._live)
+        # The data path's two calls go straight to their parts: the methods
+        # below document them; these attributes save a Python call per tensor.
+        self.send, self.recv = self._sender.send, self._receiver.recv
         self._server = None
         try:
             self._exchange.prepare(peer_ranks)
@@ -115,7 +118,10 @@ class Session:
 
     def unread(self) -> list[str]:
         """Names of the tensors whose value arrived here and has not been taken
-        by recv() (what peers already sent: a watchdog's view of the session)."""
+        by recv() (what peers already sent: a watchdog's view of the session).
+        Completions a provider keeps until asked (shm's ring) are taken in first."""
+        for ch in list(self._ctx.channels.values()):
+            ch.progress()
         return [name for name, st in self._credits.recv.items() if st.state == st.FULL]
 
     def abort(self, error: RdmaTensorError) -> None:
@@ -132,7 +138,7 @@ class Session:
         control_calls (made by this rank: setup, barriers, grows; never one
         per static tensor), and the provider's name."""
         ctx = self._ctx
-        counts = ctx.counters.snapshot()
+        counts = {**self._credits.traffic(), **ctx.counters.snapshot()}
         counts["copies"] += sum(ch.copies for ch in ctx.channels.values())
         return dict(counts, control_calls=ctx.control_calls(), provider=self.provider)
 

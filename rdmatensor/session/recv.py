@@ -17,6 +17,7 @@ class Received:
 
     Use as a context manager (`with session.recv(name) as array:`); leaving
     the block (or `release()`) hands the slot back to the sender."""
+    __slots__ = ("_credits", "_state", "array", "name", "__weakref__")
 
     def __init__(self, credits: Credits, state: RecvSlot, array: np.ndarray):
         self._credits, self._state, self.array = credits, state, array
@@ -48,30 +49,38 @@ class Receiver:
 
     def recv(self, name: str, timeout: float | None = None) -> Received:
         ctx = self.ctx
-        self.live.check()
-        spec = ctx.spec(name)
         st = self.credits.recv.get(name)
         if st is None:
+            self.live.check()
+            spec = ctx.spec(name)
             raise UnknownTensor(f"rank {ctx.rank} does not receive {name!r} (rank {spec.dst} does)", tensor=name)
         if st.state == st.HELD:
+            self.live.check()
             raise UsageError(f"{name!r} is still held: release the previous view first", tensor=name)
-        if st.state != st.FULL:
-            self.live.check(st.peer)     # lost while a previous value was held: nothing more will come
-        timeout = ctx.timeout if timeout is None else timeout
-        if not ctx.wait(st.arrived, st.peer, timeout):
-            self.live.check(st.peer)
-            raise RecvTimeout(f"{name!r} from rank {st.peer} did not arrive within {timeout:.1f} s",
-                              peer=st.peer, tensor=name)
+        # The session's error; and the peer's unless a value is there (lost while a
+        # previous value was held: nothing more will come; else it is delivered).
+        self.live.check(st.peer if st.state != st.FULL else None)
+        if not st.arrived.is_set():
+            timeout = ctx.timeout if timeout is None else timeout
+            if not ctx.channels[st.peer].wait_for(st.arrived, timeout):
+                self.live.check(st.peer)
+                raise RecvTimeout(f"{name!r} from rank {st.peer} did not arrive within {timeout:.1f} s",
+                                  peer=st.peer, tensor=name)
         if not st.take():                # woken by a failure, not by data
             self.live.check()
             self.live.check(st.peer)
             raise TransportError(f"{name!r}: woken without data", peer=st.peer, tensor=name)
-        try:
-            array = wire.decode(spec, ctx.plan, st.memory)
-        except IntegrityError:
-            ctx.counters.add("corrupt")
-            self.credits.give_back(st)
-            raise
-        array.flags.writeable = False
-        ctx.counters.add("recvs", bytes_received=array.nbytes)
+        array = st.view
+        if array is None:
+            try:
+                array = wire.decode(st.spec, ctx.plan, st.memory)
+            except IntegrityError:
+                ctx.counters.add("corrupt")
+                self.credits.give_back(st)
+                raise
+            array.flags.writeable = False
+            if wire.is_raw(st.spec, ctx.plan):
+                st.view = array          # the bytes alone, always in the same place: one view will do
+        st.recvs += 1                    # per slot: only the thread that took the value counts it
+        st.bytes_received += array.nbytes
         return Received(self.credits, st, array)

@@ -14,7 +14,6 @@ import numpy as np
 
 from ..errors import PeerLost, RdmaTensorError, TensorMismatch, UnknownTensor, UsageError
 from ..plan import TensorSpec
-from ..providers.base import IMM_DATA, make_imm
 from . import wire
 from .context import SessionContext
 from .credits import Credits, SendSlot
@@ -44,7 +43,11 @@ class Sender:
         if not spec.is_static:
             raise UsageError(f"{name!r} has a dynamic shape: it has no fixed staging buffer", tensor=name)
         self.source_free(st)
-        return st.staging[:spec.nbytes].view(spec.dtype).reshape(spec.shape)
+        if st.view is None:              # one array, so that send() knows it at a glance
+            st.raw = wire.is_raw(spec, self.ctx.plan) and spec.nbytes > 0
+            st.staging_bytes = st.staging[:spec.nbytes]
+            st.view = st.staging_bytes.view(spec.dtype).reshape(spec.shape)
+        return st.view
 
     def source_free(self, st: SendSlot) -> None:
         """Wait until the previous write no longer reads this slot's staging memory."""
@@ -62,32 +65,43 @@ class Sender:
                 st.pending = None
 
     def send(self, name: str, array, timeout: float | None = None) -> None:
-        spec, st = self._slot(name)
+        st = self.credits.send.get(name)
+        if st is None or not isinstance(array, np.ndarray) or not st.spec.matches(array):
+            self._refuse(name, array)
+        self.credits.take(st, timeout)
+        # Counted per slot while this thread holds its credit (no other can),
+        # and before the write, after which the credit may come back at once.
+        st.writes += 1
+        st.bytes_sent += array.nbytes
+        try:
+            if array is st.view and st.raw:      # the common case, kept short: filled in place, no header
+                st.pending = self.ctx.channels[st.peer].write(st.region, st.offset, st.staging_bytes, st.imm)
+            else:
+                self._write(st, st.spec, array)
+        except BaseException as exc:
+            st.writes -= 1
+            st.bytes_sent -= array.nbytes
+            self.credits.keep(st)
+            if isinstance(exc, PeerLost):
+                # A write that finds its peer gone reports the loss like any other: it
+                # sticks, watchers hear it, and this call raises what every later one will.
+                self.ctx.channels[st.peer].lost(exc)
+                self.live.check()
+                self.live.check(st.peer)
+            raise
+
+    def _refuse(self, name: str, array) -> None:
+        """Why send() cannot take `array` for `name`, as the error to raise."""
+        spec, _ = self._slot(name)
         if not isinstance(array, np.ndarray):
             raise TensorMismatch(f"{name!r}: expected a numpy array, got {type(array).__name__}", tensor=name)
-        if not spec.matches(array):
-            raise TensorMismatch(f"{name!r}: expected {spec.dtype} {_shape_str(spec.shape)}, "
-                                 f"got {array.dtype} {_shape_str(array.shape)}", tensor=name)
-        self.live.check(st.peer)
-        self.credits.take(st, timeout)
-        try:
-            self._write(st, spec, array)
-        except PeerLost as exc:
-            # A write that finds its peer gone reports the loss like any other: it
-            # sticks, watchers hear it, and this call raises what every later one will.
-            self.credits.keep(st)
-            self.ctx.channels[st.peer].lost(exc)
-            self.live.check()
-            self.live.check(st.peer)
-            raise
-        except BaseException:
-            self.credits.keep(st)
-            raise
+        raise TensorMismatch(f"{name!r}: expected {spec.dtype} {_shape_str(spec.shape)}, "
+                             f"got {array.dtype} {_shape_str(array.shape)}", tensor=name)
 
     def _write(self, st: SendSlot, spec: TensorSpec, array: np.ndarray) -> None:
         ctx = self.ctx
         ch = ctx.channels[st.peer]
-        imm = make_imm(IMM_DATA, st.slot.index)
+        imm = st.imm
         if wire.is_raw(spec, ctx.plan):
             if spec.nbytes == 0:
                 ch.notify(imm)
@@ -104,12 +118,11 @@ class Sender:
             st.pending = ch.write(st.region, st.offset, st.staging[:need], imm)
             if not spec.is_static:
                 ctx.counters.add("dynamic", "fallbacks")
-        ctx.counters.add("writes", bytes_sent=array.nbytes)
 
     def _source(self, st: SendSlot, array: np.ndarray) -> np.ndarray:
         """Where a static tensor's write reads from, copying into staging only if it must."""
         staging = st.staging[:array.nbytes]
-        if array.ctypes.data == staging.ctypes.data:
+        if array is st.view or array.ctypes.data == staging.ctypes.data:
             return staging                           # filled in place: no copy
         if not self.ctx.capabilities.needs_registered_source and array.flags.c_contiguous:
             return array.reshape(-1).view(np.uint8)  # written straight from the user's array

@@ -1,18 +1,22 @@
 """The emulated NICs (tcp, shm) enforce bounds against a hostile peer.
 
 The attacker speaks the data-channel wire format itself (stream.py: the
-32-byte auth key, then 32-byte WRITE_HEADERs, payload inline for tcp,
-already in the shared segment for shm). Every write with a wrong key, an
-unexposed region, an offset or length outside the region, a bad magic, a
-header that is cut short or followed by junk, or a stream cut mid-payload
-is refused: the connection is closed, on_lost is called once with a typed
-error, no immediate is delivered for it, and every byte of the receiver's
-memory (canary-filled) outside the writes it accepted is unchanged. The same
-holds end to end against a real Session whose peer turns hostile.
+32-byte auth key; then for tcp 32-byte WRITE_HEADERs, each followed by its
+payload; for shm the payload in the shared segment and the same header as
+an entry of the receiver's completion ring, ring.py, written through a raw
+mapping of it). Every write with a wrong key, an unexposed region, an offset
+or length outside the region, a bad magic, a header that is cut short or
+followed by junk (tcp), a stream cut mid-payload (tcp) or a ring index moved
+where no entry can be (shm) is refused: the connection is closed, on_lost is
+called once with a typed error, no immediate is delivered for it, and every
+byte of the receiver's memory (canary-filled) outside the writes it accepted
+is unchanged. The same holds end to end against a real Session whose peer
+turns hostile.
 """
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import time
 
@@ -27,6 +31,7 @@ from rdmatensor.control import control_pb2_grpc as pb_grpc
 from rdmatensor.control.service import ControlClient, start_server
 from rdmatensor.memory import PAGE, Arena, MappedArena
 from rdmatensor.providers.base import IMM_DATA, WRITE_HEADER, WRITE_MAGIC, make_imm
+from rdmatensor.providers.ring import ENTRY, HEAD_AT, HEADER_BYTES, INFO, CompletionRing
 from rdmatensor.providers.shm import ShmChannel, host_id
 from rdmatensor.providers.stream import AUTH_BYTES, HANDSHAKE_TIMEOUT
 from rdmatensor.providers.tcp import TcpChannel
@@ -42,6 +47,29 @@ def header(region, key, imm, offset, length, magic=WRITE_MAGIC) -> bytes:
     return WRITE_HEADER.pack(magic, region, key, imm, offset, length)
 
 
+class RingWriter:
+    """The attacker's side of the victim's shm completion ring: a raw mapping
+    and the layout, no rdmatensor code. Each entry is followed by a doorbell."""
+
+    def __init__(self, name: str):
+        self.segment = MappedArena(name)
+        self.entries = INFO.unpack_from(self.segment.buf, 0)[1]
+        self.head = 0
+
+    def put(self, sock: socket.socket, entry: bytes) -> None:
+        at = HEADER_BYTES + (self.head % self.entries) * ENTRY.size
+        self.segment.buf[at:at + ENTRY.size] = np.frombuffer(entry, np.uint8)
+        self.move_head(sock, self.head + 1)
+
+    def move_head(self, sock: socket.socket, head: int) -> None:
+        struct.pack_into("<Q", self.segment.buf, HEAD_AT, head % 2 ** 64)
+        self.head = head
+        sock.sendall(b"\1")
+
+    def close(self) -> None:
+        self.segment.close()
+
+
 class Victim:
     """One channel end (rank 1) exposing two canary-filled regions to rank 0,
     with a third, unexposed arena next to them."""
@@ -53,6 +81,9 @@ class Victim:
         self.lost: list[Exception] = []
         self.lost_event = threading.Event()
         self.ch = PROVIDERS[provider](1, 0, "127.0.0.1", on_imm=self.imms.append, on_lost=self._on_lost)
+        # shm: the attacker's own completion ring, for the victim to map; and its view of the victim's
+        self.own_ring = CompletionRing.create(64) if shared else None
+        self.ring: RingWriter | None = None
         self.arenas = [Arena(size, shared=shared) for size in SIZES]
         self.private = Arena(PAGE, shared=shared)
         self.expected = [canary_arena(a) for a in self.arenas]
@@ -70,7 +101,7 @@ class Victim:
 
     def _accept(self) -> None:
         try:
-            self.ch.connect({}, initiator=False, timeout=20)
+            self.ch.connect({"ring": self.own_ring.name} if self.own_ring else {}, initiator=False, timeout=20)
         except Exception as exc:  # noqa: BLE001
             self.accept_error.append(exc)
 
@@ -92,6 +123,20 @@ class Victim:
             s.sendall(key)
         return s
 
+    def send(self, sock, data: bytes) -> None:
+        """Hostile bytes: on the stream (tcp), or each 32-byte header as a ring entry (shm)."""
+        if self.provider == "tcp":
+            sock.sendall(data)
+            return
+        self._ring()
+        for i in range(0, len(data), ENTRY.size):
+            self.ring.put(sock, data[i:i + ENTRY.size])
+
+    def _ring(self) -> RingWriter:
+        if self.ring is None:
+            self.ring = RingWriter(self.params["ring"])
+        return self.ring
+
     def legit_write(self, sock, region: int, offset: int, payload: bytes, imm: int) -> None:
         """A write the victim must accept; the expected memory is updated."""
         desc = self.descs[region]
@@ -99,7 +144,7 @@ class Victim:
             if not self.mapped:
                 self.mapped = [MappedArena(d["shm_name"], d["size"]) for d in self.descs]
             self.mapped[region].buf[offset:offset + len(payload)] = np.frombuffer(payload, np.uint8)
-            sock.sendall(header(region, desc["key"], imm, offset, len(payload)))
+            self.send(sock, header(region, desc["key"], imm, offset, len(payload)))
         else:
             sock.sendall(header(region, desc["key"], imm, offset, len(payload)) + payload)
         self.expected[region][offset:offset + len(payload)] = np.frombuffer(payload, np.uint8)
@@ -107,8 +152,14 @@ class Victim:
     def wait_imms(self, n: int, timeout: float = 5) -> None:
         deadline = time.monotonic() + timeout
         while len(self.imms) < n and time.monotonic() < deadline:
-            time.sleep(0.002)
+            self.ch.progress(0.002)       # shm keeps completions until someone asks
         assert len(self.imms) >= n, f"only {len(self.imms)} of {n} immediates arrived"
+
+    def wait_lost(self, timeout: float = 5) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self.lost_event.is_set() and time.monotonic() < deadline:
+            self.ch.progress(0.002)
+        return self.lost_event.is_set()
 
     def check_memory(self) -> None:
         for i, arena in enumerate(self.arenas):
@@ -123,7 +174,7 @@ class Victim:
 
     def close(self) -> None:
         self.ch.close()
-        for m in self.mapped:
+        for m in self.mapped + [r for r in (self.ring, self.own_ring) if r is not None]:
             m.close()
         for a in self.arenas + [self.private]:
             a.close()
@@ -145,7 +196,7 @@ def closed_by_peer(sock: socket.socket, timeout: float = 5.0) -> bool:
 def refused(victim: Victim, sock: socket.socket, error=RefusedWrite, imms: int = 1) -> Exception:
     """The hostile write was refused: loss reported once, typed; connection
     closed; only the legit immediates delivered; memory intact."""
-    assert victim.lost_event.wait(5), "the loss was not reported"
+    assert victim.wait_lost(5), "the loss was not reported"
     assert closed_by_peer(sock), "the victim kept the connection open"
     time.sleep(0.05)
     assert len(victim.lost) == 1, victim.lost
@@ -185,9 +236,24 @@ def _cases(provider: str):
         ("zero magic, zero length", bad(magic=0, length=0), RefusedWrite),
         ("junk after a header (oversized header)",
          lambda v: header(0, v.descs[0]["key"], 7, 0, 0) + b"\xff" * WRITE_HEADER.size, RefusedWrite),
+    ] + ([
         ("truncated header", lambda v: header(0, v.descs[0]["key"], 7, 0, 64)[:20], PeerLost),
-    ] + ([("stream cut mid-payload",
-           lambda v: header(0, v.descs[0]["key"], 9, 100, 4096) + b"\x33" * 1000, PeerLost)] if tcp else [])
+        ("stream cut mid-payload",
+         lambda v: header(0, v.descs[0]["key"], 9, 100, 4096) + b"\x33" * 1000, PeerLost),
+    ] if tcp else [
+        # the ring's head moved where no entry can be: the receiver trusts only its own tail
+        ("ring head past the capacity", _move_head(lambda r: r.head + r.entries + 1), RefusedWrite),
+        ("ring head moved backwards", _move_head(lambda r: r.head - 1), RefusedWrite),
+        ("ring head at 2**64 - 1", _move_head(lambda r: 2 ** 64 - 1), RefusedWrite),
+    ])
+
+
+def _move_head(where):
+    """A hostile shm case: move the victim's ring head to where(ring), ring the doorbell."""
+    def make(v: Victim):
+        ring = v._ring()
+        return lambda sock: ring.move_head(sock, where(ring))
+    return make
 
 
 @pytest.mark.parametrize("provider", ["tcp", "shm"])
@@ -210,7 +276,7 @@ def test_hostile_writes_are_refused_and_memory_is_untouched(provider):
             else:
                 imms = 2
             try:
-                sock.sendall(data)
+                data(sock) if callable(data) else v.send(sock, data)
             except OSError:
                 pass       # refused before we finished sending: fine
             if error is PeerLost:
@@ -258,7 +324,7 @@ def test_random_headers_are_refused_unless_fully_valid(provider):
                 counts["accepted"] += 1
             else:
                 try:
-                    sock.sendall(header(region, key, make_imm(IMM_DATA, 3), offset, length,
+                    v.send(sock, header(region, key, make_imm(IMM_DATA, 3), offset, length,
                                         0x12345678 if bad_magic else WRITE_MAGIC) + (payload if tcp else b""))
                 except OSError:
                     pass
@@ -278,7 +344,7 @@ def test_zero_length_write_touches_nothing(provider):
     with Victim(provider) as v:
         sock = v.dial()
         assert v.accepted()
-        sock.sendall(header(-1, 0, make_imm(IMM_DATA, 4), 0, 0) + header(99, 123, 5, 2 ** 64 - 1, 0))
+        v.send(sock, header(-1, 0, make_imm(IMM_DATA, 4), 0, 0) + header(99, 123, 5, 2 ** 64 - 1, 0))
         v.wait_imms(2)
         assert v.imms == [make_imm(IMM_DATA, 4), 5] and not v.lost
         v.check_memory()
@@ -309,9 +375,8 @@ def test_handshake_refuses_wrong_keys_and_is_not_delayed_by_silent_dialers(provi
         real.close()
 
 
-@pytest.mark.parametrize("provider", ["tcp", "shm"])
-def test_truncated_header_then_silence_does_not_hang_close(provider):
-    with Victim(provider) as v:
+def test_truncated_header_then_silence_does_not_hang_close():
+    with Victim("tcp") as v:
         sock = v.dial()
         assert v.accepted()
         sock.sendall(header(0, v.descs[0]["key"], 1, 0, 64)[:17])
@@ -372,6 +437,8 @@ def test_a_hostile_rank_cannot_write_outside_its_slots(provider):
     server, port = start_server("127.0.0.1:0", TOKEN, _Coordinator(), pb_grpc.BaselineServicer())
     peers = {0: f"127.0.0.1:{port}", 1: f"127.0.0.1:{free_ports(1)[0]}"}
     own = Arena(PAGE, shared=True)                   # rank 0's "receive" region, for rank 1 to attach
+    own_ring = CompletionRing.create(64)             # and its completion ring (shm)
+    writer = None
     ready, attacked = threading.Event(), threading.Event()
     out: dict = {}
 
@@ -402,7 +469,8 @@ def test_a_hostile_rank_cannot_write_outside_its_slots(provider):
         if provider == "tcp":
             params = pb.ChannelParams(provider="tcp", host="127.0.0.1", port=1, key="00" * 32)
         else:
-            params = pb.ChannelParams(provider="shm", path=b"\0nobody".hex(), host_id=host_id(), key="00" * 32)
+            params = pb.ChannelParams(provider="shm", path=b"\0nobody".hex(), host_id=host_id(), key="00" * 32,
+                                      ring=own_ring.name)
         reply = client.call(client.control.Exchange, pb.ExchangeRequest(
             rank=0, peer=1, plan_digest=PLAN.digest, plan_specs=PLAN.to_json(), channel=params,
             regions=[pb.Region(region_id=0, size=own.size, key=1, shm_name=own.name)],
@@ -422,13 +490,16 @@ def test_a_hostile_rank_cannot_write_outside_its_slots(provider):
             seg = MappedArena(region.shm_name, region.size)
             seg.buf[:len(a)] = np.frombuffer(a, np.uint8)
             seg.close()
-            sock.sendall(header(0, region.key, make_imm(IMM_DATA, 0), 0, len(a)))
+            writer = RingWriter(ch["ring"])
+            writer.put(sock, header(0, region.key, make_imm(IMM_DATA, 0), 0, len(a)))
         else:
             sock.sendall(header(0, region.key, make_imm(IMM_DATA, 0), 0, len(a)) + a)
         out["expected"][0][:len(a)] = np.frombuffer(a, np.uint8)
         # Past the end of the region, with the right key, for slot "d".
-        sock.sendall(header(0, region.key, make_imm(IMM_DATA, 1), region.size - 8, 64) +
-                     (b"\xee" * 64 if provider == "tcp" else b""))
+        if provider == "shm":
+            writer.put(sock, header(0, region.key, make_imm(IMM_DATA, 1), region.size - 8, 64))
+        else:
+            sock.sendall(header(0, region.key, make_imm(IMM_DATA, 1), region.size - 8, 64) + b"\xee" * 64)
         attacked.set()
         assert closed_by_peer(sock)
         t.join(30)
@@ -444,6 +515,9 @@ def test_a_hostile_rank_cannot_write_outside_its_slots(provider):
         client.close()
         t.join(30)
         server.stop(0)
+        if writer is not None:
+            writer.close()
+        own_ring.close()
         own.close()
 
 

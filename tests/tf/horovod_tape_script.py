@@ -12,6 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_plugin as hvd           # was: import horovod.tensorflow as hvd
+from tests.tf.reference_steps import distributed_and_local
 
 out_dir = sys.argv[1]
 steps = int(sys.argv[2]) if len(sys.argv) > 2 else 6
@@ -98,23 +99,9 @@ def mlp(seed):
 model, reference = mlp(7 + hvd.rank()), mlp(7)
 hvd.broadcast_variables(model.variables, root_rank=0)
 opt, ref_opt = keras.optimizers.SGD(0.1), keras.optimizers.SGD(0.1)
+dist_step, local_step = distributed_and_local(hvd, model, reference, opt, ref_opt, loss_fn)
+dist_step = tf.function(dist_step)
 
-
-@tf.function
-def dist_step(x, y):
-    with tf.GradientTape() as tape:
-        loss_value = loss_fn(y, model(x))
-    grads = hvd.DistributedGradientTape(tape).gradient(loss_value, model.trainable_variables)
-    opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-    return loss_value
-
-
-@tf.function
-def local_step(x, y):
-    with tf.GradientTape() as tape:
-        loss_value = loss_fn(y, reference(x))
-    ref_opt.apply_gradients(zip(tape.gradient(loss_value, reference.trainable_variables),
-                                reference.trainable_variables, strict=True))
 
 
 calls, before = [], hvd.stats()

@@ -59,9 +59,11 @@ def test_allreduce_chunks_partition_every_gradient(mlp):
 def test_fused_allreduce_is_one_ring_over_aligned_members(mlp):
     from tf_plugin.analyzer import analyze, ring_name
     a = analyze(mlp, "allreduce", workers=2)
-    (bucket,) = a.buckets
+    (bucket,) = a.buckets                                                     # under the fusion threshold
     sizes = [int(np.prod(s)) for s in _shapes(mlp)]
-    assert [(m[0], m[2]) for m in bucket.members] == [(v.key, n) for v, n in zip(a.variables, sizes, strict=False)]
+    # last layer first: the order backprop produces the gradients in
+    assert [(m[0], m[2]) for m in bucket.members] == [(v.key, n) for v, n in zip(a.variables, sizes,
+                                                                                 strict=False)][::-1]
     assert all(offset * 4 % 64 == 0 for _, offset, _ in bucket.members)      # TF-aligned views
     assert bucket.size >= sum(sizes) and bucket.size - sum(sizes) < 16 * len(sizes)
     chunks = [a.plan.specs[ring_name(bucket.key, p, 0, r)] for p in ("rs", "ag") for r in range(2)]
@@ -123,3 +125,31 @@ def test_cluster_from_tf_config():
     with pytest.raises(ValueError):
         Cluster.from_tf_config(json.dumps({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker",
                                                                                   "index": 3}}))
+
+
+def test_buckets_follow_backprop_and_the_fusion_threshold(monkeypatch):
+    from rdmatensor import PlanError
+    from tf_plugin.analyzer import VarInfo, buckets_of, fusion_threshold
+    f32, f16 = np.dtype(np.float32), np.dtype(np.float16)
+    infos = [VarInfo("conv1", (1000,), f32, False, {}), VarInfo("big", (5000,), f32, False, {}),
+             VarInfo("half", (100,), f16, False, {}), VarInfo("a", (500,), f32, False, {}),
+             VarInfo("b", (10,), f32, False, {}), VarInfo("logits", (600,), f32, False, {})]
+    buckets = buckets_of(infos, fusion=True, threshold=4096)
+    # last layer first; a bucket is closed once it holds 4096 bytes (small gradients ride with the next
+    # one); dtypes never mixed; a bucket comes before every bucket whose last gradient comes later
+    assert [[m[0] for m in b.members] for b in buckets] == [["logits", "b", "a"], ["half"], ["big"], ["conv1"]]
+    assert [b.dtype for b in buckets] == [f32, f16, f32, f32]
+    first = buckets[0]
+    assert [(m[1], m[2]) for m in first.members] == [(0, 600), (608, 10), (624, 500)] and first.size == 1124
+    for b in buckets[:3:2]:                        # closed: over the threshold by less than the last member
+        assert 0 <= (b.size - b.members[-1][2]) * 4 < 4096 <= b.size * 4
+    # threshold 0 (or no fusion): one gradient per bucket, still last layer first
+    assert [b.members[0][0] for b in buckets_of(infos, fusion=True, threshold=0)] == \
+        [v.key for v in reversed(infos)]
+    assert [b.key for b in buckets_of(infos, fusion=False)] == [v.key for v in reversed(infos)]
+    # Horovod's knob, under our name
+    monkeypatch.setenv("RDMATENSOR_FUSION_THRESHOLD", "12")
+    assert fusion_threshold() == 12 and fusion_threshold(7) == 7
+    monkeypatch.setenv("RDMATENSOR_FUSION_THRESHOLD", "4MB")
+    with pytest.raises(PlanError, match="RDMATENSOR_FUSION_THRESHOLD='4MB'"):
+        fusion_threshold()

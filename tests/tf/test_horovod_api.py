@@ -33,8 +33,9 @@ def check_tape(rep, rank):
 def check_training(rep, rank):
     check_tape(rep, rank)
     assert rep["mlp_trained_same"]
-    # no compression, 2 ranks: each rank sends exactly its model's bytes per step
-    assert rep["mlp_bytes_per_step"] == 4 * rep["mlp_trainable_elements"]
+    # no compression, 2 ranks: each rank sends its model's bytes per step, plus the padding that starts
+    # every member of the fused bucket 64-byte aligned (under 64 bytes per gradient but the last)
+    assert 4 * rep["mlp_trainable_elements"] <= rep["mlp_bytes_per_step"] < 4 * rep["mlp_trainable_elements"] + 3 * 64
     # two workers equal one process on the global batch
     assert rep["mlp_max_diff"] < 1e-5
     assert rep["mlp_calls"] == [rep["mlp_calls"][0]] * len(rep["mlp_calls"])

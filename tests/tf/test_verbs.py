@@ -4,9 +4,8 @@
 import numpy as np
 import pytest
 
-from .conftest import STEPS
-
 pytestmark = pytest.mark.rdma
+STEPS = 8        # every instruction is emulated in the VM: a few steps show the same agreement
 
 
 @pytest.mark.parametrize("mode", ["ps", "allreduce"])
@@ -16,7 +15,7 @@ def test_training_over_verbs_matches_single_process(rdma_port, mode, close_to_re
     config = JobConfig(mode=mode, model="mlp", provider="verbs", steps=STEPS, ps=1 if mode == "ps" else 0)
     s = summarize(config, runner.run_threads(config))
     assert s.provider_used == "verbs"
-    close_to_reference("mlp", s.losses)
+    close_to_reference("mlp", s.losses, steps=STEPS)
     # ps: 4 gradients from each worker, 4 variables to each; allreduce: the fused bucket's
     # reduce-scatter and all-gather chunk from each rank
     assert s.writes_per_step == (16 if mode == "ps" else 4)

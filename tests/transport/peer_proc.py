@@ -3,8 +3,9 @@
     python -m tests.transport.peer_proc ROLE PROVIDER PORT0 PORT1 [PORT2]
 
 ROLE: `holder` receives "x" and holds the view forever; `streamer` sends
-"big" again and again, each value filled with its step number; `chain_end`
-is rank 2 of chain_plan(): it sends "a" once and waits to be killed.
+"big" again and again, each value filled with its step number; `idle`
+connects and then does nothing; `chain_end` is rank 2 of chain_plan(): it
+sends "a" once and waits to be killed.
 """
 import sys
 import time
@@ -43,6 +44,8 @@ def main():
             print("holding", flush=True)
             time.sleep(3600)
             held.release()
+        elif role == "idle":
+            time.sleep(3600)
         else:
             buf = s.buffer("big")
             step = 0

@@ -1,0 +1,84 @@
+"""Gradients are all-reduced while backprop still runs (one launch op per bucket, the
+rings on the communication thread), with the results of a plain all-reduce, over shm.
+What happened when is read from the RDMATENSOR_TIMELINE trace, by order, not by duration."""
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from .processes import run_workers
+
+SCRIPT = Path(__file__).parent / "overlap_script.py"
+STEPS, EAGER_STEPS, FIT_STEPS, TWICE = 6, 2, 4, 2
+
+
+def rounds_of(trace: list) -> dict:
+    """round -> {"ready": {bucket: ts}, "ring": {bucket: (start, end)}, "wait": {bucket: (start, end)}}"""
+    rounds = defaultdict(lambda: {"ready": {}, "ring": {}, "wait": {}})
+    for e in trace:
+        kind = e["name"].split(" ")[0]
+        if kind in ("ready", "ring", "wait"):
+            at = e["ts"] if kind == "ready" else (e["ts"], e["ts"] + e["dur"])
+            rounds[e["args"]["round"]][kind][e["args"]["bucket"]] = at
+    return dict(rounds)
+
+
+def test_gradients_reduced_while_backprop_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("RDMATENSOR_FUSION_THRESHOLD", str(16 << 10))
+    monkeypatch.setenv("RDMATENSOR_TIMELINE", str(tmp_path / "timeline-{rank}.json"))
+    run_workers(SCRIPT, 2, "shm", tmp_path, args=(STEPS,))
+    reps = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for rep in reps:
+        # the same variables on both ranks, bit for bit, and those of one process on the global batch
+        assert rep["same"] and rep["max_diff"] < 1e-5 and rep["fit_same"]
+        # two all-reduces of one tensor set in one graph (the loss, then twice the loss): doubled exactly
+        assert rep["twice_exact"]
+        # the first step plans the gradients (eager steps reuse the plan): no control call after it
+        assert rep["calls"] == [rep["calls"][0]] * (STEPS + EAGER_STEPS)
+        # output buffers come back once TensorFlow frees the gradients: none allocated after step 2
+        assert rep["buffers"][1:] == [rep["buffers"][1]] * (STEPS + EAGER_STEPS - 1)
+        s = rep["stats"]
+        assert s["allreduces"] == STEPS + EAGER_STEPS + FIT_STEPS + TWICE and 0 < s["overlap"] <= 1
+        assert s["extensions"] == 1                          # fit's gradients are the tape's tensor set
+        assert 0 < s["overlapped_seconds"] < s["ring_seconds"] <= s["comm_seconds"]
+
+        trace = json.loads((tmp_path / f"timeline-{rep['rank']}.json").read_text())    # valid JSON
+        assert {"TensorFlow", "communication"} <= {e["args"]["name"] for e in trace if e["name"] == "thread_name"}
+        rounds = rounds_of(trace)
+        assert sorted(rounds) == list(range(STEPS + EAGER_STEPS + FIT_STEPS + TWICE))
+        buckets = sorted(rounds[0]["ready"])
+        assert len(buckets) == 4                      # a bucket per conv layer
+        assert rep["buffers"][1] <= 2 * len(buckets)
+        for r in rounds.values():
+            assert sorted(r["ready"]) == sorted(r["ring"]) == sorted(r["wait"]) == buckets
+            for j in buckets:
+                assert r["ready"][j] <= r["ring"][j][0]       # a ring starts once its bucket is handed over
+                assert r["wait"][j][1] >= r["ring"][j][1]     # and its result is taken after it ends
+            # one thread, buckets in the plan's order
+            assert all(r["ring"][j][1] <= r["ring"][j + 1][0] for j in buckets[:-1])
+        # inside tf.function (the tape's, then fit's), the first bucket's ring starts while backprop still
+        # computes the last bucket's gradients, and at least once it is even over by then (the peer's too)
+        for graph in (range(STEPS), range(STEPS + EAGER_STEPS, STEPS + EAGER_STEPS + FIT_STEPS)):
+            last_ready = {k: max(rounds[k]["ready"].values()) for k in graph}
+            started = [k for k in graph if rounds[k]["ring"][0][0] < last_ready[k]]
+            finished = [k for k in graph if rounds[k]["ring"][0][1] < last_ready[k]]
+            assert len(started) >= len(graph) // 2 and finished, (started, finished)
+
+
+def test_fusion_threshold_from_init_or_the_environment(monkeypatch):
+    import pytest
+    from rdmatensor import PlanError
+
+    import tf_plugin as hvd
+    from tf_plugin.world import world
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    monkeypatch.setenv("RDMATENSOR_FUSION_THRESHOLD", "1000")
+    for argument, want in ((None, 1000), (50, 50)):
+        hvd.init(fusion_threshold=argument)
+        try:
+            assert world().collectives.threshold == want
+        finally:
+            hvd.shutdown()
+    monkeypatch.setenv("RDMATENSOR_FUSION_THRESHOLD", "-1")
+    with pytest.raises(PlanError, match="fusion threshold -1"):
+        hvd.init()
+    assert not hvd.is_initialized()

@@ -1,0 +1,67 @@
+"""The ring over 2 and 3 ranks (ranks as threads, real shm sessions): sums and averages as
+numpy computes them, bit-identical on every rank, whether the buckets run on the
+communication thread (launch/collect) or in lockstep on the caller's (allreduce_arrays)."""
+import numpy as np
+import pytest
+
+from rdmatensor import Plan
+from tf_plugin.analyzer import Analysis, VarInfo, buckets_of, ring_specs
+
+from ..support.ranks import check, run_ranks
+
+# a fused float bucket (divided by N while copied in), a float gradient alone in its bucket
+# (its sum divided in place), an integer bucket (floor division), sizes not divisible by N
+VARIABLES = [VarInfo("w", (7, 5), np.dtype(np.float32), False, {}),
+             VarInfo("b", (5,), np.dtype(np.float32), False, {}),
+             VarInfo("big", (3001,), np.dtype(np.float32), False, {}),
+             VarInfo("count", (11,), np.dtype(np.int64), False, {})]
+
+
+def analysis(n: int, average: bool = True) -> Analysis:
+    buckets = buckets_of(VARIABLES, fusion=True, threshold=4096)
+    return Analysis(Plan([s for s, _ in ring_specs(buckets, n)]), "allreduce", n, 0, VARIABLES, buckets=buckets)
+
+
+def values(rank: int, step: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(100 * step + rank)
+    return [rng.standard_normal(v.shape).astype(v.dtype) if v.dtype.kind == "f"
+            else rng.integers(-50, 50, v.shape).astype(v.dtype) for v in VARIABLES]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("average", [True, False])
+def test_ring_sums_and_averages_on_every_rank(n, average):
+    from tf_plugin.ring import RingAllReduce
+    a = analysis(n)
+    assert [[m[0] for m in b.members] for b in a.buckets] == [["count"], ["big"], ["b", "w"]]
+    keys = [v.key for v in VARIABLES]
+
+    def body(session, rank):
+        ring = RingAllReduce(session, a, average=average)
+        got = []
+        try:
+            for step in range(3):
+                mine = dict(zip(keys, values(rank, step), strict=True))
+                if step % 2:
+                    got.append(ring.allreduce_arrays(keys, [mine[k] for k in keys], average))
+                    continue
+                for j, b in enumerate(a.buckets):
+                    ring.launch(j, [mine[key] for key, _, _ in b.members])
+                out = {}
+                for j, b in enumerate(a.buckets):
+                    out.update(zip((key for key, _, _ in b.members), ring.collect(j), strict=True))
+                got.append([np.array(out[k]) for k in keys])
+        finally:
+            ring.close()
+        return got
+
+    results = check(run_ranks(n, a.plan, "shm", body))
+    for step in range(3):
+        everyone = [values(r, step) for r in range(n)]
+        for t, v in enumerate(VARIABLES):
+            total = sum(e[t] for e in everyone)
+            want = total if not average else total // n if v.dtype.kind == "i" else total / n
+            for r in range(n):
+                assert results[r][step][t].shape == v.shape and results[r][step][t].dtype == v.dtype
+                assert results[r][step][t].tobytes() == results[0][step][t].tobytes()     # bit-identical
+                np.testing.assert_allclose(results[r][step][t], want, rtol=1e-6, atol=1e-6)

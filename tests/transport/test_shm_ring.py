@@ -1,0 +1,194 @@
+"""The shm completion ring (providers/ring.py) between two real channels:
+entries wrap around, a full ring holds the sender back until the receiver
+takes in, a sleeping receiver is woken by its doorbell (not by a timeout),
+and a peer killed while the receiver sleeps is reported at once."""
+from __future__ import annotations
+
+import os
+import signal
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from rdmatensor import PeerLost, connect
+from rdmatensor.memory import Arena, MappedArena
+from rdmatensor.providers import shm
+from rdmatensor.providers.ring import MIN_ENTRIES, SLEEPING_AT, TAIL_AT
+from rdmatensor.providers.shm import ShmChannel
+
+from .peer_proc import TOKEN, fault_plan
+from .test_faults import _spawn, _wait_line
+from ..support.ranks import free_ports
+
+
+class Pair:
+    """Channel `a` (rank 0) writes into region 0 of channel `b` (rank 1)."""
+
+    def __init__(self, max_incoming: int = 1):
+        self.got = {0: [], 1: []}
+        self.lost = {0: [], 1: []}
+        self.arrived = threading.Event()
+        self.a = ShmChannel(0, 1, "127.0.0.1", on_imm=self.got[0].append, on_lost=self.lost[0].append,
+                            max_incoming=max_incoming)
+        self.b = ShmChannel(1, 0, "127.0.0.1", on_imm=self._on_imm_b, on_lost=self.lost[1].append,
+                            max_incoming=max_incoming)
+        self.arena = Arena(1 << 16, shared=True)
+        self.a.attach(self.b.expose(0, self.arena))
+        accepter = threading.Thread(target=self.b.connect, args=(self.a.params(), False, 10))
+        accepter.start()
+        self.a.connect(self.b.params(), True, 10)
+        accepter.join(10)
+
+    def _on_imm_b(self, imm: int) -> None:
+        self.got[1].append(imm)
+        self.arrived.set()
+
+    def take_in(self, n: int, timeout: float = 5) -> list[int]:
+        deadline = time.monotonic() + timeout
+        while len(self.got[1]) < n and time.monotonic() < deadline:
+            self.b.progress(0.01)
+        return self.got[1]
+
+    def close(self) -> None:
+        self.a.close()
+        self.b.close()
+        self.arena.close()
+
+
+@pytest.fixture
+def pair():
+    p = Pair()
+    yield p
+    p.close()
+
+
+def test_entries_wrap_around_in_order_with_their_payloads(pair):
+    entries = pair.b._ring_in.entries
+    assert entries == MIN_ENTRIES
+    n = entries * 4 + 7
+    seen = []
+    for i in range(n):
+        pair.a.write(0, 8 * i, np.array([i * 3], np.uint64).view(np.uint8), i)
+        if i % 37 == 36:                       # take in at uneven points, across the wrap
+            pair.b.progress()
+            seen.append(len(pair.got[1]))
+    assert pair.take_in(n) == list(range(n))
+    assert np.array_equal(pair.arena.buf[:8 * n].view(np.uint64), np.arange(n, dtype=np.uint64) * 3)
+    assert pair.b._ring_in.tail == n > 4 * entries
+    assert seen == [37 * (k + 1) for k in range(len(seen))]
+    assert not pair.lost[0] and not pair.lost[1]
+
+
+def test_a_full_ring_holds_the_sender_back_until_the_receiver_takes_in(pair):
+    entries = pair.a._ring_out.entries
+    for i in range(entries):
+        pair.a.notify(i)
+    blocked = threading.Thread(target=pair.a.notify, args=(entries,), daemon=True)
+    blocked.start()
+    blocked.join(0.3)
+    assert blocked.is_alive(), "a write went into a full ring"
+    assert pair.got[1] == []
+    assert pair.b.progress()                   # takes in the full ring, making room
+    blocked.join(5)
+    assert not blocked.is_alive(), "the sender stayed blocked after the receiver took in"
+    assert pair.take_in(entries + 1) == list(range(entries + 1))
+
+
+def test_a_sleeping_receiver_is_woken_by_its_doorbell(pair, monkeypatch):
+    monkeypatch.setattr(shm, "SLEEP_SLICE", 30.0)        # only the doorbell can wake it in time
+    result = {}
+
+    def waiter():
+        result["ok"] = pair.b.wait_for(pair.arrived, 20)
+        result["at"] = time.monotonic()
+
+    t = threading.Thread(target=waiter, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 5
+    while not pair.a._ring_out.consumer_sleeping() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert pair.a._ring_out.consumer_sleeping(), "the receiver never went to sleep"
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    pair.a.notify(7)
+    t.join(5)
+    assert not t.is_alive() and result["ok"]
+    woke = result["at"] - t0
+    print(f"sleeping receiver woken {woke * 1e6:.0f} us after the write")
+    assert woke < 1.0
+    assert pair.got[1] == [7]
+    assert not pair.a._ring_out.consumer_sleeping()
+
+
+def test_the_receiver_trusts_its_own_tail_and_ignores_a_scribbled_sleep_word(pair):
+    """The producer can write the whole ring segment: a tail or sleep word it
+    scribbles on changes nothing the receiver checks."""
+    seg = MappedArena(pair.a._ring_out.name)
+    try:
+        pair.a.notify(1)
+        struct.pack_into("<Q", seg.buf, TAIL_AT, 2 ** 63)
+        struct.pack_into("<Q", seg.buf, SLEEPING_AT, 0xFFFF)
+        assert pair.b.wait_for(pair.arrived, 5)
+        pair.arrived.clear()
+        struct.pack_into("<Q", seg.buf, TAIL_AT, 0)
+        pair.a.notify(2)
+        assert pair.take_in(2) == [1, 2]
+        assert not pair.lost[1]
+    finally:
+        seg.close()
+
+
+def test_a_peer_killed_while_the_receiver_sleeps_is_reported_at_once():
+    ports = free_ports(2)
+    peers = {0: f"127.0.0.1:{ports[0]}", 1: f"127.0.0.1:{ports[1]}"}
+    proc = _spawn("idle", "shm", ports)
+    out = {}
+    try:
+        with connect(0, peers, fault_plan(), provider="shm", token=TOKEN, timeout=60) as s:
+            _wait_line(proc, "connected")
+
+            def receiver():
+                try:
+                    s.recv("big", timeout=30)
+                except PeerLost as exc:
+                    out["error"], out["at"] = exc, time.monotonic()
+
+            t = threading.Thread(target=receiver, daemon=True)
+            t.start()
+            ring = s.debug_state()["channels"][1]._ring_in
+            deadline = time.monotonic() + 10
+            while not ring.consumer_sleeping() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert ring.consumer_sleeping(), "rank 0 never went to sleep on its ring"
+            t0 = time.monotonic()
+            os.kill(proc.pid, signal.SIGKILL)
+            t.join(10)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert "error" in out, "recv() did not raise PeerLost"
+    detected = out["at"] - t0
+    print(f"peer killed while rank 0 slept: PeerLost after {detected * 1e3:.1f} ms")
+    assert detected < 0.5
+
+
+def test_everything_completed_before_the_peer_hangs_up_is_delivered_first():
+    """More completions than one batch wait in the ring when the writer's end
+    closes: the receiver takes in every one, in order, and only then reports
+    the loss."""
+    n = 3 * shm.DRAIN_BATCH + 5
+    pair = Pair(max_incoming=n)
+    try:
+        for i in range(n):
+            pair.a.notify(i)
+        pair.a.close()
+        deadline = time.monotonic() + 5
+        while not pair.lost[1] and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert pair.got[1] == list(range(n))
+        assert len(pair.lost[1]) == 1 and isinstance(pair.lost[1][0], PeerLost)
+    finally:
+        pair.close()

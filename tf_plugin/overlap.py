@@ -1,0 +1,72 @@
+"""The all-reduce inside a tf.function, overlapped with backprop (as Horovod does).
+
+Per bucket (analyzer.buckets_of: gradients in the order backprop produces
+them), two small stateful ops:
+
+- launch: its inputs are only that bucket's gradients, so TensorFlow's
+  executor runs it as soon as they are computed, while the rest of backprop
+  goes on. It hands the arrays (aliases of TensorFlow's buffers, kept alive by
+  them) to the communication thread (background.py) and returns at once.
+- wait: returns the bucket's results once its ring is done (64-byte aligned
+  views of a reused buffer: TensorFlow takes them with no copy).
+
+Every wait runs after every launch of its all-reduce (control dependencies):
+a wait blocks one of TensorFlow's inter-op threads, and it must never hold
+one that a launch, or the backprop feeding it, still needs. The launches are
+chained in bucket order, so every rank hands its buckets over in the plan's
+order (the communication thread runs them in that order anyway), and the
+first launch of an all-reduce waits for the last wait of the previous one in
+the same graph: two all-reduces of one tensor set never mix their buckets,
+whether or not TensorFlow's automatic control dependencies order them.
+"""
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import tensorflow as tf
+
+_last_wait = weakref.WeakKeyDictionary()     # graph -> the last wait op of its latest all-reduce
+
+
+def static(tensors) -> bool:
+    """Whether every tensor's shape is known when the graph is built."""
+    return all(t.shape.is_fully_defined() for t in tensors)
+
+
+def bucketed(tensors: list, members: list[list[int]], launch, collect, name: str) -> list:
+    """The all-reduced tensors, in a graph. `members[j]`: the positions in
+    `tensors` of bucket j's members, in order; `launch(j, arrays)` hands bucket
+    j over, `collect(j)` returns its members' results. A tensor in no bucket
+    (zero elements) comes back as zeros."""
+    graph = tf.compat.v1.get_default_graph()
+    tokens, previous = [], [_last_wait[graph]] if graph in _last_wait else []
+    for j, positions in enumerate(members):
+        with tf.control_dependencies(previous):
+            token = tf.numpy_function(_launcher(launch, j), [tensors[p] for p in positions], tf.int64,
+                                      stateful=True, name=f"{name}_launch")
+        tokens.append(token)
+        previous = [token]
+    out = [None] * len(tensors)
+    with tf.control_dependencies(tokens):
+        for j, positions in enumerate(members):
+            results = tf.numpy_function(_collector(collect, j), [tokens[j]], [tensors[p].dtype for p in positions],
+                                        stateful=True, name=f"{name}_wait")
+            for p, r in zip(positions, results, strict=True):
+                r.set_shape(tensors[p].shape)
+                out[p] = r
+            _last_wait[graph] = results[0].op
+    return [t if t is not None else tf.zeros_like(tensors[p]) for p, t in enumerate(out)]
+
+
+def _launcher(launch, j: int):
+    def run(*arrays):
+        launch(j, list(arrays))
+        return np.int64(j)
+    return run
+
+
+def _collector(collect, j: int):
+    def run(_token):
+        return collect(j)
+    return run
