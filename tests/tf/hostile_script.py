@@ -5,8 +5,8 @@ attributes and the seconds it took, and whether the job could go on.
 
     python hostile_script.py OUT_DIR
 
-Cases, in order: models that differ; a NaN in one rank's gradients (run with
-RDMATENSOR_CHECK_FINITE=1); a tensor whose shape changes on one rank only
+Cases, in order: models that differ; a NaN in one rank's gradients, eagerly
+and an Inf inside tf.function (run with RDMATENSOR_CHECK_FINITE=1); a tensor whose shape changes on one rank only
 (then init() again: the sessions failed); an allreduce on one rank only.
 """
 import json
@@ -69,6 +69,28 @@ def nan_gradients():
 
 caught("nan", nan_gradients)
 report["nan"]["after_ok"] = still_works()
+
+
+# 2b. The same inside tf.function (the overlapped all-reduce: one launch and one wait op per bucket).
+def nan_in_graph():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3, name="dense")])
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x))
+        return hvd.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
+
+    step(np.ones((4, 6), np.float32))                 # traced and planned, all finite
+    x = np.ones((4, 6), np.float32)
+    if rank == 1:
+        x[0, 0] = np.inf
+    step(x)
+
+
+caught("nan_in_graph", nan_in_graph)
+report["nan_in_graph"]["after_ok"] = still_works()
 
 
 # 3. A tensor whose shape changes between steps on rank 1 only.
