@@ -36,6 +36,7 @@ def test_a_job_killed_and_resumed_from_its_checkpoint_ends_bit_for_bit_like_an_u
     rank0 = lines_of(killed.stdout + killed.stderr, 0)
     failed = [line for line in rank0 if line.startswith("failed ")]
     assert failed and "PeerLost: rank 1 was lost" in failed[0], killed.stderr[-4000:]
+    print(f"shm, Keras fit: rank 0 raised {failed[0][:120]}")
     assert float(failed[0].split()[1]) < 10.0, failed[0][:300]
     job_id = next(line.split()[1] for line in rank0 if line.startswith("job "))
     assert not glob.glob(f"/dev/shm/rdmatensor-{job_id}-*")
