@@ -66,7 +66,9 @@ def _run_pair(tool: str, args: list[str], timeout: float) -> str:
         raise RdmaTensorError(f"{tool} not found: install perftest (make setup does)")
     server = subprocess.Popen([tool, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        time.sleep(0.5)  # perftest's client does not retry a refused connection
+        # perftest's client does not retry a refused connection: start it once
+        # the server listens (seconds, on a loaded machine under emulation).
+        _wait_listening(int(args[args.index("-p") + 1]), server, within=60.0)
         client = subprocess.run([tool, *args, "127.0.0.1"], capture_output=True, text=True, timeout=timeout)
         try:
             server.communicate(timeout=10)   # the client has the figures; the server may linger
@@ -80,6 +82,21 @@ def _run_pair(tool: str, args: list[str], timeout: float) -> str:
         raise RdmaTensorError(f"{tool} client failed ({client.returncode}):\n"
                               f"{client.stdout[-1500:]}{client.stderr[-1500:]}")
     return client.stdout
+
+
+def _wait_listening(port: int, server: subprocess.Popen, within: float) -> None:
+    want = f":{port:04X} "
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline and server.poll() is None:
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            try:
+                lines = open(table).read().splitlines()[1:]
+            except OSError:
+                continue
+            # local address column ends with the port; state 0A is LISTEN
+            if any(want in line.split(None, 3)[1] + " " and line.split()[3] == "0A" for line in lines):
+                return
+        time.sleep(0.05)
 
 
 def run_write_bw(device: str, gid_index: int, size: int, iterations: int = 200,
