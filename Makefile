@@ -38,7 +38,7 @@ bench-models: setup
 # descriptors, threads and shared memory every SOAK_EVERY steps; fails unless
 # they stay flat after the warm-up. The figures go to docs/soak.json.
 SOAK_STEPS ?= 100000
-SOAK_EVERY ?= 1000
+SOAK_EVERY ?= 5000
 SOAK_PROVIDERS ?= shm,tcp
 soak: setup
 	$(PY) -m bench.soak --providers $(SOAK_PROVIDERS) --steps $(SOAK_STEPS) --every $(SOAK_EVERY) \

@@ -1,6 +1,6 @@
 """Soak: a training job run for many steps, its ranks' resources sampled all along.
 
-    python -m bench.soak --providers shm,tcp --steps 100000 --every 1000 --json docs/soak.json
+    python -m bench.soak --providers shm,tcp --steps 100000 --every 5000 --json docs/soak.json
     make soak                      # the same, with SOAK_STEPS / SOAK_EVERY / SOAK_PROVIDERS
 
 Each provider runs one job through rdmatensor-run: two workers train a small
