@@ -99,5 +99,6 @@ def test_an_idle_session_sleeps(rdma_port):
     # Heartbeats (a gRPC call costs tens of ms under emulation) kept out of the window.
     check(run_ranks(2, plan, "verbs", body, timeout=120, heartbeat=5.0))
     # Two channels over 3 s: a thread that spins or sleep-polls costs a good
-    # part of a core under emulation (1.1 s here before the completion channel).
-    assert idle["cpu"] < 0.4, f"{idle['cpu']:.2f} s of CPU in 3 s idle: something polls"
+    # part of a core under emulation (1.1 s here before the completion channel;
+    # 0.3 s after it on a quiet machine, 0.43 s with three other VMs running).
+    assert idle["cpu"] < 0.7, f"{idle['cpu']:.2f} s of CPU in 3 s idle: something polls"
