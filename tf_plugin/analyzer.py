@@ -84,20 +84,24 @@ def fusion_threshold(threshold: int | None = None) -> int:
 
 def buckets_of(infos, fusion: bool, threshold: int | None = None) -> list["Bucket"]:
     """The all-reduce buckets, in the order backprop produces their gradients:
-    the variables taken last to first (the last layer's gradient exists first),
-    gathered per dtype, each member at a 64-byte aligned offset; a bucket is
-    closed as soon as it holds `threshold` bytes (see fusion_threshold), so it
-    exceeds the threshold by less than its last gradient, and a layer's small
-    gradients (bias, normalization) ride with the next large one instead of
-    costing a ring of their own. Buckets are ordered by their last member, so
-    bucket k is complete no later than bucket k + 1 in a backward pass.
-    Without fusion (or with threshold 0): one bucket per variable."""
+    the variables taken last to first (the last layer's gradient exists first).
+    A gradient of `threshold` bytes or more (see fusion_threshold) is a bucket
+    of its own: the ring sends it from TensorFlow's buffer, no copy. Smaller
+    ones are gathered per dtype, each at a 64-byte aligned offset, into a
+    bucket closed as soon as it holds `threshold` bytes (so it exceeds the
+    threshold by less than its last gradient). Buckets are ordered by their
+    last member, so bucket k is complete no later than bucket k + 1 in a
+    backward pass. Without fusion (or with threshold 0): one bucket per
+    variable."""
     threshold = fusion_threshold(threshold) if fusion else 0
     filling: dict = {}            # dtype -> (members so far, aligned elements used)
     closed = []                   # (position of the last member, dtype, members)
     for position, v in enumerate(reversed(infos)):
         n = int(np.prod(v.shape))
         if not n:
+            continue
+        if n * v.dtype.itemsize >= threshold:
+            closed.append((position, v.dtype, [(v.key, 0, n, position)]))
             continue
         members, used = filling.pop(v.dtype, ([], 0))
         members.append((v.key, used, n, position))

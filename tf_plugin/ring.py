@@ -22,7 +22,8 @@ Passes over the bytes: each gradient in a bucket of several is copied once
 into it (fewer, larger writes: on tcp the per-write cost dominates small
 models), divided by N on the way when averaging floating point; a gradient
 alone in its bucket leaves from TensorFlow's buffer (verbs: one copy into
-staging) and its sum is divided in place. Partial sums land in staging, the
+staging) and its sum is divided block by block right after each block is
+added, while the block is still in cache. Partial sums land in staging, the
 complete sum of this rank's chunk straight in the output, which the
 all-gather sends from; every other chunk is copied once from its slot into
 the output (and, when N > 2, forwarded from there). The outputs are 64-byte
@@ -45,6 +46,9 @@ from .analyzer import Analysis, bcast_name, ring_bounds, ring_chunk, ring_name, 
 from .background import CommThread
 from .meter import Meter
 from .timeline import Timeline
+
+
+BLOCK = 1 << 16       # elements summed then divided at a time: about L2-sized, so the divide is nearly free
 
 
 class RingAllReduce:
@@ -142,9 +146,13 @@ class RingAllReduce:
                 # a partial sum lands where the next write leaves from; the complete one in the output
                 dst = outs[i][bounds[i][c]] if last else s.buffer(ring_name(keys[i], "rs", step + 1, r))
                 with s.recv(ring_name(keys[i], "rs", step, left)) as chunk:
-                    np.add(flats[i][bounds[i][c]], chunk, out=dst)
-                if last and divide[i]:
-                    finish(dst)
+                    if last and divide[i]:         # block by block: divided while still in cache
+                        for lo in range(0, dst.size, BLOCK):
+                            block = slice(lo, lo + BLOCK)
+                            np.add(flats[i][bounds[i][c]][block], chunk[block], out=dst[block])
+                            finish(dst[block])
+                    else:
+                        np.add(flats[i][bounds[i][c]], chunk, out=dst)
                 outgoing[i] = dst
         for step in range(n - 1):                                   # all-gather
             for i in live:

@@ -9,11 +9,12 @@ from tf_plugin.analyzer import Analysis, VarInfo, buckets_of, ring_specs
 
 from ..support.ranks import check, run_ranks
 
-# a fused float bucket (divided by N while copied in), a float gradient alone in its bucket
-# (its sum divided in place), an integer bucket (floor division), sizes not divisible by N
+# a fused float bucket (divided by N while copied in), a float gradient alone in its bucket (its
+# sum divided block by block: several blocks per chunk), an integer bucket (floor division), sizes
+# not divisible by N
 VARIABLES = [VarInfo("w", (7, 5), np.dtype(np.float32), False, {}),
              VarInfo("b", (5,), np.dtype(np.float32), False, {}),
-             VarInfo("big", (3001,), np.dtype(np.float32), False, {}),
+             VarInfo("big", (150001,), np.dtype(np.float32), False, {}),
              VarInfo("count", (11,), np.dtype(np.int64), False, {})]
 
 
