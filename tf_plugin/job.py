@@ -143,6 +143,7 @@ class RankResult:
     fallbacks: int = 0
     grows: int = 0
     note: str = ""
+    overlap: float | None = None            # share of the ring's time while backprop still ran
 
     @property
     def timed_steps(self) -> int:
@@ -154,7 +155,8 @@ class RankResult:
 
     @classmethod
     def from_session(cls, cluster, losses, step_seconds, setup_seconds, comm_seconds, before: dict,
-                     after: dict, tally_before: dict, tally_after: dict) -> "RankResult":
+                     after: dict, tally_before: dict, tally_after: dict,
+                     overlap: float | None = None) -> "RankResult":
         """A rank trained over an rdmatensor session: stats() and Meter tallies around the timed steps."""
         timed = max(len(step_seconds), 1)
 
@@ -166,7 +168,7 @@ class RankResult:
                    setup_seconds, comm_seconds, per_step(before, after, "bytes_sent"),
                    per_step(before, after, "writes"), per_step(before, after, "copies"), copies,
                    per_step(tally_before, tally_after, "zero_copy"),
-                   after["dynamic"], after["fallbacks"], after["grows"])
+                   after["dynamic"], after["fallbacks"], after["grows"], overlap=overlap)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -199,6 +201,7 @@ class Summary:
     zero_copy_ingest_per_step: float | None
     comm_ms_per_step: float | None          # per worker
     comm_fraction: float | None
+    overlap: float | None                   # workers' mean share of ring time overlapping backprop
     dynamic: int
     fallbacks: int
     grows: int
@@ -244,8 +247,15 @@ def summarize(config: JobConfig, results: list[RankResult]) -> Summary:
         zero_copy_ingest_per_step=_total(r.zero_copy_per_step for r in results),
         comm_ms_per_step=None if comm is None else 1e3 * comm / len(workers) / max(timed, 1),
         comm_fraction=None if comm is None or not seconds else comm / len(workers) / seconds,
+        overlap=_mean(w.overlap for w in workers),
         dynamic=sum(r.dynamic for r in results), fallbacks=sum(r.fallbacks for r in results),
         grows=sum(r.grows for r in results), losses=losses)
+
+
+def _mean(values):
+    """Mean of the measured values, None when none was measured."""
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
 
 
 @dataclass

@@ -162,6 +162,10 @@ def _fmt(v, spec: str = ".1f") -> str:
     return "n/a" if v is None else format(v, spec)
 
 
+def _pct(v) -> str:
+    return "n/a" if v is None else f"{100 * v:.0f}%"
+
+
 def report(s: Summary, out=None) -> None:
     out = out or sys.stdout
     c = s.config
@@ -176,6 +180,9 @@ def report(s: Summary, out=None) -> None:
           f"zero-copy receives into TF {_fmt(s.zero_copy_ingest_per_step, '.0f')}", file=out)
     frac = "" if s.comm_fraction is None else f" ({100 * s.comm_fraction:.0f}% of a step)"
     print(f"  communication       {_fmt(s.comm_ms_per_step, '.2f')} ms/step per worker{frac}", file=out)
+    if s.overlap is not None:
+        print(f"  overlap             {100 * s.overlap:.0f}% of the rings' time ran while backprop still ran",
+              file=out)
     if s.dynamic:
         print(f"  dynamic tensors     {s.dynamic} sends, {s.fallbacks} fallbacks, {s.grows} grows", file=out)
     print(f"  final loss          {_fmt(s.final_loss, '.6f')}", file=out, flush=True)
@@ -187,18 +194,19 @@ def comparison(summaries: list[Summary], out=None) -> dict:
     baseline, rows = compare(summaries)
     vs = f"vs {baseline}" if baseline else "ratio"
     print(f"\n{'provider':10} {'steps/s':>8} {'median ms':>10} {'efficiency':>10} {vs:>10} "
-          f"{'MB/step':>9} {'copies/step':>11} {'comm ms':>8}  final loss", file=out)
+          f"{'MB/step':>9} {'copies/step':>11} {'comm ms':>8} {'overlap':>7}  final loss", file=out)
     for row in rows:
         s = row.summary
         mb = None if s.bytes_per_step is None else s.bytes_per_step / 1e6
-        eff = "n/a" if row.efficiency is None else f"{100 * row.efficiency:.0f}%"
+        eff = _pct(row.efficiency)
         ratio = "n/a" if row.ratio is None else f"{row.ratio:.2f}x"
         print(f"{row.provider:10} {s.steps_per_s:8.2f} {s.median_step_ms:10.1f} {eff:>10} {ratio:>10} "
               f"{_fmt(mb, '.2f'):>9} {_fmt(s.copies_per_step, '.1f'):>11} "
-              f"{_fmt(s.comm_ms_per_step, '.1f'):>8}  {_fmt(s.final_loss, '.6f')}", file=out)
+              f"{_fmt(s.comm_ms_per_step, '.1f'):>8} {_pct(s.overlap):>7}  {_fmt(s.final_loss, '.6f')}", file=out)
     print("(efficiency: the no-communication floor's median step time over this one's, when none ran; "
           f"{vs}: steps/s over {BASELINES.get(baseline, 'a baseline (tf-grpc or grpc) in the same run')}; "
-          "comm: ms per step per worker)", file=out, flush=True)
+          "comm: ms per step per worker; overlap: share of the rings' time while backprop still ran)",
+          file=out, flush=True)
     return {"baseline": baseline,
             "ratios": {r.provider: r.ratio for r in rows},
             "efficiency": {r.provider: r.efficiency for r in rows}}

@@ -41,6 +41,12 @@ class Meter:
             self.overlapped_seconds += overlapped
             self.rounds += 1
 
+    def restart(self) -> None:
+        """Forget the times so far (the traced first step is not timed)."""
+        with self._lock:
+            self.comm_seconds = self.ring_seconds = self.overlapped_seconds = 0.0
+            self.rounds = 0
+
     @property
     def overlap(self) -> float | None:
         """The share of the communication thread's time spent while backprop still

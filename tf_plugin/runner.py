@@ -60,7 +60,7 @@ def run_rank(cluster, config: JobConfig, token: str | None = None) -> RankResult
         loop = _loop(cfg, cluster, session, analysis, step, model, signature, meter, shard, losses)
         loop(0)                              # first step traces the functions: not timed
         session.barrier("tf_plugin-warm")    # everyone traced: time steps, not tracing
-        meter.comm_seconds = 0.0
+        meter.restart()
         before, tally0 = session.stats(), dict(meter.tally)
         step_seconds = []
         for k in range(1, cfg.steps):
@@ -74,7 +74,7 @@ def run_rank(cluster, config: JobConfig, token: str | None = None) -> RankResult
                           comm_seconds=0.0, bytes_sent_per_step=0.0, writes_per_step=0.0,
                           session_copies_per_step=0.0, plugin_copies_per_step=0.0, zero_copy_per_step=0.0)
     return RankResult.from_session(cluster, losses, step_seconds, setup_seconds, meter.comm_seconds,
-                                   before, after, tally0, dict(meter.tally))
+                                   before, after, tally0, dict(meter.tally), overlap=meter.overlap)
 
 
 def _loop(cfg: JobConfig, cluster, session, analysis, step, model, signature, meter, shard, losses):

@@ -70,6 +70,8 @@ def test_floor_beside_tcp_in_one_run(tmp_path, close_to_reference):
     assert floor["bytes_per_step"] == 0 and floor["writes_per_step"] == 0
     assert tcp["bytes_per_step"] > 0 and len(doc["jobs"][1]["ranks"][0]["step_seconds"]) == 19
     assert doc["comparison"]["efficiency"]["none"] == 1.0 and 0 < doc["comparison"]["efficiency"]["tcp"]
+    assert floor["overlap"] is None and 0.0 <= tcp["overlap"] <= 1.0     # the rings ran on the comm thread
+    assert "overlap" in proc.stdout
     close_to_reference("mlp", tcp["losses"])
     assert doc["command"].startswith("rdmatensor-train --workers 2")
 
