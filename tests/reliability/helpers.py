@@ -6,6 +6,7 @@ import gc
 import glob
 import os
 import queue
+import subprocess
 import threading
 import time
 from concurrent.futures import Future
@@ -115,6 +116,16 @@ def snapshot() -> dict:
     gc.collect()
     return {"fds": fd_count(), "threads": threading.active_count(), "tasks": task_count(),
             "shm_maps": len(shm_mappings())}
+
+
+def rdma_resources(kinds=("qp", "mr", "cq", "pd")) -> dict[str, int]:
+    """Objects the kernel's RDMA devices hold per kind, as `rdma res show KIND` lists them."""
+    out = {}
+    for kind in kinds:
+        res = subprocess.run(["rdma", "res", "show", kind], capture_output=True, text=True, timeout=30)
+        assert res.returncode == 0, res.stderr
+        out[kind] = sum(1 for line in res.stdout.splitlines() if line.strip())
+    return out
 
 
 def settle(baseline: dict, within: float = 5.0) -> dict:

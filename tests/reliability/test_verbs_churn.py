@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import threading
 import time
 
@@ -19,22 +18,11 @@ import pytest
 from rdmatensor import Plan, TensorSpec
 
 from ..support.ranks import check, run_ranks
-from .helpers import settle, snapshot
+from .helpers import rdma_resources as resources, settle, snapshot
 
 pytestmark = pytest.mark.rdma
 CYCLES = int(os.environ.get("RDMATENSOR_VERBS_CHURN_CYCLES", "8"))
 PLAN = Plan([TensorSpec("a", (4096,), np.float32, 0, 1), TensorSpec("b", (None,), np.float32, 1, 0)])
-KINDS = ("qp", "mr", "cq", "pd")
-
-
-def resources() -> dict[str, int]:
-    """Objects the kernel holds per kind, as `rdma res show KIND` lists them."""
-    out = {}
-    for kind in KINDS:
-        res = subprocess.run(["rdma", "res", "show", kind], capture_output=True, text=True, timeout=30)
-        assert res.returncode == 0, res.stderr
-        out[kind] = sum(1 for line in res.stdout.splitlines() if line.strip())
-    return out
 
 
 def test_verbs_sessions_release_qps_mrs_and_descriptors(rdma_port):

@@ -1,6 +1,7 @@
 """The verbs data path over many writes, on a real RDMA device (SoftRoCE in
-the VM under `make test`): malloc'd memory, RSS, descriptors and threads stay
-flat after warm-up, every value arrives intact, and an idle session sleeps.
+the VM under `make test`): malloc'd memory, RSS, descriptors, threads and the
+kernel's QPs, MRs, CQs and PDs stay flat after warm-up, every value arrives
+intact, and an idle session sleeps.
 
 Debian's pyverbs 44 never frees a work request or SGE it built (`__dealloc`
 in its wr.pyx), so a data path that built one per write leaked 128 bytes per
@@ -19,7 +20,7 @@ import pytest
 from rdmatensor import Plan, TensorSpec
 
 from ..support.ranks import check, run_ranks
-from .helpers import snapshot
+from .helpers import rdma_resources, snapshot
 
 pytestmark = pytest.mark.rdma
 ROUND_TRIPS = int(os.environ.get("RDMATENSOR_VERBS_SOAK", "1500"))
@@ -53,7 +54,7 @@ def test_writes_and_receives_leak_nothing(rdma_port):
         buf, bad = s.buffer(mine), 0
         for i in range(ROUND_TRIPS):
             if r == 0 and i == WARMUP:
-                marks["warm"] = (malloced(), snapshot(), rss())
+                marks["warm"] = (malloced(), snapshot(), rss(), rdma_resources())
             if r == 0:
                 buf[:] = i
                 s.send(mine, buf)
@@ -63,13 +64,17 @@ def test_writes_and_receives_leak_nothing(rdma_port):
                 buf[:] = i
                 s.send(mine, buf)
         if r == 0:
-            marks["end"] = (malloced(), snapshot(), rss())
+            marks["end"] = (malloced(), snapshot(), rss(), rdma_resources())
         return bad
 
     res = check(run_ranks(2, plan, "verbs", body, timeout=120))
     assert res == {0: 0, 1: 0}
-    (heap0, snap0, rss0), (heap1, snap1, rss1) = marks["warm"], marks["end"]
+    (heap0, snap0, rss0, kernel0), (heap1, snap1, rss1, kernel1) = marks["warm"], marks["end"]
     writes = 2 * (ROUND_TRIPS - WARMUP)          # and as many receives, and credits each way
+    print(f"verbs soak: {writes} writes after warm-up; malloc {heap1 - heap0:+d} B, RSS {rss1 - rss0:+d} B, "
+          f"fds {snap0['fds']}->{snap1['fds']}, threads {snap0['threads']}->{snap1['threads']}, "
+          f"kernel objects {kernel0} -> {kernel1}")
+    assert kernel1 == kernel0, f"QPs, MRs, CQs or PDs changed over the soak: {kernel0} -> {kernel1}"
     # A work request built per write and receive leaked 128 B each: 300 KiB here.
     assert heap1 - heap0 < 64 * 1024, f"malloc grew {heap1 - heap0} B over {writes} writes"
     assert snap1["fds"] <= snap0["fds"] and snap1["threads"] <= snap0["threads"], (snap0, snap1)
