@@ -1,13 +1,18 @@
 """rdmatensor-train: run a training job on this machine and report it.
 
     rdmatensor-train --mode ps|allreduce --workers N [--ps M] --provider P[,P...] \\
-                     --model M [--image-size S] --steps K [--batch B] [--json FILE] [--seed S]
+                     --model M [--image-size S] --steps K [--batch B] [--json FILE] [--seed S] \\
+                     [--timeline FILE]
 
 One process per rank, started by rdmatensor-run's launcher (TF_CONFIG and a
 shared random token per rank; a failing rank is named and stops the job),
 or threads of one process with --threads. Prints steps/s, the median step
 time, bytes moved, copies and time in communication per step, and the final
-loss; --json writes them with every rank's result.
+loss; --json writes them with every rank's result. The all-reduce's overlap
+with backprop is the share of the communication thread's ring time spent
+before the step's last bucket was handed over; --timeline FILE writes each
+rank's per-bucket time line as Chrome trace JSON (Perfetto), FILE's `{rank}`
+and `{provider}` replaced (added before the suffix when absent).
 
 --model: mlp, cnn, embed (tiny), resnet50, vgg16, densenet121, mobilenetv2
 (keras.applications, weights=None, --image-size square inputs) or lm (a small
@@ -61,6 +66,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="write the results here")
     p.add_argument("--no-fusion", action="store_true", help="allreduce: one ring per gradient")
+    p.add_argument("--timeline", metavar="FILE",
+                   help="per-rank Chrome trace of the all-reduce's buckets (RDMATENSOR_TIMELINE)")
     p.add_argument("--threads", action="store_true",
                    help="ranks as threads of this process (one TensorFlow import; tf-grpc excepted)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for each job")
@@ -215,6 +222,15 @@ def comparison(summaries: list[Summary], out=None) -> dict:
 BASELINES = {"tf-grpc": "TensorFlow's own MultiWorkerMirroredStrategy", "grpc": "rdmatensor's gRPC baseline"}
 
 
+def timeline_path(path: str, provider: str) -> str:
+    """The RDMATENSOR_TIMELINE value for one job: every rank writes its own file."""
+    stem, suffix = os.path.splitext(path)
+    for key in ("{provider}", "{rank}"):
+        if key not in path:
+            stem += "-" + key
+    return (stem + suffix).replace("{provider}", provider)
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse(argv)
@@ -222,6 +238,8 @@ def main(argv=None) -> int:
         return _run_in_vm(argv, args)
     jobs, summaries = [], []
     for config in args.configs:
+        if args.timeline:
+            os.environ["RDMATENSOR_TIMELINE"] = timeline_path(args.timeline, config.provider)
         summary, results = run_job(args, config)
         report(summary)
         summaries.append(summary)

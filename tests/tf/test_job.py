@@ -61,7 +61,8 @@ def test_floor_beside_tcp_in_one_run(tmp_path, close_to_reference):
     """rdmatensor-train --provider none,tcp: the floor moves nothing, tcp learns the reference."""
     out = tmp_path / "cmp.json"
     proc = subprocess.run([sys.executable, "-m", "tf_plugin.launch", "--workers", "2", "--provider", "none,tcp",
-                           "--model", "mlp", "--steps", "20", "--json", str(out)],
+                           "--model", "mlp", "--steps", "20", "--json", str(out),
+                           "--timeline", str(tmp_path / "trace.json")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "efficiency" in proc.stdout and "median step" in proc.stdout
@@ -72,6 +73,10 @@ def test_floor_beside_tcp_in_one_run(tmp_path, close_to_reference):
     assert doc["comparison"]["efficiency"]["none"] == 1.0 and 0 < doc["comparison"]["efficiency"]["tcp"]
     assert floor["overlap"] is None and 0.0 <= tcp["overlap"] <= 1.0     # the rings ran on the comm thread
     assert "overlap" in proc.stdout
+    for rank in (0, 1):                    # the floor has no rings, so no time line
+        events = json.loads((tmp_path / f"trace-tcp-{rank}.json").read_text())
+        assert sum(e["name"].startswith("ring ") for e in events) >= 19, events[-3:]
+    assert not list(tmp_path.glob("trace-none-*"))
     close_to_reference("mlp", tcp["losses"])
     assert doc["command"].startswith("rdmatensor-train --workers 2")
 
