@@ -65,6 +65,7 @@ def test_writes_and_receives_leak_nothing(rdma_port):
                 s.send(mine, buf)
         if r == 0:
             marks["end"] = (malloced(), snapshot(), rss(), rdma_resources())
+        s.barrier("soaked")      # both sessions stay up until the kernel's objects are counted
         return bad
 
     res = check(run_ranks(2, plan, "verbs", body, timeout=120))
