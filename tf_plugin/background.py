@@ -172,13 +172,14 @@ class CommThread:
                 self._cond.notify_all()
 
     def _run(self, rnd: Round) -> None:
-        spans = []
+        spans, cpu = [], 0.0
         try:
             for j in range(len(rnd.inputs)):
                 arrays = self._handed_over(rnd, j)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 rnd.results[j] = rnd.run(j, arrays)
                 t1 = time.perf_counter()
+                cpu += time.thread_time() - c0
                 rnd.inputs[j] = None               # TensorFlow may reuse those buffers now
                 rnd.done[j].set()
                 spans.append((t0, t1))
@@ -193,7 +194,7 @@ class CommThread:
         if spans and rnd.error is None:
             backprop_end = max(rnd.ready)          # the last bucket handed over: every gradient exists
             self.meter.add_round(sum(t1 - t0 for t0, t1 in spans),
-                                 sum(max(0.0, min(t1, backprop_end) - t0) for t0, t1 in spans))
+                                 sum(max(0.0, min(t1, backprop_end) - t0) for t0, t1 in spans), cpu)
         if self.timeline is not None:
             self.timeline.flush()
 

@@ -144,6 +144,7 @@ class RankResult:
     grows: int = 0
     note: str = ""
     overlap: float | None = None            # share of the ring's time while backprop still ran
+    ring_cpu_seconds: float | None = None   # CPU the communication thread used over the timed steps
 
     @property
     def timed_steps(self) -> int:
@@ -156,7 +157,7 @@ class RankResult:
     @classmethod
     def from_session(cls, cluster, losses, step_seconds, setup_seconds, comm_seconds, before: dict,
                      after: dict, tally_before: dict, tally_after: dict,
-                     overlap: float | None = None) -> "RankResult":
+                     overlap: float | None = None, ring_cpu_seconds: float | None = None) -> "RankResult":
         """A rank trained over an rdmatensor session: stats() and Meter tallies around the timed steps."""
         timed = max(len(step_seconds), 1)
 
@@ -168,7 +169,8 @@ class RankResult:
                    setup_seconds, comm_seconds, per_step(before, after, "bytes_sent"),
                    per_step(before, after, "writes"), per_step(before, after, "copies"), copies,
                    per_step(tally_before, tally_after, "zero_copy"),
-                   after["dynamic"], after["fallbacks"], after["grows"], overlap=overlap)
+                   after["dynamic"], after["fallbacks"], after["grows"], overlap=overlap,
+                   ring_cpu_seconds=ring_cpu_seconds)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -202,6 +204,7 @@ class Summary:
     comm_ms_per_step: float | None          # per worker
     comm_fraction: float | None
     overlap: float | None                   # workers' mean share of ring time overlapping backprop
+    ring_cpu_ms_per_step: float | None      # workers' mean CPU used by the communication thread
     dynamic: int
     fallbacks: int
     grows: int
@@ -248,6 +251,8 @@ def summarize(config: JobConfig, results: list[RankResult]) -> Summary:
         comm_ms_per_step=None if comm is None else 1e3 * comm / len(workers) / max(timed, 1),
         comm_fraction=None if comm is None or not seconds else comm / len(workers) / seconds,
         overlap=_mean(w.overlap for w in workers),
+        ring_cpu_ms_per_step=_mean(None if w.ring_cpu_seconds is None else
+                                   1e3 * w.ring_cpu_seconds / max(w.timed_steps, 1) for w in workers),
         dynamic=sum(r.dynamic for r in results), fallbacks=sum(r.fallbacks for r in results),
         grows=sum(r.grows for r in results), losses=losses)
 

@@ -188,8 +188,8 @@ def report(s: Summary, out=None) -> None:
     frac = "" if s.comm_fraction is None else f" ({100 * s.comm_fraction:.0f}% of a step)"
     print(f"  communication       {_fmt(s.comm_ms_per_step, '.2f')} ms/step per worker{frac}", file=out)
     if s.overlap is not None:
-        print(f"  overlap             {100 * s.overlap:.0f}% of the rings' time ran while backprop still ran",
-              file=out)
+        print(f"  overlap             {100 * s.overlap:.0f}% of the rings' time ran while backprop still ran; "
+              f"the rings used {_fmt(s.ring_cpu_ms_per_step)} ms of CPU per step per worker", file=out)
     if s.dynamic:
         print(f"  dynamic tensors     {s.dynamic} sends, {s.fallbacks} fallbacks, {s.grows} grows", file=out)
     print(f"  final loss          {_fmt(s.final_loss, '.6f')}", file=out, flush=True)

@@ -14,6 +14,7 @@ class Meter:
         self.comm_seconds = 0.0
         self.ring_seconds = 0.0              # the communication thread's work on buckets ...
         self.overlapped_seconds = 0.0        # ... of which while backprop still ran
+        self.ring_cpu_seconds = 0.0          # ... and the CPU it used: taken from compute on a busy machine
         self.rounds = 0                      # all-reduces the communication thread finished
         # tensors into TF with no copy / copied; ring chunks copied to be forwarded (none since chunks
         # go on from the output buffer; kept for readers of the tally); gradients copied into a fusion
@@ -32,19 +33,21 @@ class Meter:
         with self._lock:
             self.comm_seconds += seconds
 
-    def add_round(self, busy: float, overlapped: float) -> None:
+    def add_round(self, busy: float, overlapped: float, cpu: float = 0.0) -> None:
         """One all-reduce done by the communication thread: `busy` seconds on its
-        buckets, `overlapped` of them before its last bucket was handed over."""
+        buckets, `overlapped` of them before its last bucket was handed over,
+        `cpu` seconds of CPU time used meanwhile."""
         with self._lock:
             self.comm_seconds += busy
             self.ring_seconds += busy
             self.overlapped_seconds += overlapped
+            self.ring_cpu_seconds += cpu
             self.rounds += 1
 
     def restart(self) -> None:
         """Forget the times so far (the traced first step is not timed)."""
         with self._lock:
-            self.comm_seconds = self.ring_seconds = self.overlapped_seconds = 0.0
+            self.comm_seconds = self.ring_seconds = self.overlapped_seconds = self.ring_cpu_seconds = 0.0
             self.rounds = 0
 
     @property

@@ -74,7 +74,8 @@ def run_rank(cluster, config: JobConfig, token: str | None = None) -> RankResult
                           comm_seconds=0.0, bytes_sent_per_step=0.0, writes_per_step=0.0,
                           session_copies_per_step=0.0, plugin_copies_per_step=0.0, zero_copy_per_step=0.0)
     return RankResult.from_session(cluster, losses, step_seconds, setup_seconds, meter.comm_seconds,
-                                   before, after, tally0, dict(meter.tally), overlap=meter.overlap)
+                                   before, after, tally0, dict(meter.tally), overlap=meter.overlap,
+                                   ring_cpu_seconds=meter.ring_cpu_seconds if meter.rounds else None)
 
 
 def _loop(cfg: JobConfig, cluster, session, analysis, step, model, signature, meter, shard, losses):

@@ -72,6 +72,7 @@ def test_floor_beside_tcp_in_one_run(tmp_path, close_to_reference):
     assert tcp["bytes_per_step"] > 0 and len(doc["jobs"][1]["ranks"][0]["step_seconds"]) == 19
     assert doc["comparison"]["efficiency"]["none"] == 1.0 and 0 < doc["comparison"]["efficiency"]["tcp"]
     assert floor["overlap"] is None and 0.0 <= tcp["overlap"] <= 1.0     # the rings ran on the comm thread
+    assert floor["ring_cpu_ms_per_step"] is None and tcp["ring_cpu_ms_per_step"] > 0
     assert "overlap" in proc.stdout
     for rank in (0, 1):                    # the floor has no rings, so no time line
         events = json.loads((tmp_path / f"trace-tcp-{rank}.json").read_text())
