@@ -81,7 +81,7 @@ def init(model=None, provider: str | None = None, cluster: Cluster | None = None
     (gradient all-reduce of its trainable variables, broadcast of all its
     variables from rank 0) are planned now, in one exchange. Calling init() again
     only plans ahead for the model given. `fusion_threshold`: bytes per
-    all-reduce bucket (default RDMATENSOR_FUSION_THRESHOLD, else 4 MiB).
+    all-reduce bucket (default RDMATENSOR_FUSION_THRESHOLD, else 64 MiB, as Horovod).
     `check_finite` (default RDMATENSOR_CHECK_FINITE): allreduce raises
     NonFiniteValue, naming the tensor, when a floating value holds a NaN or Inf."""
     global _world

@@ -91,9 +91,10 @@ def buckets(model: str) -> int:
                            for j, v in enumerate(variables)], fusion=True))
 
 
-def test_transformer_lm_two_workers_match_one_process_on_the_global_batch():
+def test_transformer_lm_two_workers_match_one_process_on_the_global_batch(monkeypatch):
     """The LM's sparse embedding gradient, all-reduced as dense, trains as one process does."""
     from tf_plugin import models, runner
+    monkeypatch.setenv("RDMATENSOR_FUSION_THRESHOLD", str(4 << 20))      # several buckets
     config = JobConfig(model="lm", provider="tcp", steps=4, batch=8)
     s = summarize(config, runner.run_threads(config))
     want = models.train_local("lm", 4, global_batch=8)
