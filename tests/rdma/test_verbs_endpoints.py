@@ -39,6 +39,15 @@ def connected(a_kind: str = "native", b_kind: str = "native"):
     return a, b
 
 
+@pytest.fixture
+def pair(rdma_port):
+    """Two compiled endpoints joined to each other, closed after the test."""
+    a, b = connected()
+    yield a, b
+    a.close()
+    b.close()
+
+
 def completions(*endpoints, want: int, within: float = 30.0) -> list[tuple]:
     """(endpoint index, wr_id, status, is_receive, imm, byte_len) until `want` arrived."""
     got, end = [], time.monotonic() + within
@@ -97,60 +106,52 @@ def test_the_endpoints_talk_to_each_other(rdma_port, a_kind, b_kind):
         b.close()
 
 
-def test_native_refuses_a_bad_write_before_posting_it(rdma_port):
-    a, b = connected()
-    try:
-        src = np.ones(4096, np.uint8)
-        receive_arena = np.zeros(4096, np.uint8)
-        canary = np.full(8192, 0xAB, np.uint8)          # the remote region is its first half
-        a.register(src, LOCAL_ONLY)
-        a.register(receive_arena, REMOTE_WRITE)
-        region = b.remote_region(canary, b.register(canary, REMOTE_WRITE))._replace(length=4096)
-        with pytest.raises(TransportError, match="outside the 4096-byte remote region"):
-            a.post_write(src[:100], region, 4000, imm=1)          # 4000 + 100 > 4096
-        with pytest.raises(TransportError, match="outside"):
-            a.post_write(src[:1], region, -1)
-        with pytest.raises(TransportError, match="registered staging memory"):
-            a.post_write(np.ones(16, np.uint8), region, 0)         # not registered
-        with pytest.raises(TransportError, match="registered staging memory"):
-            a.post_write(receive_arena[:16], region, 0)            # registered for the peer, not to send from
-        with pytest.raises(TransportError, match="registered staging memory"):
-            a.post_send(np.ones(16, np.uint8))
-        assert a.in_flight == 0                                    # nothing was posted...
-        time.sleep(0.2)
-        assert not a.poll(16) and not b.poll(16)                   # ...nothing completed...
-        assert (canary == 0xAB).all()                              # ...and no byte moved
-        assert a.post_write(src[:96], region, 4000, imm=2) == 1    # the last bytes in bounds do go
-        completions(a, b, want=2)
-        assert (canary[4000:4096] == 1).all() and (canary[4096:] == 0xAB).all()
-    finally:
-        a.close()
-        b.close()
+def test_native_refuses_a_bad_write_before_posting_it(pair):
+    a, b = pair
+    src = np.ones(4096, np.uint8)
+    receive_arena = np.zeros(4096, np.uint8)
+    canary = np.full(8192, 0xAB, np.uint8)          # the remote region is its first half
+    a.register(src, LOCAL_ONLY)
+    a.register(receive_arena, REMOTE_WRITE)
+    region = b.remote_region(canary, b.register(canary, REMOTE_WRITE))._replace(length=4096)
+    with pytest.raises(TransportError, match="outside the 4096-byte remote region"):
+        a.post_write(src[:100], region, 4000, imm=1)          # 4000 + 100 > 4096
+    with pytest.raises(TransportError, match="outside"):
+        a.post_write(src[:1], region, -1)
+    with pytest.raises(TransportError, match="registered staging memory"):
+        a.post_write(np.ones(16, np.uint8), region, 0)         # not registered
+    with pytest.raises(TransportError, match="registered staging memory"):
+        a.post_write(receive_arena[:16], region, 0)            # registered for the peer, not to send from
+    with pytest.raises(TransportError, match="registered staging memory"):
+        a.post_send(np.ones(16, np.uint8))
+    assert a.in_flight == 0                                    # nothing was posted...
+    time.sleep(0.2)
+    assert not a.poll(16) and not b.poll(16)                   # ...nothing completed...
+    assert (canary == 0xAB).all()                              # ...and no byte moved
+    assert a.post_write(src[:96], region, 4000, imm=2) == 1    # the last bytes in bounds do go
+    completions(a, b, want=2)
+    assert (canary[4000:4096] == 1).all() and (canary[4096:] == 0xAB).all()
 
 
-def test_native_write_the_peer_refuses_fails_with_its_status_named(rdma_port):
+def test_native_write_the_peer_refuses_fails_with_its_status_named(pair):
     """A write into memory the peer deregistered is refused by its NIC: the
     completion names the status, and the queue pair's later work is flushed.
-    (A write to a queue pair that is gone never completes on SoftRoCE here:
-    rxe retries forever, so a dead peer is found by the session's heartbeats;
-    see the next test.)"""
-    a, b = connected()
-    try:
-        src = np.ones(64, np.uint8)
-        dst = np.zeros(64, np.uint8)
-        a.register(src, LOCAL_ONLY)
-        mr = b.register(dst, REMOTE_WRITE)
-        region = b.remote_region(dst, mr)
-        b.deregister(mr)
-        assert a.post_write(src, region, 0, imm=7) == 1
-        assert a.post_send_imm(8) == 2
-        done = completions(a, want=2, within=60)
-        assert [(c[1], c[3], a.status_name(c[2])) for c in done] == [
-            (1, False, "IBV_WC_REM_ACCESS_ERR"), (2, False, "IBV_WC_WR_FLUSH_ERR")]
-        assert not dst.any()
-    finally:
-        a.close()
-        b.close()
+    (On SoftRoCE here a write to a queue pair that is gone did not complete
+    within 20 s, so a dead peer is found by the session's heartbeats: the
+    next test.)"""
+    a, b = pair
+    src = np.ones(64, np.uint8)
+    dst = np.zeros(64, np.uint8)
+    a.register(src, LOCAL_ONLY)
+    mr = b.register(dst, REMOTE_WRITE)
+    region = b.remote_region(dst, mr)
+    b.deregister(mr)
+    assert a.post_write(src, region, 0, imm=7) == 1
+    assert a.post_send_imm(8) == 2
+    done = completions(a, want=2, within=60)
+    assert [(c[1], c[3], a.status_name(c[2])) for c in done] == [
+        (1, False, "IBV_WC_REM_ACCESS_ERR"), (2, False, "IBV_WC_WR_FLUSH_ERR")]
+    assert not dst.any()
 
 
 def test_a_session_write_to_a_killed_peer_is_reported(rdma_port):
@@ -190,43 +191,35 @@ def test_native_close_is_idempotent_and_later_calls_are_typed_errors(rdma_port):
     buf[:] = 1                              # the memory is ours again
 
 
-def test_native_waits_with_the_gil_released(rdma_port):
+def test_native_waits_with_the_gil_released(pair):
     """While one thread blocks on the completion channel, or spins on the CQ,
     another Python thread keeps running."""
-    a, b = connected()
-    try:
-        for wait in (lambda: a.wait_event(0.5), lambda: a.poll(16, 0.5)):
-            finished = threading.Event()
+    a, b = pair
+    for wait in (lambda: a.wait_event(0.5), lambda: a.poll(16, 0.5)):
+        finished = threading.Event()
 
-            def waiter(wait=wait, finished=finished):
-                wait()
-                finished.set()
+        def waiter(wait=wait, finished=finished):
+            wait()
+            finished.set()
 
-            t = threading.Thread(target=waiter)
-            counted = 0
-            t.start()
-            time.sleep(0.01)                    # the waiter is inside
-            while not finished.is_set():
-                counted += 1
-            t.join()
-            assert counted > 1000, f"the other thread ran {counted} loops while one waited"
-    finally:
-        a.close()
-        b.close()
+        t = threading.Thread(target=waiter)
+        counted = 0
+        t.start()
+        time.sleep(0.01)                    # the waiter is inside
+        while not finished.is_set():
+            counted += 1
+        t.join()
+        assert counted > 1000, f"the other thread ran {counted} loops while one waited"
 
 
-def test_native_wait_event_wakes_on_a_completion(rdma_port):
-    a, b = connected()
-    try:
-        src = np.ones(16, np.uint8)
-        a.register(src, LOCAL_ONLY)
-        dst = np.zeros(16, np.uint8)
-        region = b.remote_region(dst, b.register(dst, REMOTE_WRITE))
-        a.post_write(src, region, 0, imm=5)
-        t0 = time.monotonic()
-        assert b.wait_event(30)                 # the immediate's receive completed
-        assert time.monotonic() - t0 < 30
-        assert completions(b, want=1)[0][4] == 5
-    finally:
-        a.close()
-        b.close()
+def test_native_wait_event_wakes_on_a_completion(pair):
+    a, b = pair
+    src = np.ones(16, np.uint8)
+    a.register(src, LOCAL_ONLY)
+    dst = np.zeros(16, np.uint8)
+    region = b.remote_region(dst, b.register(dst, REMOTE_WRITE))
+    a.post_write(src, region, 0, imm=5)
+    t0 = time.monotonic()
+    assert b.wait_event(30)                 # the immediate's receive completed
+    assert time.monotonic() - t0 < 30
+    assert completions(b, want=1)[0][4] == 5
