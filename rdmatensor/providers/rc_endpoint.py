@@ -108,6 +108,9 @@ class RcEndpoint(EndpointHelpers):
         if mr in self._mrs:
             self._mrs.remove(mr)
             self._sources = [s for s in self._sources if s[2] is not mr]
+            start = mr.buf
+            self._recv_into_wrs = {k: wr for k, wr in self._recv_into_wrs.items()
+                                   if not start <= k[0] < start + mr.length}     # they carry its lkey
             mr.close()
 
     def _source_lkey(self, addr: int, length: int) -> int:
@@ -152,8 +155,7 @@ class RcEndpoint(EndpointHelpers):
         for wr, nxt in itertools.pairwise(self._recv_wrs):
             wr.next_wr = nxt
         self._recv_owed = 0
-        self._recv_sge = SGE(scratch.buf, 0, scratch.lkey)
-        self._recv_wr = RecvWR(num_sge=1, sg=[self._recv_sge])
+        self._recv_into_wrs: dict[tuple[int, int, int], RecvWR] = {}
         self._write_sge = SGE(scratch.buf, 0, scratch.lkey)
         self._write_wr = SendWR(opcode=ev.IBV_WR_RDMA_WRITE_WITH_IMM, num_sge=1, sg=[self._write_sge],
                                 send_flags=ev.IBV_SEND_SIGNALED)
@@ -189,12 +191,14 @@ class RcEndpoint(EndpointHelpers):
             raise VerbsError(f"posting receives failed: {exc}") from exc
 
     def post_recv_into(self, dst, recv_id: int) -> None:
-        """One receive into `dst` (registered local-only); its completion carries `recv_id`."""
-        sge, wr = self._recv_sge, self._recv_wr
-        sge.addr, sge.length = dst.ctypes.data, dst.nbytes
-        sge.lkey = self._source_lkey(sge.addr, dst.nbytes)
-        wr.sg_list = sge
-        wr.wr_id = RECV_TAG | recv_id
+        """One receive into `dst` (registered local-only); its completion carries
+        `recv_id`. pyverbs cannot re-point a receive's SGE, so each (buffer, id)
+        gets its work request built once and reused."""
+        key = dst.ctypes.data, dst.nbytes, recv_id
+        wr = self._recv_into_wrs.get(key)
+        if wr is None:
+            sge = SGE(dst.ctypes.data, dst.nbytes, self._source_lkey(dst.ctypes.data, dst.nbytes))
+            wr = self._recv_into_wrs[key] = RecvWR(wr_id=RECV_TAG | recv_id, num_sge=1, sg=[sge])
         try:
             self.qp.post_recv(wr)
         except (PyverbsError, PyverbsRDMAError) as exc:
