@@ -7,12 +7,14 @@ out-of-band channel.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from rdmatensor import Plan, TensorSpec, connect
+from rdmatensor.providers.rc import ENDPOINT_ENV
 
 TOKEN = "rdmatensor-bench"
 SETUP_TIMEOUT = 120.0    # also bounds every wait: a peer that died is not waited on for long
@@ -29,10 +31,12 @@ class Point:
     max_iters: int = 100000
     checksum: bool = False       # CRC32 on every tensor (Plan(checksum=True))
     model: str = ""              # step mode: the model whose gradient set `tensors` is
+    endpoint: str = ""           # verbs providers: the RC endpoint (native, pyverbs); "" is the default
 
     @property
     def label(self) -> str:
-        return f"{self.provider}+crc" if self.checksum else self.provider
+        name = f"{self.provider}/{self.endpoint}" if self.endpoint else self.provider
+        return f"{name}+crc" if self.checksum else name
 
 
 @dataclass
@@ -83,12 +87,24 @@ def _iterations(point: Point, warm_seconds: float, warm_iters: int) -> int:
 
 
 def run_point(rank: int, peers: dict, point: Point) -> Result | None:
-    with connect(rank, peers, plan_for(point), provider=point.provider, token=TOKEN, timeout=SETUP_TIMEOUT) as s:
-        fn = {"lat": _lat, "bw": _bw, "step": _step}[point.mode]
-        result = fn(s, rank, point)
-        if result is not None:
-            result.provider = point.label
-        s.barrier("point-done")
+    saved = os.environ.get(ENDPOINT_ENV)
+    if point.endpoint:            # read when the channel opens its endpoint
+        os.environ[ENDPOINT_ENV] = point.endpoint
+    try:
+        with connect(rank, peers, plan_for(point), provider=point.provider, token=TOKEN,
+                     timeout=SETUP_TIMEOUT) as s:
+            fn = {"lat": _lat, "bw": _bw, "step": _step}[point.mode]
+            result = fn(s, rank, point)
+            if result is not None:
+                result.provider = point.label
+                if point.endpoint:
+                    result.extra["endpoint"] = point.endpoint
+            s.barrier("point-done")
+    finally:
+        if saved is None:
+            os.environ.pop(ENDPOINT_ENV, None)
+        else:
+            os.environ[ENDPOINT_ENV] = saved
     return result
 
 

@@ -29,13 +29,13 @@ def _reference(r: dict, field: str) -> str:
 
 # (heading, width, cell) per column; a width below zero aligns left.
 _LAT_COLUMNS = [
-    ("provider", -9, lambda r: r["provider"]), ("size", 7, lambda r: human(r["size"])),
+    ("provider", -13, lambda r: r["provider"]), ("size", 7, lambda r: human(r["size"])),
     ("iters", 7, lambda r: r["iterations"]),
     *[(k, 9, functools.partial(_latency, k)) for k in ("min", "median", "p99", "max")],
     ("x grpc", 7, lambda r: _f(r.get("ratio_to_grpc"), ".3f")), ("reference", 16, lambda r: _reference(r, "lat_us")),
     ("x ref", 6, lambda r: _f(r.get("ratio_to_reference"), ".2f"))]
 _BW_COLUMNS = [
-    ("mode", -5, lambda r: r["mode"]), ("provider", -9, lambda r: r["provider"]),
+    ("mode", -5, lambda r: r["mode"]), ("provider", -13, lambda r: r["provider"]),
     ("size", 7, lambda r: human(r["size"])), ("iters", 7, lambda r: r["iterations"]),
     ("MB/s", 10, lambda r: f"{r['mb_per_s']:.1f}"), ("Gb/s", 8, lambda r: f"{r['gb_per_s']:.3f}"),
     ("msg/s", 10, lambda r: f"{r['msg_per_s']:.0f}"), ("x grpc", 7, lambda r: _f(r.get("ratio_to_grpc"), ".2f")),
@@ -117,8 +117,8 @@ def plot(path: str, rows: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (ax_bw, ax_lat) = plt.subplots(1, 2, figsize=(12, 4.5))
-    colors = {"verbs": "tab:red", "verbs-rpc": "tab:orange", "shm": "tab:green", "tcp": "tab:blue",
-              "grpc": "tab:gray"}
+    colors = {"verbs": "tab:red", "verbs/native": "tab:red", "verbs/pyverbs": "tab:purple",
+              "verbs-rpc": "tab:orange", "shm": "tab:green", "tcp": "tab:blue", "grpc": "tab:gray"}
     for provider, color in colors.items():
         for ax, mode, value, ref_field in ((ax_bw, "bw", lambda r: r["mb_per_s"], "mb_per_s"),
                                            (ax_lat, "lat", lambda r: r["lat_us"]["median"], "lat_us")):

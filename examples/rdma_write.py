@@ -23,19 +23,21 @@ import time
 
 import numpy as np
 
-from rdmatensor.providers.rc_endpoint import LOCAL_ONLY, RECV_BATCH, RcEndpoint, RcParams, RemoteRegion, is_receive
+from rdmatensor.providers.rc import LOCAL_ONLY, RECV_BATCH, RcParams, RemoteRegion, endpoint_class
 
 IMM = 0x5EED0001
 DEADLINE = 60.0
 
 
 def _wait(ep, wanted):
+    """The first completion (wr_id, status, is_receive, imm, byte_len) that `wanted` accepts."""
     end = time.monotonic() + DEADLINE
     while time.monotonic() < end:
-        for wc in ep.poll():
-            if wanted(wc):
-                return wc
-        time.sleep(0.0002)
+        for done in ep.poll(16, 0.001):
+            if done[1]:
+                raise RuntimeError(f"work request {done[0]} failed: {ep.status_name(done[1])}")
+            if wanted(done):
+                return done
     raise TimeoutError(f"no completion within {DEADLINE:.0f} s")
 
 
@@ -47,7 +49,7 @@ def _exchange(sock, mine):
 
 
 def server(port, size):
-    with RcEndpoint() as ep, socket.create_server(("0.0.0.0", port)) as lsock:
+    with endpoint_class()() as ep, socket.create_server(("0.0.0.0", port)) as lsock:
         buf = np.zeros(size, dtype=np.uint8)
         mr = ep.register(buf)
         ep.post_recv(RECV_BATCH)      # receives go in batches; the write consumes one
@@ -59,18 +61,18 @@ def server(port, size):
         ep.connect(RcParams(**peer["rc"]))
         f.write("ready\n")
         f.flush()
-        wc = _wait(ep, is_receive)
+        done = _wait(ep, lambda c: c[2])
         f.write("done\n")
         f.flush()
         conn.close()
         return {"side": "server", "device": ep.device, "sha256": hashlib.sha256(buf).hexdigest(),
-                "imm": wc.imm_data, "bytes": size}
+                "imm": done[3], "bytes": size}
 
 
 def client(host, port, size, seed):
     data = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
-    with RcEndpoint() as ep:
-        mr = ep.register(data, access=LOCAL_ONLY)
+    with endpoint_class()() as ep:
+        ep.register(data, access=LOCAL_ONLY)
         end = time.monotonic() + DEADLINE
         while True:
             try:
@@ -86,8 +88,8 @@ def client(host, port, size, seed):
             raise RuntimeError("server did not get ready")
         remote = RemoteRegion(peer["addr"], peer["length"], peer["rkey"])
         t0 = time.perf_counter()
-        ep.post_write(mr, data.ctypes.data, size, remote, 0, imm=IMM, wr_id=7)
-        _wait(ep, lambda wc: wc.wr_id == 7)
+        number = ep.post_write(data, remote, 0, imm=IMM)
+        _wait(ep, lambda c: not c[2] and c[0] == number)
         seconds = time.perf_counter() - t0
         if f.readline().strip() != "done":
             raise RuntimeError("server did not confirm")

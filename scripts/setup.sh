@@ -7,11 +7,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${1:-.venv}"
 
-# rdma-core userspace, Debian's pyverbs (for /usr/bin/python3), perftest, and
-# what the SoftRoCE VM needs: qemu, the stock kernel (with rdma_rxe), busybox.
+# rdma-core userspace, Debian's pyverbs (for /usr/bin/python3), perftest, what
+# the compiled verbs endpoint is built with (gcc, libibverbs-dev, python3-dev),
+# and what the SoftRoCE VM needs: qemu, the stock kernel (with rdma_rxe), busybox.
 packages=(rdma-core ibverbs-providers ibverbs-utils perftest python3-pyverbs
-          python3-venv python3-dev qemu-system-x86 linux-image-amd64 busybox-static
-          iproute2 kmod cpio gzip procps openssl)
+          python3-venv python3-dev gcc libc6-dev libibverbs-dev qemu-system-x86 linux-image-amd64
+          busybox-static iproute2 kmod cpio gzip procps openssl)
 
 missing=()
 for p in "${packages[@]}"; do
@@ -39,5 +40,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$venv/bin/python" -m pip install -q -e ".[tf,bench,dev]"
   echo "$want" > "$stamp"
 fi
+# The verbs endpoint in C, rebuilt when its source changed.
+bash scripts/build_native.sh "$venv"
 "$venv/bin/python" -c "import pyverbs, numpy, grpc" \
   || { echo "setup: the virtualenv cannot import pyverbs/numpy/grpc" >&2; exit 1; }

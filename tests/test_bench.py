@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.cli import evaluate_targets, parse_size, parse_step
+from bench.cli import build_parser, evaluate_targets, parse_size, parse_step, points_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,6 +81,31 @@ def test_targets_are_judged_from_the_rows():
     assert got["shm 8 B half round trip <= 10 us"] is True
     assert got["tcp 8 B half round trip <= 20 us"] is False
     assert got["shm 1,000-tensor step (1000x8) <= 5 us per tensor"] is True
+
+
+def test_verbs_targets_are_judged_per_endpoint():
+    def bw(provider, size, ratio):
+        return {"mode": "bw", "provider": provider, "size": size, "mb_per_s": 50.0, "ratio_to_reference": ratio}
+    rows = [bw("verbs/native", 64 << 10, 0.97), bw("verbs/native", 1 << 20, 0.94), bw("verbs/pyverbs", 4 << 20, 0.5),
+            bw("verbs/native+crc", 4 << 20, 0.2),
+            {"mode": "lat", "provider": "verbs/native", "size": 8, "lat_us": {"median": 60.0},
+             "ratio_to_reference": 4.4},
+            {"mode": "lat", "provider": "verbs/pyverbs", "size": 8, "lat_us": {"median": 900.0},
+             "ratio_to_reference": 66.0}]
+    got = {t["target"]: t["met"] for t in evaluate_targets(rows, [])}
+    assert got == {"verbs/native bw >= 0.95x ib_write_bw at 64 KiB": True,
+                   "verbs/native bw >= 0.95x ib_write_bw at 1 MiB": False,
+                   "verbs/native 8 B half round trip <= 5x ib_write_lat": True,
+                   "verbs/pyverbs bw >= 0.95x ib_write_bw at 4 MiB": False,
+                   "verbs/pyverbs 8 B half round trip <= 5x ib_write_lat": False}
+
+
+def test_verbs_endpoints_are_measured_side_by_side():
+    a = build_parser().parse_args(["lat", "--providers", "verbs,tcp", "--lat-sizes", "8",
+                                   "--verbs-endpoint", "pyverbs,native"])
+    assert [p.label for p in points_for(a, ["verbs", "tcp"])] == ["verbs/pyverbs", "verbs/native", "tcp"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["lat", "--verbs-endpoint", "fast"])
 
 
 @pytest.mark.rdma

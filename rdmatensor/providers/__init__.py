@@ -42,8 +42,8 @@ class Provider:
 
 
 REGISTRY: dict[str, Provider] = {p.name: p for p in (
-    Provider("verbs", "verbs", "VerbsChannel", "real RDMA through pyverbs (InfiniBand, RoCE, SoftRoCE)",
-             needs_rdma=True),
+    Provider("verbs", "verbs", "VerbsChannel",
+             "real RDMA (InfiniBand, RoCE, SoftRoCE), through the compiled RC endpoint or pyverbs", needs_rdma=True),
     Provider("shm", "shm", "ShmChannel", "same host: shared-memory arenas, memcpy + a completion on a Unix socket"),
     Provider("tcp", "tcp", "TcpChannel",
              "the same contract emulated over TCP, payload received straight into the slot"),

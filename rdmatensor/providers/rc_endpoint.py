@@ -1,16 +1,14 @@
 """One reliable-connected (RC) queue pair with its protection domain, completion
-queue and memory regions, through pyverbs.
+queue and memory regions, through pyverbs: the fallback for the compiled
+endpoint (rc_native.py), with the same contract (rc.py).
 
-This is the verbs layer the `verbs` provider is built on: register memory
-once, exchange `RcParams` out of band, then post one-sided writes. Resources
-close children first (QP, MRs, CQ, PD, context), and `close()` is idempotent.
-
-The hot path builds nothing: the work requests for writes, immediates and
-receives are built once and reused (building one costs microseconds, and
-Debian's pyverbs 44 never frees them: `__dealloc` in its `wr.pyx`), receives
-are given back in batches with one doorbell, and the completion queue has a
-completion channel whose file descriptor a thread can block on with the GIL
-released (`wait_event`).
+Resources close children first (QP, MRs, CQ, PD, context), and `close()` is
+idempotent. The hot path builds nothing: the work requests for writes,
+immediates and receives are built once and reused (building one costs
+microseconds, and Debian's pyverbs 44 never frees them: `__dealloc` in its
+`wr.pyx`), receives are given back in batches with one doorbell, and the
+completion queue has a completion channel whose file descriptor a thread can
+block on with the GIL released (`wait_event`).
 """
 from __future__ import annotations
 
@@ -19,12 +17,12 @@ import os
 import random
 import select
 import threading
-from dataclasses import asdict, dataclass
+import time
 
-import numpy as np
-
-from ..devices import CONTEXT_LOCK, MTU_BYTES, MTU_ENUM, active_port, list_devices
+from ..devices import CONTEXT_LOCK, MTU_BYTES, MTU_ENUM
 from ..errors import DeviceError, TransportError, UsageError, VerbsError
+from .rc import (LOCAL_ONLY, MAX_REGION, RECV_BATCH, REMOTE_WRITE, EndpointHelpers, RcParams, RemoteRegion,
+                 find_port)
 
 try:
     import pyverbs.enums as ev
@@ -40,47 +38,19 @@ except ImportError as exc:  # pragma: no cover - depends on the distribution
     raise DeviceError("pyverbs is not importable: install python3-pyverbs and use a virtualenv "
                       "made with --system-site-packages") from exc
 
-# Receive arenas: the peer may write, nobody may read remotely.
-REMOTE_WRITE = ev.IBV_ACCESS_LOCAL_WRITE | ev.IBV_ACCESS_REMOTE_WRITE
-# Staging memory we send from: local access only.
-LOCAL_ONLY = ev.IBV_ACCESS_LOCAL_WRITE
-MAX_REGION = 4 << 30
-RECV_BATCH = 16            # consumed receives given back with one post (a chain of work requests)
-
-@dataclass(frozen=True)
-class RcParams:
-    """What a peer needs to connect its QP to ours."""
-    qpn: int
-    psn: int
-    gid: str
-    mtu: int
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+__all__ = ["LOCAL_ONLY", "RECV_BATCH", "REMOTE_WRITE", "RcEndpoint", "RcParams", "RemoteRegion"]
+RECV_TAG = 1 << 63         # marks a receive's wr_id: a flushed completion's opcode is undefined
 
 
-@dataclass(frozen=True)
-class RemoteRegion:
-    """Where a peer may write: address, length, key."""
-    addr: int
-    length: int
-    rkey: int
-
-
-class RcEndpoint:
+class RcEndpoint(EndpointHelpers):
     def __init__(self, device: str | None = None, port: int = 1, gid_index: int | None = None,
                  depth: int = 256, recv_depth: int | None = None):
-        if device is None:
-            found = active_port()
-            if not found:
-                names = [d.name for d in list_devices()]
-                raise DeviceError("no RDMA device with an ACTIVE port" +
-                                  (f" (found {', '.join(names)}, none ACTIVE)" if names else ""))
-            device, port = found[0].name, found[1].number
-            gid = found[1].roce_v2_gid()
-            gid_index = gid.index if gid_index is None and gid else (gid_index or 0)
-        self.device, self.port, self.gid_index = device, port, gid_index or 0
+        device, port, gid_index = find_port(device, port, gid_index)
+        self.device, self.port, self.gid_index = device, port, gid_index
         self._mrs: list[MR] = []
+        self._sources: list[tuple[int, int, MR]] = []     # local-only regions: (start, end, mr)
+        self._post_lock = threading.Lock()               # posts mutate the shared work requests
+        self._sends_posted = self._sends_completed = 0
         self._closed = False
         try:
             with CONTEXT_LOCK:
@@ -119,10 +89,10 @@ class RcEndpoint:
         self.psn = random.getrandbits(24)
 
     # -- memory -----------------------------------------------------------
-    def register(self, array: np.ndarray, access: int = REMOTE_WRITE) -> MR:
-        """Register a C-contiguous array's memory (kept alive by the caller)."""
-        if not array.flags.c_contiguous:
-            raise UsageError("only C-contiguous memory can be registered")
+    def register(self, array, access: int = REMOTE_WRITE) -> MR:
+        """Register a writable C-contiguous array's memory (kept alive by the caller)."""
+        if not (array.flags.c_contiguous and array.flags.writeable):
+            raise UsageError("only writable C-contiguous memory can be registered")
         if array.nbytes == 0 or array.nbytes > MAX_REGION:
             raise UsageError(f"a region must hold 1 byte to 4 GiB, not {array.nbytes}")
         try:
@@ -130,16 +100,25 @@ class RcEndpoint:
         except (PyverbsError, PyverbsRDMAError) as exc:
             raise VerbsError(f"registering {array.nbytes} bytes failed: {exc}") from exc
         self._mrs.append(mr)
+        if not access & ev.IBV_ACCESS_REMOTE_WRITE:
+            self._sources.append((array.ctypes.data, array.ctypes.data + array.nbytes, mr))
         return mr
 
     def deregister(self, mr: MR) -> None:
         if mr in self._mrs:
             self._mrs.remove(mr)
+            self._sources = [s for s in self._sources if s[2] is not mr]
+            start = mr.buf
+            self._recv_into_wrs = {k: wr for k, wr in self._recv_into_wrs.items()
+                                   if not start <= k[0] < start + mr.length}     # they carry its lkey
             mr.close()
 
-    @staticmethod
-    def remote_region(array: np.ndarray, mr: MR) -> RemoteRegion:
-        return RemoteRegion(array.ctypes.data, array.nbytes, mr.rkey)
+    def _source_lkey(self, addr: int, length: int) -> int:
+        for start, end, mr in self._sources:
+            if start <= addr and addr + length <= end:
+                return mr.lkey
+        raise TransportError(f"verbs sends only from registered staging memory: [{addr:#x}, +{length}) is in "
+                             f"no local-only region of this endpoint")
 
     # -- connection -------------------------------------------------------
     def params(self) -> RcParams:
@@ -171,19 +150,33 @@ class RcEndpoint:
     # -- data path --------------------------------------------------------
     def _prepare_work_requests(self) -> None:
         scratch = self._recv_scratch
-        # pyverbs wants an SGE on every receive, though a write's immediate
-        # never lands in it: all receives share the scratch region.
-        self._recv_wrs = [RecvWR(wr_id=0, num_sge=1, sg=[SGE(scratch.buf, 64, scratch.lkey)])
+        self._recv_wrs = [RecvWR(wr_id=RECV_TAG, num_sge=1, sg=[SGE(scratch.buf, 64, scratch.lkey)])
                           for _ in range(RECV_BATCH)]
         for wr, nxt in itertools.pairwise(self._recv_wrs):
             wr.next_wr = nxt
         self._recv_owed = 0
+        self._recv_into_wrs: dict[tuple[int, int, int], RecvWR] = {}
         self._write_sge = SGE(scratch.buf, 0, scratch.lkey)
         self._write_wr = SendWR(opcode=ev.IBV_WR_RDMA_WRITE_WITH_IMM, num_sge=1, sg=[self._write_sge],
                                 send_flags=ev.IBV_SEND_SIGNALED)
+        self._send_sge = SGE(scratch.buf, 0, scratch.lkey)
+        self._send_wr = SendWR(opcode=ev.IBV_WR_SEND, num_sge=1, sg=[self._send_sge],
+                               send_flags=ev.IBV_SEND_SIGNALED)
         self._imm_wr = SendWR(opcode=ev.IBV_WR_SEND_WITH_IMM, num_sge=1,
                               sg=[SGE(self._send_scratch.buf, 1, self._send_scratch.lkey)],
                               send_flags=ev.IBV_SEND_SIGNALED)
+
+    def _post_numbered(self, wr, what: str) -> int:
+        """Post a send with the next number; 0 (nothing posted) when the send queue is full."""
+        if self._sends_posted - self._sends_completed >= self.depth:
+            return 0
+        wr.wr_id = self._sends_posted + 1
+        try:
+            self.qp.post_send(wr)
+        except (PyverbsError, PyverbsRDMAError) as exc:
+            raise VerbsError(f"{what} failed: {exc}") from exc
+        self._sends_posted += 1
+        return self._sends_posted
 
     def post_recv(self, count: int = 1) -> None:
         """Give back `count` receives for the immediates of incoming writes (no
@@ -197,24 +190,50 @@ class RcEndpoint:
         except (PyverbsError, PyverbsRDMAError) as exc:
             raise VerbsError(f"posting receives failed: {exc}") from exc
 
-    def post_write(self, mr: MR, addr: int, length: int, remote: RemoteRegion, remote_offset: int,
-                   imm: int | None = None, wr_id: int = 0) -> None:
-        """RDMA WRITE (WITH IMM) of [addr, addr+length) into the remote region.
-        Not thread-safe: callers serialize posts (the verbs channel does)."""
+    def post_recv_into(self, dst, recv_id: int) -> None:
+        """One receive into `dst` (registered local-only); its completion carries
+        `recv_id`. pyverbs cannot re-point a receive's SGE, so each (buffer, id)
+        gets its work request built once and reused."""
+        key = dst.ctypes.data, dst.nbytes, recv_id
+        wr = self._recv_into_wrs.get(key)
+        if wr is None:
+            sge = SGE(dst.ctypes.data, dst.nbytes, self._source_lkey(dst.ctypes.data, dst.nbytes))
+            wr = self._recv_into_wrs[key] = RecvWR(wr_id=RECV_TAG | recv_id, num_sge=1, sg=[sge])
+        try:
+            self.qp.post_recv(wr)
+        except (PyverbsError, PyverbsRDMAError) as exc:
+            raise VerbsError(f"posting a receive failed: {exc}") from exc
+
+    def post_write(self, src, remote: RemoteRegion, remote_offset: int, imm: int | None = None) -> int:
+        """RDMA WRITE (WITH IMM) of `src` into the remote region; the send's number."""
+        length = src.nbytes
         if remote_offset < 0 or remote_offset + length > remote.length:
             raise TransportError(f"write of {length} bytes at offset {remote_offset} is outside "
                                  f"the {remote.length}-byte remote region")
-        sge, wr = self._write_sge, self._write_wr
-        sge.addr, sge.length, sge.lkey = addr, length, mr.lkey
-        wr.sg_list = sge
-        wr.opcode = ev.IBV_WR_RDMA_WRITE if imm is None else ev.IBV_WR_RDMA_WRITE_WITH_IMM
-        wr.imm_data = imm or 0
-        wr.wr_id = wr_id
-        wr.set_wr_rdma(remote.rkey, remote.addr + remote_offset)
-        try:
-            self.qp.post_send(wr)
-        except (PyverbsError, PyverbsRDMAError) as exc:
-            raise VerbsError(f"posting a {length}-byte write failed: {exc}") from exc
+        with self._post_lock:
+            sge, wr = self._write_sge, self._write_wr
+            addr = src.ctypes.data
+            sge.addr, sge.length, sge.lkey = addr, length, self._source_lkey(addr, length)
+            wr.sg_list = sge
+            wr.opcode = ev.IBV_WR_RDMA_WRITE if imm is None else ev.IBV_WR_RDMA_WRITE_WITH_IMM
+            wr.imm_data = imm or 0
+            wr.set_wr_rdma(remote.rkey, remote.addr + remote_offset)
+            return self._post_numbered(wr, f"posting a {length}-byte write")
+
+    def post_send_imm(self, imm: int) -> int:
+        """A one-byte SEND carrying only an immediate (consumes one posted receive)."""
+        with self._post_lock:
+            self._imm_wr.imm_data = imm
+            return self._post_numbered(self._imm_wr, "posting an immediate")
+
+    def post_send(self, src) -> int:
+        """A SEND of `src` (registered local-only) into the peer's next posted receive."""
+        with self._post_lock:
+            sge, wr = self._send_sge, self._send_wr
+            sge.addr, sge.length = src.ctypes.data, src.nbytes
+            sge.lkey = self._source_lkey(sge.addr, src.nbytes)
+            wr.sg_list = sge
+            return self._post_numbered(wr, "posting a send")
 
     def wait_event(self, timeout: float) -> bool:
         """Block until the completion queue reports new work, at most `timeout`
@@ -231,35 +250,35 @@ class RcEndpoint:
         self.cq.req_notify()
         return True
 
-    def poll(self, max_entries: int = 16, check: bool = True) -> list:
-        """Completed work. With `check`, a failed completion raises with its status named;
-        without, the caller inspects each with `completion_error()`."""
+    def poll(self, max_entries: int = 32, spin: float = 0.0) -> list[tuple]:
+        """Completed work as (wr_id, status, is_receive, imm, byte_len): a receive's
+        own id, a send's number. With `spin`, polls up to that long until something
+        completes (holding the GIL between polls: the compiled endpoint does not)."""
         n, wcs = self.cq.poll(num_entries=max_entries)
-        wcs = wcs[:n]
-        if check:
-            for wc in wcs:
-                err = completion_error(wc)
-                if err:
-                    raise VerbsError(err)
-        return wcs
+        if not n and spin > 0:
+            end = time.monotonic() + spin
+            while not n and time.monotonic() < end:
+                time.sleep(0)
+                n, wcs = self.cq.poll(num_entries=max_entries)
+        out = []
+        for wc in wcs[:n]:
+            wr_id = wc.wr_id
+            is_recv = wr_id >= RECV_TAG
+            if not is_recv:
+                self._sends_completed += 1
+            out.append((wr_id & ~RECV_TAG, wc.status, is_recv, wc.imm_data, wc.byte_len))
+        return out
 
-    def post_send_imm(self, imm: int, wr_id: int = 0) -> None:
-        """A one-byte SEND carrying only an immediate (consumes one posted receive).
-        Not thread-safe, like post_write."""
-        wr = self._imm_wr
-        wr.imm_data = imm
-        wr.wr_id = wr_id
+    @staticmethod
+    def status_name(status: int) -> str:
         try:
-            self.qp.post_send(wr)
-        except (PyverbsError, PyverbsRDMAError) as exc:
-            raise VerbsError(f"posting an immediate failed: {exc}") from exc
+            return ev.ibv_wc_status(status).name
+        except ValueError:
+            return "unknown"
 
-    def post_prepared(self, wr, receive: bool = False) -> None:
-        """Post a work request built once and reused (see `prepared_wr`)."""
-        try:
-            (self.qp.post_recv if receive else self.qp.post_send)(wr)
-        except (PyverbsError, PyverbsRDMAError) as exc:
-            raise VerbsError(f"posting a {'receive' if receive else 'send'} failed: {exc}") from exc
+    @property
+    def in_flight(self) -> int:
+        return self._sends_posted - self._sends_completed
 
     # -- lifetime ---------------------------------------------------------
     def close(self) -> None:
@@ -271,17 +290,12 @@ class RcEndpoint:
         for mr in self._mrs:
             mr.close()
         self._mrs.clear()
+        self._sources.clear()
         with CONTEXT_LOCK:      # a descriptor closed here must not confuse _completion_channel
             for name in ("cq", "channel", "pd", "ctx"):
                 obj = getattr(self, name, None)
                 if obj is not None:
                     obj.close()
-
-    def __enter__(self) -> "RcEndpoint":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def _completion_channel(context) -> tuple:
@@ -308,31 +322,3 @@ def _event_fds() -> dict[int, str]:
         if "infinibandevent" in link:
             found[int(name)] = link
     return found
-
-
-def prepared_wr(mr: MR, addr: int, length: int, wr_id: int, receive: bool = False):
-    """A work request over one buffer, built once: building one per post costs
-    microseconds, and Debian's pyverbs 44 never frees them (its `wr.pyx`).
-    Returns (wr, sge); a send's length is changed with `sge.length = n; wr.sg_list = sge`."""
-    sge = SGE(addr, length, mr.lkey)
-    if receive:
-        return RecvWR(wr_id=wr_id, num_sge=1, sg=[sge]), sge
-    return SendWR(wr_id=wr_id, opcode=ev.IBV_WR_SEND, num_sge=1, sg=[sge],
-                  send_flags=ev.IBV_SEND_SIGNALED), sge
-
-
-def completion_error(wc) -> str | None:
-    if wc.status == ev.IBV_WC_SUCCESS:
-        return None
-    return f"work request {wc.wr_id} failed: {_wc_status_name(wc.status)} (status {wc.status})"
-
-
-def is_receive(wc) -> bool:
-    return bool(wc.opcode & ev.IBV_WC_RECV)
-
-
-def _wc_status_name(status: int) -> str:
-    try:
-        return ev.ibv_wc_status(status).name
-    except ValueError:
-        return "unknown"

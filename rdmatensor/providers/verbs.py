@@ -1,49 +1,36 @@
-"""verbs: real one-sided RDMA (InfiniBand, RoCE, SoftRoCE) through pyverbs.
+"""verbs: real one-sided RDMA (InfiniBand, RoCE, SoftRoCE).
 
 A data write is RDMA WRITE WITH IMM from registered staging memory straight
 into the peer's registered receive arena: the receiver's CPU only sees the
-immediate. Credits go back as one-byte SENDs with an immediate. One RC queue
-pair per peer.
+immediate. Credits go back as SENDs with an immediate. One RC queue pair per
+peer, through an RC endpoint (rc.py): the compiled one (`_verbs_native.c`)
+when it is built, else pyverbs; `RDMATENSOR_VERBS_ENDPOINT` forces either.
 
-Writes are posted, not waited for: write() returns a completion handle that
-the session waits for only before it reuses the staging memory the write
-reads, and the send queue is bounded by a semaphore. Completions are reaped
-by whichever thread gets there first: a thread waiting for a tensor polls the
-CQ itself for a short spin (no hand-off between threads on the fast path),
-then sleeps on an event; a background thread blocks on the CQ's completion
+Writes are posted, not waited for: write() returns the send's number, which
+the session passes to wait() only before it reuses the staging memory the
+write reads. Sends complete in order, so a number is done once the highest
+completed one reaches it: nothing is allocated per write. Completions are
+reaped by whichever thread gets there first: a thread waiting for a tensor
+polls the CQ itself for a short spin (in C with the GIL released, on the
+compiled endpoint; no hand-off between threads on the fast path), then
+sleeps on an event; a background thread blocks on the CQ's completion
 channel (no CPU while idle) and reaps everything else.
 """
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 
 import numpy as np
 
-from ..errors import PeerLost, TransportError
+from ..errors import PeerLost, ProviderUnavailable, TransportError
 from ..memory import Arena
 from .base import Capabilities, Channel
-
-try:
-    from .rc_endpoint import (LOCAL_ONLY, RECV_BATCH, REMOTE_WRITE, RcEndpoint, RcParams, RemoteRegion,
-                              completion_error, is_receive)
-    from ..devices import MTU_ENUM
-    _IMPORT_ERROR = None
-except Exception as exc:  # noqa: BLE001 - reported by viable()
-    _IMPORT_ERROR = exc
+from ..devices import MTU_ENUM
+from .rc import LOCAL_ONLY, RECV_BATCH, REMOTE_WRITE, RcParams, RemoteRegion, endpoint_class
 
 SEND_DEPTH = 256
 SPIN_SECONDS = 0.002       # a waiter polls the CQ itself this long before it sleeps
-
-
-class Completion:
-    """Set when a posted work request completed (or failed: `error`)."""
-    __slots__ = ("event", "error")
-
-    def __init__(self):
-        self.event = threading.Event()
-        self.error: Exception | None = None
 
 
 class VerbsChannel(Channel):
@@ -52,8 +39,10 @@ class VerbsChannel(Channel):
 
     @classmethod
     def viable(cls) -> tuple[bool, str]:
-        if _IMPORT_ERROR is not None:
-            return False, str(_IMPORT_ERROR)
+        try:
+            endpoint_class()
+        except ProviderUnavailable as exc:
+            return False, str(exc)
         from ..devices import active_port, list_devices
         found = active_port()
         if found:
@@ -66,18 +55,16 @@ class VerbsChannel(Channel):
 
     def __init__(self, *args, max_incoming: int = 128, **kwargs):
         super().__init__(*args, **kwargs)
-        if _IMPORT_ERROR is not None:
-            raise TransportError(f"verbs provider unavailable: {_IMPORT_ERROR}")
         # Every slot has at most one DATA and one CREDIT immediate in flight,
         # and fewer than RECV_BATCH consumed receives wait to be given back, so
         # a write never finds no receive posted (no RNR).
-        self.ep = RcEndpoint(depth=SEND_DEPTH, recv_depth=max_incoming + RECV_BATCH)
+        self.ep = endpoint_class()(depth=SEND_DEPTH, recv_depth=max_incoming + RECV_BATCH)
         self._mrs: dict[int, object] = {}                    # exposed region id -> MR
-        self._sources: list[tuple[int, int, object]] = []   # (start, end, MR) we write from
-        self._wr_ids = itertools.count(1)
-        self._pending: dict[int, Completion] = {}
-        self._sq = threading.BoundedSemaphore(self.ep.depth)
-        self._post_lock = threading.Lock()
+        self._regions: dict[int, RemoteRegion] = {}          # the peer's region id -> where we write
+        self._sent = 0                    # the highest send number completed (sends complete in order)
+        self._failure: Exception | None = None    # why no later send will complete
+        self._send_waiters = 0
+        self._send_cv = threading.Condition(threading.Lock())
         self._poll_lock = threading.Lock()
         self._event_lock = threading.Lock()    # one thread at a time blocks on the completion channel
         self._stop = threading.Event()
@@ -98,8 +85,16 @@ class VerbsChannel(Channel):
             self.ep.deregister(mr)
 
     def register_source(self, arena: Arena) -> None:
-        mr = self.ep.register(arena.buf, LOCAL_ONLY)
-        self._sources.append((arena.address, arena.address + arena.size, mr))
+        self.ep.register(arena.buf, LOCAL_ONLY)
+
+    def attach(self, descriptor: dict) -> None:
+        try:
+            region = RemoteRegion(int(descriptor["addr"]), int(descriptor["size"]), int(descriptor["key"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TransportError(f"peer {self.peer} described a region without address, size or key: {exc!r}",
+                                 peer=self.peer) from exc
+        super().attach(descriptor)
+        self._regions[int(descriptor["region_id"])] = region
 
     def params(self) -> dict:
         return self.ep.params().to_dict()
@@ -122,67 +117,76 @@ class VerbsChannel(Channel):
         self.ep.post_recv(self.ep.recv_depth)
 
     # -- data path --------------------------------------------------------
-    def _received(self, wc) -> None:
+    def _received(self, recv_id: int, nbytes: int, imm: int) -> None:
         """A receive completed: an immediate arrived (its payload, if any, is in place)."""
         self.ep.post_recv()
-        self.on_imm(wc.imm_data)
+        self.on_imm(imm)
 
-    def _source_mr(self, src: np.ndarray):
-        addr = src.ctypes.data
-        for start, end, mr in self._sources:
-            if start <= addr and addr + src.nbytes <= end:
-                return mr
-        raise TransportError("verbs writes only from registered staging memory")
-
-    def _post(self, post) -> Completion:
-        if self._lost:
-            raise PeerLost(f"verbs channel to peer {self.peer} is down")
-        while not self._sq.acquire(timeout=0.01):   # the send queue is full: completions free it
-            self._reap()
+    def _post(self, post, *args) -> int:
+        """post(*args) on the endpoint; its send number. While the send queue is full,
+        waits for the oldest send to complete."""
+        while True:
             if self._lost or self._stop.is_set():
-                raise PeerLost(f"verbs channel to peer {self.peer} is down")
-        done = Completion()
-        with self._post_lock:
-            wr_id = next(self._wr_ids)
-            self._pending[wr_id] = done
-            try:
-                post(wr_id)
-            except BaseException:
-                self._pending.pop(wr_id, None)
-                self._sq.release()
-                raise
-        return done
+                raise PeerLost(f"verbs channel to peer {self.peer} is down", peer=self.peer)
+            number = post(*args)
+            if number:
+                return number
+            self._until(lambda oldest=self._sent + 1: self._sent >= oldest or self._failure is not None,
+                        self._sleep_sent, 0.1)
 
-    def write(self, region_id: int, offset: int, src: np.ndarray, imm: int) -> Completion:
-        """Post the write and return its handle: `src` stays in use until wait(handle)."""
-        desc = self.check_remote(region_id, offset, src.nbytes)
-        mr = self._source_mr(src)
-        remote = RemoteRegion(int(desc["addr"]), int(desc["size"]), int(desc["key"]))
-        return self._post(lambda wr_id: self.ep.post_write(
-            mr, src.ctypes.data, src.nbytes, remote, offset, imm=imm, wr_id=wr_id))
+    def write(self, region_id: int, offset: int, src: np.ndarray, imm: int) -> int:
+        """Post the write and return its number: `src` stays in use until wait(number)."""
+        remote = self._regions.get(region_id)
+        if remote is None:
+            self.check_remote(region_id, offset, src.nbytes)     # raises, naming the region
+        try:
+            return self._post(self.ep.post_write, src, remote, offset, imm)
+        except TransportError as exc:
+            if exc.peer is None:      # the endpoint refused it (bounds, source): say to whom
+                raise type(exc)(f"write to peer {self.peer}'s region {region_id}: {exc}", peer=self.peer) from exc
+            raise
 
     def notify(self, imm: int) -> None:
-        self._post(lambda wr_id: self.ep.post_send_imm(imm, wr_id=wr_id))
+        self._post(self.ep.post_send_imm, imm)
 
-    def wait(self, done: Completion, timeout: float | None = None) -> None:
-        """Until `done` completes: reap on this thread for a short spin, then sleep
-        until the reaping thread sets it."""
-        if not self.wait_for(done.event, 1e9 if timeout is None else timeout):
+    def wait(self, number: int, timeout: float | None = None) -> None:
+        """Until send `number` completed: reap on this thread for a short spin, then
+        sleep until the reaping thread says so."""
+        if number <= self._sent:
+            return
+        def done():
+            return number <= self._sent or self._failure is not None
+        if not self._until(done, self._sleep_sent, 1e9 if timeout is None else timeout):
             raise TransportError(f"a write to peer {self.peer} did not complete in {timeout} s", peer=self.peer)
-        if done.error:
-            raise done.error
+        if number > self._sent:
+            raise self._failure
 
     def wait_for(self, event, timeout: float) -> bool:
         """Poll the CQ on this thread for up to SPIN_SECONDS, then sleep on `event`
         (set by whichever thread reaps the completion). Never sleep-polls."""
-        deadline = time.monotonic() + timeout
-        spin_until = min(deadline, time.monotonic() + SPIN_SECONDS)
-        while not event.is_set():
-            if time.monotonic() >= spin_until:
-                return event.wait(max(0.0, deadline - time.monotonic()))
-            if not self._reap():
-                time.sleep(0)         # let the thread we wait for run
+        return self._until(event.is_set, lambda left, ready: event.wait(left), timeout)
+
+    def _until(self, ready, sleep, timeout: float) -> bool:
+        if ready():
+            return True
+        now = time.monotonic()
+        deadline = now + timeout
+        spin_until = min(deadline, now + SPIN_SECONDS)
+        while not ready():
+            left = spin_until - time.monotonic()
+            if left <= 0:
+                return sleep(max(0.0, deadline - time.monotonic()), ready)
+            if not self._reap(left):
+                time.sleep(0)         # another thread is reaping: let it run
         return True
+
+    def _sleep_sent(self, timeout: float, ready) -> bool:
+        with self._send_cv:
+            self._send_waiters += 1
+            try:
+                return self._send_cv.wait_for(ready, timeout)
+            finally:
+                self._send_waiters -= 1
 
     def progress(self, block_for: float = 0.0) -> bool:
         """Reap completions if no other thread is; True if any were found. With
@@ -194,52 +198,53 @@ class VerbsChannel(Channel):
             found = self._reap()
         return found
 
-    def _reap(self) -> bool:
+    def _reap(self, spin: float = 0.0) -> bool:
+        """Take in what the CQ holds (spinning up to `spin` s for something); True if any.
+        Completions are handled in order by one thread at a time; any failure
+        becomes the channel's sticky error."""
         if not self._poll_lock.acquire(blocking=False):
             return False
+        sent = self._sent
         try:
             if self._stop.is_set():
                 return False
-            wcs = self.ep.poll(32, check=False)
-            for wc in wcs:
-                err = completion_error(wc)
-                if is_receive(wc):
-                    if err:
-                        raise TransportError(f"receive from peer {self.peer}: {err}")
-                    self._received(wc)
-                    continue
-                done = self._pending.pop(wc.wr_id, None)
-                self._sq.release()
-                if err:
-                    exc = TransportError(f"write to peer {self.peer}: {err}")
-                    if done:
-                        done.error = exc
-                        done.event.set()
-                    raise exc
-                if done:
-                    done.event.set()
-            return bool(wcs)
+            done = self.ep.poll(32, spin)
+            for wr_id, status, is_receive, imm, nbytes in done:
+                if status:
+                    what = "receive from" if is_receive else "write to"
+                    raise TransportError(f"{what} peer {self.peer}: work request {wr_id} failed: "
+                                         f"{self.ep.status_name(status)} (status {status})", peer=self.peer)
+                if is_receive:
+                    self._received(wr_id, nbytes, imm)
+                else:
+                    self._sent = wr_id
+            return bool(done)
         except Exception as exc:  # noqa: BLE001 - becomes the channel's sticky error
             self._fail_all(exc if isinstance(exc, (TransportError, PeerLost)) else TransportError(str(exc)))
             return False
         finally:
             self._poll_lock.release()
+            if self._sent != sent and self._send_waiters:
+                with self._send_cv:
+                    self._send_cv.notify_all()
 
     def _fail_all(self, exc: Exception) -> None:
         if not self._stop.is_set():
             self.lost(exc)
-        self._release_pending(exc)
+        self._release_sends(exc)
 
-    def _release_pending(self, exc: Exception) -> None:
-        for done in list(self._pending.values()):
-            done.error = done.error or exc
-            done.event.set()
+    def _release_sends(self, exc: Exception) -> None:
+        """No send beyond those completed will complete: wake whoever waits for one."""
+        if self._failure is None:
+            self._failure = exc
+        with self._send_cv:
+            self._send_cv.notify_all()
 
     def lost(self, error: Exception) -> None:
         """Once the peer is lost (also when the session's heartbeat says so) no
         thread reaps any more: a writer waiting for a completion gets the error."""
         super().lost(error)
-        self._release_pending(error)
+        self._release_sends(error)
 
     def _event_loop(self) -> None:
         """Background progress: reap what the CQ holds, then block on its
@@ -247,7 +252,7 @@ class VerbsChannel(Channel):
         while not self._stop.is_set() and not self._lost:
             if self._reap():
                 continue
-            if self._bye and not self._pending:
+            if self._bye and not self.ep.in_flight:
                 self.lost(PeerLost(f"peer {self.peer} closed the session", peer=self.peer))
                 return
             with self._event_lock:
@@ -263,9 +268,7 @@ class VerbsChannel(Channel):
         if self._poller is not None and self._poller is not threading.current_thread():
             self._poller.join(timeout=5)
         with self._poll_lock:
-            for done in self._pending.values():
-                done.error = done.error or PeerLost("channel closed")
-                done.event.set()
+            self._release_sends(PeerLost("channel closed", peer=self.peer))
             self._mrs.clear()
-            self._sources.clear()
+            self._regions.clear()
             self.ep.close()

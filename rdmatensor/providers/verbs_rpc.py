@@ -28,12 +28,8 @@ from ..control.service import pb
 from ..errors import RefusedWrite
 from ..memory import Arena
 from .base import Capabilities, Channel
+from .rc import LOCAL_ONLY, RECV_BATCH
 from .verbs import VerbsChannel
-
-try:
-    from .rc_endpoint import LOCAL_ONLY, RECV_BATCH, prepared_wr
-except Exception:  # noqa: BLE001 - VerbsChannel.viable() reports why
-    pass
 
 CHUNK = 256 << 10         # one private receive (and send) buffer
 RECV_BUFFERS = 32         # pre-posted receives: 8 MiB in flight towards this side
@@ -53,13 +49,9 @@ class VerbsRpcChannel(VerbsChannel):
         super().__init__(*args, max_incoming=RECV_BUFFERS - RECV_BATCH, **kwargs)
         self.copies = 0
         self._inbox, self._outbox = Arena(RECV_BUFFERS * CHUNK), Arena(SEND_BUFFERS * CHUNK)
-        inbox_mr = self.ep.register(self._inbox.buf, LOCAL_ONLY)
-        outbox_mr = self.ep.register(self._outbox.buf, LOCAL_ONLY)
-        self._recv_wrs = [prepared_wr(inbox_mr, self._inbox.address + i * CHUNK, CHUNK, i, receive=True)[0]
-                          for i in range(RECV_BUFFERS)]
-        self._send_wrs = [prepared_wr(outbox_mr, self._outbox.address + i * CHUNK, CHUNK, 0)
-                          for i in range(SEND_BUFFERS)]
-        self._send_done: list = [None] * SEND_BUFFERS   # last send from each buffer
+        self.ep.register(self._inbox.buf, LOCAL_ONLY)
+        self.ep.register(self._outbox.buf, LOCAL_ONLY)
+        self._send_done: list = [None] * SEND_BUFFERS   # the number of the last send from each buffer
         self._next_send = 0
         self._send_lock = threading.Lock()
         self._message: bytearray | None = None          # the message being reassembled
@@ -71,13 +63,15 @@ class VerbsRpcChannel(VerbsChannel):
     register_source = Channel.register_source
 
     def _post_receives(self) -> None:
-        for wr in self._recv_wrs:
-            self.ep.post_prepared(wr, receive=True)
+        for index in range(RECV_BUFFERS):
+            self._post_receive(index)
+
+    def _post_receive(self, index: int) -> None:
+        self.ep.post_recv_into(self._inbox.buf[index * CHUNK:(index + 1) * CHUNK], index)
 
     # -- receiving --------------------------------------------------------
-    def _received(self, wc) -> None:
-        """One chunk landed in private buffer `wr_id`: copy it out, re-post the buffer."""
-        index, length = wc.wr_id, wc.byte_len
+    def _received(self, index: int, length: int, imm: int) -> None:
+        """One chunk landed in private buffer `index`: copy it out, re-post the buffer."""
         chunk = self._inbox.buf[index * CHUNK:index * CHUNK + length]
         if self._message is None:
             if length < FRAME.size:
@@ -95,7 +89,7 @@ class VerbsRpcChannel(VerbsChannel):
                                  f"it announced", peer=self.peer)
         self._message[self._filled:end] = memoryview(chunk)      # out of the private buffer
         self._filled = end
-        self.ep.post_prepared(self._recv_wrs[index], receive=True)
+        self._post_receive(index)
         if self._filled == len(self._message):
             message, self._message = self._message, None
             self._deliver(message)
@@ -132,21 +126,14 @@ class VerbsRpcChannel(VerbsChannel):
                 self._next_send = (i + 1) % SEND_BUFFERS
                 if self._send_done[i] is not None:
                     self.wait(self._send_done[i])           # the buffer is ours again
-                wr, sge = self._send_wrs[i]
                 base, head = i * CHUNK, FRAME.size if first else 0
                 if first:
                     FRAME.pack_into(self._outbox.buf, base, total)
                 n = min(CHUNK - head, total - pos)
                 self._outbox.buf[base + head:base + head + n] = np.frombuffer(data[pos:pos + n], np.uint8)
-                sge.length = head + n
-                wr.sg_list = sge
-                self._send_done[i] = self._post(lambda wr_id, wr=wr: self._post_prepared(wr, wr_id))
+                self._send_done[i] = self._post(self.ep.post_send, self._outbox.buf[base:base + head + n])
                 pos, first = pos + n, False
         self.copies += 1 if copied else 0              # into the private send buffers
-
-    def _post_prepared(self, wr, wr_id: int) -> None:
-        wr.wr_id = wr_id
-        self.ep.post_prepared(wr)
 
     def close(self) -> None:
         super().close()

@@ -1,0 +1,863 @@
+/* One reliable-connected (RC) queue pair with its own verbs objects, compiled.
+ *
+ * The same endpoint as rc_endpoint.py (pyverbs), without the interpreter on
+ * the hot path: under emulation every Python instruction costs, and pyverbs
+ * ships no .pxd, so this module owns its device context, protection domain,
+ * completion queue (with a completion channel), queue pair and memory
+ * regions itself, declared from <infiniband/verbs.h>.
+ *
+ * - Work requests live in this struct or on the stack: nothing is allocated
+ *   per post. Receives go back in chained batches of RECV_BATCH (one doorbell).
+ * - Every post is bounds-checked first: the source must lie inside memory
+ *   registered local-only with this endpoint, the destination inside the
+ *   remote region; otherwise TransportError and nothing is posted.
+ * - Sends are numbered 1, 2, 3... (the wr_id); an RC send queue completes in
+ *   order, so a caller knows a send is done once a later or equal number is.
+ *   Receives carry RECV_TAG in their wr_id, so even a flushed completion
+ *   (whose opcode is undefined) says which queue it came from.
+ * - poll() may spin and wait_event() blocks on the completion channel, both
+ *   with the GIL released; close() wakes such a thread and waits for it
+ *   before it frees anything, children first (QP, MRs, CQ, channel, PD,
+ *   context), and is idempotent.
+ * - Immediates travel as the raw 32-bit field, as pyverbs does, so the two
+ *   endpoints talk to each other.
+ *
+ * Errors are rdmatensor's own: DeviceError (no device, port down),
+ * VerbsError (a verbs call failed, its errno named), TransportError (a bad
+ * post), UsageError (memory that cannot be registered).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <infiniband/verbs.h>
+
+#define RECV_BATCH 16                      /* receives given back per doorbell */
+#define RECV_TAG (1ULL << 63)              /* marks a receive's wr_id */
+#define MAX_POLL 64                        /* completions taken per poll() */
+#define MAX_REGION (4ULL << 30)
+#define INLINE_WANTED 64                   /* small writes go inline when the device allows */
+#define SCRATCH_BYTES 64                   /* receives need an SGE; immediates never fill it */
+
+static PyObject *DeviceError, *VerbsError, *TransportError, *UsageError;
+
+/* ------------------------------------------------------------------ MR */
+
+typedef struct {
+    PyObject_HEAD
+    struct ibv_mr *mr;
+    Py_buffer view;          /* keeps the registered memory alive until deregistered */
+    int has_view;
+    uint64_t addr;
+    uint64_t length;
+    uint32_t lkey, rkey;
+    int access;
+} MemoryRegion;
+
+static void mr_release(MemoryRegion *self)
+{
+    if (self->mr) {
+        ibv_dereg_mr(self->mr);
+        self->mr = NULL;
+    }
+    if (self->has_view) {
+        PyBuffer_Release(&self->view);
+        self->has_view = 0;
+    }
+}
+
+static void mr_dealloc(MemoryRegion *self)
+{
+    mr_release(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *mr_get_addr(MemoryRegion *s, void *c) { return PyLong_FromUnsignedLongLong(s->addr); }
+static PyObject *mr_get_length(MemoryRegion *s, void *c) { return PyLong_FromUnsignedLongLong(s->length); }
+static PyObject *mr_get_lkey(MemoryRegion *s, void *c) { return PyLong_FromUnsignedLong(s->lkey); }
+static PyObject *mr_get_rkey(MemoryRegion *s, void *c) { return PyLong_FromUnsignedLong(s->rkey); }
+static PyObject *mr_get_access(MemoryRegion *s, void *c) { return PyLong_FromLong(s->access); }
+static PyObject *mr_get_closed(MemoryRegion *s, void *c) { return PyBool_FromLong(s->mr == NULL); }
+
+static PyGetSetDef mr_getset[] = {
+    {"addr", (getter)mr_get_addr, NULL, "first byte registered", NULL},
+    {"length", (getter)mr_get_length, NULL, "bytes registered", NULL},
+    {"lkey", (getter)mr_get_lkey, NULL, "local key", NULL},
+    {"rkey", (getter)mr_get_rkey, NULL, "remote key (what a peer writes with)", NULL},
+    {"access", (getter)mr_get_access, NULL, "ibv_access_flags", NULL},
+    {"closed", (getter)mr_get_closed, NULL, "deregistered", NULL},
+    {NULL},
+};
+
+static PyTypeObject MemoryRegionType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "rdmatensor.providers._verbs_native.MemoryRegion",
+    .tp_doc = "Memory registered with an Endpoint (Endpoint.register); freed by deregister or close.",
+    .tp_basicsize = sizeof(MemoryRegion),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_dealloc = (destructor)mr_dealloc,
+    .tp_getset = mr_getset,
+};
+
+/* ------------------------------------------------------------ Endpoint */
+
+typedef struct {
+    PyObject_HEAD
+    struct ibv_context *ctx;
+    struct ibv_pd *pd;
+    struct ibv_comp_channel *channel;
+    struct ibv_cq *cq;
+    struct ibv_qp *qp;
+    struct ibv_mr *scratch_mr;
+    void *scratch;
+    PyObject *mrs;                         /* list of MemoryRegion, closed before the PD */
+    Py_ssize_t last_source;                /* index in mrs of the last source found */
+    int wake_fd;                           /* close() wakes blocked waiters through it */
+    int busy;                              /* threads inside a GIL-released section */
+    int closing, closed;
+    char device[64];
+    int port, gid_index;
+    union ibv_gid gid;
+    int active_mtu;                        /* enum ibv_mtu */
+    uint32_t psn;
+    int depth, recv_depth;
+    uint32_t max_inline;
+    uint64_t sends_posted, sends_completed; /* numbered sends: room in the send queue */
+    int recv_owed;                         /* consumed receives not yet given back */
+    struct ibv_recv_wr recv_wrs[RECV_BATCH];
+    struct ibv_sge recv_sges[RECV_BATCH];
+} Endpoint;
+
+static PyObject *verbs_error(const char *what, int err)
+{
+    PyErr_Format(VerbsError, "%s: %s (errno %d)", what, strerror(err), err);
+    return NULL;
+}
+
+static int check_open(Endpoint *self)
+{
+    if (self->closed || self->closing) {
+        PyErr_SetString(TransportError, "the verbs endpoint is closed");
+        return -1;
+    }
+    return 0;
+}
+
+/* Free every verbs object, children first. Called with the GIL held. */
+static void ep_release(Endpoint *self)
+{
+    if (self->closing || self->closed)
+        return;            /* done, or another thread is at it */
+    __atomic_store_n(&self->closing, 1, __ATOMIC_RELEASE);
+    if (self->wake_fd >= 0) {
+        uint64_t one = 1;
+        if (write(self->wake_fd, &one, sizeof one) < 0) { /* a full counter wakes them as well */ }
+    }
+    if (__atomic_load_n(&self->busy, __ATOMIC_ACQUIRE)) {
+        Py_BEGIN_ALLOW_THREADS
+        for (int i = 0; i < 100000 && __atomic_load_n(&self->busy, __ATOMIC_ACQUIRE); i++)
+            usleep(50);
+        Py_END_ALLOW_THREADS
+    }
+    self->closed = 1;
+    if (self->qp) { ibv_destroy_qp(self->qp); self->qp = NULL; }
+    if (self->mrs) {
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(self->mrs); i++)
+            mr_release((MemoryRegion *)PyList_GET_ITEM(self->mrs, i));
+        Py_CLEAR(self->mrs);
+    }
+    if (self->scratch_mr) { ibv_dereg_mr(self->scratch_mr); self->scratch_mr = NULL; }
+    if (self->cq) { ibv_destroy_cq(self->cq); self->cq = NULL; }
+    if (self->channel) { ibv_destroy_comp_channel(self->channel); self->channel = NULL; }
+    if (self->pd) { ibv_dealloc_pd(self->pd); self->pd = NULL; }
+    if (self->ctx) { ibv_close_device(self->ctx); self->ctx = NULL; }
+    if (self->wake_fd >= 0) { close(self->wake_fd); self->wake_fd = -1; }
+    free(self->scratch);
+    self->scratch = NULL;
+}
+
+static PyObject *ep_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    Endpoint *self = (Endpoint *)type->tp_alloc(type, 0);
+    if (self)
+        self->wake_fd = -1;
+    return (PyObject *)self;
+}
+
+static void ep_dealloc(Endpoint *self)
+{
+    ep_release(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static struct ibv_context *open_device(const char *name)
+{
+    int n = 0;
+    struct ibv_device **list = ibv_get_device_list(&n);
+    struct ibv_context *ctx = NULL;
+    if (!list || n == 0) {
+        if (list)
+            ibv_free_device_list(list);
+        PyErr_Format(DeviceError, "no RDMA device: ibv_get_device_list found none (looking for %s)", name);
+        return NULL;
+    }
+    char found[512] = "";
+    for (int i = 0; i < n; i++) {
+        const char *dev = ibv_get_device_name(list[i]);
+        if (strcmp(dev, name) == 0) {
+            ctx = ibv_open_device(list[i]);
+            if (!ctx)
+                PyErr_Format(DeviceError, "cannot open RDMA device %s: %s", name, strerror(errno));
+            ibv_free_device_list(list);
+            return ctx;
+        }
+        if (strlen(found) + strlen(dev) + 3 < sizeof found) {
+            if (i)
+                strcat(found, ", ");
+            strcat(found, dev);
+        }
+    }
+    ibv_free_device_list(list);
+    PyErr_Format(DeviceError, "no RDMA device named %s (found %s)", name, found);
+    return NULL;
+}
+
+static int ep_init(Endpoint *self, PyObject *args, PyObject *kw)
+{
+    static char *names[] = {"device", "port", "gid_index", "depth", "recv_depth", "psn", NULL};
+    const char *device;
+    int port = 1, gid_index = 0, depth = 256, recv_depth = 256;
+    unsigned int psn = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "s|iiiiI", names, &device, &port, &gid_index, &depth,
+                                     &recv_depth, &psn))
+        return -1;
+    if (self->ctx || self->closed) {
+        PyErr_SetString(UsageError, "an Endpoint is initialized once");
+        return -1;
+    }
+    if (port < 1 || port > 255 || gid_index < 0 || depth < 1 || recv_depth < RECV_BATCH) {
+        PyErr_Format(UsageError, "bad endpoint parameters: port %d, gid index %d, depth %d, receive depth %d "
+                     "(at least %d)", port, gid_index, depth, recv_depth, RECV_BATCH);
+        return -1;
+    }
+    snprintf(self->device, sizeof self->device, "%s", device);
+    self->port = port;
+    self->gid_index = gid_index;
+    self->psn = psn & 0xffffff;
+    if (!(self->mrs = PyList_New(0)))
+        return -1;
+
+    if (!(self->ctx = open_device(device)))
+        goto fail;
+    struct ibv_port_attr pattr;
+    int rc = ibv_query_port(self->ctx, port, &pattr);
+    if (rc) {
+        PyErr_Format(DeviceError, "%s has no port %d: %s", device, port, strerror(rc));
+        goto fail;
+    }
+    if (pattr.state != IBV_PORT_ACTIVE) {
+        PyErr_Format(DeviceError, "%s port %d is not ACTIVE (state %d)", device, port, (int)pattr.state);
+        goto fail;
+    }
+    self->active_mtu = pattr.active_mtu;
+    if ((rc = ibv_query_gid(self->ctx, port, gid_index, &self->gid))) {
+        PyErr_Format(DeviceError, "%s port %d has no GID %d: %s", device, port, gid_index, strerror(rc ? rc : errno));
+        goto fail;
+    }
+    struct ibv_device_attr dattr;
+    if ((rc = ibv_query_device(self->ctx, &dattr))) {
+        verbs_error("ibv_query_device", rc);
+        goto fail;
+    }
+    self->depth = depth < dattr.max_qp_wr ? depth : dattr.max_qp_wr;
+    self->recv_depth = recv_depth < dattr.max_qp_wr ? recv_depth : dattr.max_qp_wr;
+
+    if (!(self->pd = ibv_alloc_pd(self->ctx))) {
+        verbs_error("ibv_alloc_pd", errno);
+        goto fail;
+    }
+    if (!(self->channel = ibv_create_comp_channel(self->ctx))) {
+        verbs_error("ibv_create_comp_channel", errno);
+        goto fail;
+    }
+    /* Non-blocking: of several threads woken by one event, the losers find none. */
+    int flags = fcntl(self->channel->fd, F_GETFL);
+    if (flags < 0 || fcntl(self->channel->fd, F_SETFL, flags | O_NONBLOCK) < 0) {
+        verbs_error("making the completion channel non-blocking", errno);
+        goto fail;
+    }
+    if ((self->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) < 0) {
+        verbs_error("eventfd", errno);
+        goto fail;
+    }
+    int cqe = self->depth + self->recv_depth;
+    if (cqe > dattr.max_cqe)
+        cqe = dattr.max_cqe;
+    if (!(self->cq = ibv_create_cq(self->ctx, cqe, NULL, self->channel, 0))) {
+        verbs_error("ibv_create_cq", errno);
+        goto fail;
+    }
+    if ((rc = ibv_req_notify_cq(self->cq, 0))) {
+        verbs_error("ibv_req_notify_cq", rc);
+        goto fail;
+    }
+    struct ibv_qp_init_attr init = {
+        .send_cq = self->cq, .recv_cq = self->cq, .qp_type = IBV_QPT_RC, .sq_sig_all = 1,
+        .cap = {.max_send_wr = self->depth, .max_recv_wr = self->recv_depth,
+                .max_send_sge = 1, .max_recv_sge = 1, .max_inline_data = INLINE_WANTED},
+    };
+    if (!(self->qp = ibv_create_qp(self->pd, &init))) {
+        init.cap.max_inline_data = 0;          /* a device without inline data */
+        if (!(self->qp = ibv_create_qp(self->pd, &init))) {
+            verbs_error("ibv_create_qp", errno);
+            goto fail;
+        }
+    }
+    self->max_inline = init.cap.max_inline_data;
+    /* INIT now, so receives can be posted before the peer is known. */
+    struct ibv_qp_attr attr = {.qp_state = IBV_QPS_INIT, .pkey_index = 0, .port_num = (uint8_t)port,
+                               .qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE};
+    if ((rc = ibv_modify_qp(self->qp, &attr, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS))) {
+        verbs_error("moving the queue pair to INIT", rc);
+        goto fail;
+    }
+    if (posix_memalign(&self->scratch, 4096, 4096)) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    memset(self->scratch, 0, 4096);
+    if (!(self->scratch_mr = ibv_reg_mr(self->pd, self->scratch, SCRATCH_BYTES, IBV_ACCESS_LOCAL_WRITE))) {
+        verbs_error("registering the receive scratch buffer", errno);
+        goto fail;
+    }
+    /* The receive batch: built once, chained, every one into the shared scratch. */
+    for (int i = 0; i < RECV_BATCH; i++) {
+        self->recv_sges[i] = (struct ibv_sge){.addr = (uintptr_t)self->scratch, .length = SCRATCH_BYTES,
+                                              .lkey = self->scratch_mr->lkey};
+        self->recv_wrs[i] = (struct ibv_recv_wr){.wr_id = RECV_TAG, .sg_list = &self->recv_sges[i], .num_sge = 1,
+                                                 .next = i + 1 < RECV_BATCH ? &self->recv_wrs[i + 1] : NULL};
+    }
+    return 0;
+fail:
+    ep_release(self);
+    return -1;
+}
+
+/* -- memory ------------------------------------------------------------ */
+
+static PyObject *ep_register(Endpoint *self, PyObject *args, PyObject *kw)
+{
+    static char *names[] = {"buffer", "access", NULL};
+    PyObject *obj;
+    int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|i", names, &obj, &access) || check_open(self))
+        return NULL;
+    MemoryRegion *mr = PyObject_New(MemoryRegion, &MemoryRegionType);
+    if (!mr)
+        return NULL;
+    mr->mr = NULL;
+    mr->has_view = 0;
+    if (PyObject_GetBuffer(obj, &mr->view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        Py_DECREF(mr);
+        PyErr_Clear();
+        PyErr_SetString(UsageError, "only writable C-contiguous memory can be registered");
+        return NULL;
+    }
+    mr->has_view = 1;
+    if (mr->view.len <= 0 || (uint64_t)mr->view.len > MAX_REGION) {
+        PyErr_Format(UsageError, "a region must hold 1 byte to 4 GiB, not %zd", mr->view.len);
+        Py_DECREF(mr);
+        return NULL;
+    }
+    mr->mr = ibv_reg_mr(self->pd, mr->view.buf, mr->view.len, access);
+    if (!mr->mr) {
+        int err = errno;
+        Py_ssize_t len = mr->view.len;
+        Py_DECREF(mr);
+        PyErr_Format(VerbsError, "registering %zd bytes failed: %s (errno %d)", len, strerror(err), err);
+        return NULL;
+    }
+    mr->addr = (uintptr_t)mr->view.buf;
+    mr->length = mr->view.len;
+    mr->lkey = mr->mr->lkey;
+    mr->rkey = mr->mr->rkey;
+    mr->access = access;
+    if (PyList_Append(self->mrs, (PyObject *)mr) < 0) {
+        Py_DECREF(mr);
+        return NULL;
+    }
+    return (PyObject *)mr;
+}
+
+static PyObject *ep_deregister(Endpoint *self, PyObject *arg)
+{
+    if (!PyObject_TypeCheck(arg, &MemoryRegionType)) {
+        PyErr_SetString(PyExc_TypeError, "deregister() takes a MemoryRegion of this endpoint");
+        return NULL;
+    }
+    if (self->mrs) {
+        Py_ssize_t n = PyList_GET_SIZE(self->mrs);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (PyList_GET_ITEM(self->mrs, i) == arg) {
+                mr_release((MemoryRegion *)arg);
+                if (PySequence_DelItem(self->mrs, i) < 0)
+                    return NULL;
+                self->last_source = 0;
+                break;
+            }
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+/* The local-only region holding [addr, addr + len), or NULL with TransportError set. */
+static MemoryRegion *find_source(Endpoint *self, uint64_t addr, uint64_t len)
+{
+    Py_ssize_t n = PyList_GET_SIZE(self->mrs);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        Py_ssize_t i = (self->last_source + k) % n;
+        MemoryRegion *mr = (MemoryRegion *)PyList_GET_ITEM(self->mrs, i);
+        if (!(mr->access & IBV_ACCESS_REMOTE_WRITE) && mr->addr <= addr && addr + len <= mr->addr + mr->length) {
+            self->last_source = i;
+            return mr;
+        }
+    }
+    PyErr_Format(TransportError, "verbs sends only from registered staging memory: [%#llx, +%llu) is in no "
+                 "local-only region of this endpoint", (unsigned long long)addr, (unsigned long long)len);
+    return NULL;
+}
+
+/* -- connection -------------------------------------------------------- */
+
+static PyObject *ep_connect_qp(Endpoint *self, PyObject *args)
+{
+    unsigned int qpn, psn;
+    int mtu;
+    Py_buffer gid;
+    if (!PyArg_ParseTuple(args, "IIy*i", &qpn, &psn, &gid, &mtu))
+        return NULL;
+    if (check_open(self)) {
+        PyBuffer_Release(&gid);
+        return NULL;
+    }
+    if (gid.len != 16 || mtu < IBV_MTU_256 || mtu > IBV_MTU_4096) {
+        PyBuffer_Release(&gid);
+        PyErr_Format(TransportError, "unusable peer parameters: a %zd-byte GID, MTU enum %d", gid.len, mtu);
+        return NULL;
+    }
+    struct ibv_qp_attr attr = {
+        .qp_state = IBV_QPS_RTR, .path_mtu = mtu, .dest_qp_num = qpn & 0xffffff, .rq_psn = psn & 0xffffff,
+        .max_dest_rd_atomic = 1, .min_rnr_timer = 12,
+        .ah_attr = {.is_global = 1, .port_num = (uint8_t)self->port,
+                    .grh = {.sgid_index = (uint8_t)self->gid_index, .hop_limit = 64}},
+    };
+    memcpy(attr.ah_attr.grh.dgid.raw, gid.buf, 16);
+    PyBuffer_Release(&gid);
+    int rc = ibv_modify_qp(self->qp, &attr, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
+                           IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER);
+    if (rc) {
+        PyErr_Format(VerbsError, "connecting QP %u to remote QP %u: moving to RTR failed: %s (errno %d)",
+                     self->qp->qp_num, qpn, strerror(rc), rc);
+        return NULL;
+    }
+    struct ibv_qp_attr rts = {
+        .qp_state = IBV_QPS_RTS, .sq_psn = self->psn, .max_rd_atomic = 1,
+        .timeout = 14,          /* 4.096 us * 2^14 = 67 ms per try */
+        .retry_cnt = 7,
+        .rnr_retry = 7,         /* infinite: the receiver re-posts receives as it consumes them */
+    };
+    rc = ibv_modify_qp(self->qp, &rts, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
+                       IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC);
+    if (rc) {
+        PyErr_Format(VerbsError, "connecting QP %u to remote QP %u: moving to RTS failed: %s (errno %d)",
+                     self->qp->qp_num, qpn, strerror(rc), rc);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* -- data path --------------------------------------------------------- */
+
+/* Post one numbered send; returns its number, 0 when the send queue is full. */
+static PyObject *post_numbered(Endpoint *self, struct ibv_send_wr *wr, const char *what)
+{
+    if (self->sends_posted - self->sends_completed >= (uint64_t)self->depth)
+        return PyLong_FromLong(0);
+    wr->wr_id = self->sends_posted + 1;
+    struct ibv_send_wr *bad = NULL;
+    int rc = ibv_post_send(self->qp, wr, &bad);
+    if (rc)
+        return verbs_error(what, rc);
+    self->sends_posted++;
+    return PyLong_FromUnsignedLongLong(wr->wr_id);
+}
+
+static int parse_imm(PyObject *obj, uint32_t *imm)
+{
+    unsigned long v = PyLong_AsUnsignedLong(obj);
+    if (v == (unsigned long)-1 && PyErr_Occurred())
+        return -1;
+    if (v > 0xffffffffUL) {
+        PyErr_Format(UsageError, "an immediate is 32 bits, not %lu", v);
+        return -1;
+    }
+    *imm = (uint32_t)v;
+    return 0;
+}
+
+static PyObject *ep_post_write(Endpoint *self, PyObject *args, PyObject *kw)
+{
+    static char *names[] = {"src", "remote", "remote_offset", "imm", NULL};
+    PyObject *src, *imm_obj = Py_None;
+    unsigned long long raddr;
+    Py_ssize_t rlength, offset;
+    unsigned int rkey;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O(KnI)n|O", names, &src, &raddr, &rlength, &rkey, &offset,
+                                     &imm_obj) || check_open(self))
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(src, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    uint64_t addr = (uintptr_t)view.buf, length = view.len;
+    PyBuffer_Release(&view);          /* the memory region keeps the memory alive */
+    if (offset < 0 || rlength < 0 || (uint64_t)offset + length > (uint64_t)rlength) {
+        PyErr_Format(TransportError, "write of %llu bytes at offset %zd is outside the %zd-byte remote region",
+                     (unsigned long long)length, offset, rlength);
+        return NULL;
+    }
+    struct ibv_sge sge = {.addr = addr, .length = (uint32_t)length};
+    struct ibv_send_wr wr = {.sg_list = &sge, .num_sge = length ? 1 : 0, .opcode = IBV_WR_RDMA_WRITE,
+                             .send_flags = IBV_SEND_SIGNALED};
+    wr.wr.rdma.remote_addr = raddr + (uint64_t)offset;
+    wr.wr.rdma.rkey = rkey;
+    if (length) {
+        MemoryRegion *mr = find_source(self, addr, length);
+        if (!mr)
+            return NULL;
+        sge.lkey = mr->lkey;
+        if (length <= self->max_inline)
+            wr.send_flags |= IBV_SEND_INLINE;
+    }
+    if (imm_obj != Py_None) {
+        if (parse_imm(imm_obj, &wr.imm_data) < 0)
+            return NULL;
+        wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+    }
+    return post_numbered(self, &wr, "posting a write");
+}
+
+static PyObject *ep_post_send_imm(Endpoint *self, PyObject *arg)
+{
+    if (check_open(self))
+        return NULL;
+    struct ibv_send_wr wr = {.num_sge = 0, .opcode = IBV_WR_SEND_WITH_IMM, .send_flags = IBV_SEND_SIGNALED};
+    if (parse_imm(arg, &wr.imm_data) < 0)
+        return NULL;
+    return post_numbered(self, &wr, "posting an immediate");
+}
+
+static PyObject *ep_post_send(Endpoint *self, PyObject *src)
+{
+    if (check_open(self))
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(src, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    uint64_t addr = (uintptr_t)view.buf, length = view.len;
+    PyBuffer_Release(&view);
+    struct ibv_sge sge = {.addr = addr, .length = (uint32_t)length};
+    struct ibv_send_wr wr = {.sg_list = &sge, .num_sge = length ? 1 : 0, .opcode = IBV_WR_SEND,
+                             .send_flags = IBV_SEND_SIGNALED};
+    if (length) {
+        MemoryRegion *mr = find_source(self, addr, length);
+        if (!mr)
+            return NULL;
+        sge.lkey = mr->lkey;
+    }
+    return post_numbered(self, &wr, "posting a send");
+}
+
+static PyObject *ep_post_recv(Endpoint *self, PyObject *args)
+{
+    int count = 1;
+    if (!PyArg_ParseTuple(args, "|i", &count) || check_open(self))
+        return NULL;
+    if (count < 0) {
+        PyErr_SetString(UsageError, "post_recv() takes a count of 0 or more");
+        return NULL;
+    }
+    self->recv_owed += count;
+    while (self->recv_owed >= RECV_BATCH) {
+        struct ibv_recv_wr *bad = NULL;
+        int rc = ibv_post_recv(self->qp, &self->recv_wrs[0], &bad);
+        if (rc)
+            return verbs_error("posting receives", rc);
+        self->recv_owed -= RECV_BATCH;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *ep_post_recv_into(Endpoint *self, PyObject *args)
+{
+    PyObject *dst;
+    unsigned long long recv_id;
+    if (!PyArg_ParseTuple(args, "OK", &dst, &recv_id) || check_open(self))
+        return NULL;
+    if (recv_id & RECV_TAG) {
+        PyErr_SetString(UsageError, "a receive's id must be below 2**63");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(dst, &view, PyBUF_WRITABLE) < 0)
+        return NULL;
+    uint64_t addr = (uintptr_t)view.buf, length = view.len;
+    PyBuffer_Release(&view);
+    MemoryRegion *mr = find_source(self, addr, length);
+    if (!mr)
+        return NULL;
+    struct ibv_sge sge = {.addr = addr, .length = (uint32_t)length, .lkey = mr->lkey};
+    struct ibv_recv_wr wr = {.wr_id = RECV_TAG | recv_id, .sg_list = &sge, .num_sge = 1};
+    struct ibv_recv_wr *bad = NULL;
+    int rc = ibv_post_recv(self->qp, &wr, &bad);
+    if (rc)
+        return verbs_error("posting a receive", rc);
+    Py_RETURN_NONE;
+}
+
+static double now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* Completed work as (wr_id, status, is_receive, imm, byte_len) tuples: a
+ * receive's own id without the tag, a send's number. With `spin`, polls up
+ * to that many seconds with the GIL released until something completes. */
+static PyObject *ep_poll(Endpoint *self, PyObject *args, PyObject *kw)
+{
+    static char *names[] = {"max_entries", "spin", NULL};
+    int max_entries = 32;
+    double spin = 0.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|id", names, &max_entries, &spin) || check_open(self))
+        return NULL;
+    if (max_entries < 1)
+        max_entries = 1;
+    if (max_entries > MAX_POLL)
+        max_entries = MAX_POLL;
+    struct ibv_wc wc[MAX_POLL];
+    int n = ibv_poll_cq(self->cq, max_entries, wc);
+    if (n == 0 && spin > 0) {
+        __atomic_add_fetch(&self->busy, 1, __ATOMIC_ACQ_REL);
+        Py_BEGIN_ALLOW_THREADS
+        double deadline = now() + spin;
+        int i = 0;
+        while ((n = ibv_poll_cq(self->cq, max_entries, wc)) == 0 && !__atomic_load_n(&self->closing, __ATOMIC_ACQUIRE))
+            if ((++i & 63) == 0 && now() > deadline)
+                break;
+        Py_END_ALLOW_THREADS
+        __atomic_sub_fetch(&self->busy, 1, __ATOMIC_ACQ_REL);
+    }
+    if (n < 0) {
+        PyErr_SetString(VerbsError, "polling the completion queue failed");
+        return NULL;
+    }
+    PyObject *out = PyList_New(n);
+    if (!out)
+        return NULL;
+    for (int i = 0; i < n; i++) {
+        int is_recv = (wc[i].wr_id & RECV_TAG) != 0;
+        if (!is_recv)
+            self->sends_completed++;
+        PyObject *t = Py_BuildValue("(KiNII)", (unsigned long long)(wc[i].wr_id & ~RECV_TAG), (int)wc[i].status,
+                                    PyBool_FromLong(is_recv), (unsigned int)wc[i].imm_data, (unsigned int)wc[i].byte_len);
+        if (!t) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, t);
+    }
+    return out;
+}
+
+/* Block until the completion queue reports new work (at most `timeout` s),
+ * with the GIL released; True if it did. Re-arms the queue, so the caller
+ * polls once more afterwards. Safe from several threads at once. */
+static PyObject *ep_wait_event(Endpoint *self, PyObject *args)
+{
+    double timeout;
+    if (!PyArg_ParseTuple(args, "d", &timeout) || check_open(self))
+        return NULL;
+    struct pollfd fds[2] = {{.fd = self->channel->fd, .events = POLLIN}, {.fd = self->wake_fd, .events = POLLIN}};
+    int ms = timeout <= 0 ? 0 : timeout > 1e6 ? 1000000000 : (int)(timeout * 1000 + 0.999);
+    int rc;
+    __atomic_add_fetch(&self->busy, 1, __ATOMIC_ACQ_REL);
+    Py_BEGIN_ALLOW_THREADS
+    rc = poll(fds, 2, ms);
+    Py_END_ALLOW_THREADS
+    __atomic_sub_fetch(&self->busy, 1, __ATOMIC_ACQ_REL);
+    if (rc < 0 && errno != EINTR)
+        return verbs_error("waiting on the completion channel", errno);
+    if (rc <= 0 || self->closing || !(fds[0].revents & POLLIN))
+        Py_RETURN_FALSE;
+    struct ibv_cq *cq;
+    void *cq_ctx;
+    if (ibv_get_cq_event(self->channel, &cq, &cq_ctx) == 0) {
+        ibv_ack_cq_events(cq, 1);
+        int err = ibv_req_notify_cq(self->cq, 0);
+        if (err)
+            return verbs_error("re-arming the completion queue", err);
+    }            /* else another thread took this event */
+    Py_RETURN_TRUE;
+}
+
+static PyObject *ep_close(Endpoint *self, PyObject *unused)
+{
+    ep_release(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *ep_local(Endpoint *self, PyObject *unused)
+{
+    if (check_open(self))
+        return NULL;
+    return Py_BuildValue("(IIy#i)", self->qp->qp_num, self->psn, (const char *)self->gid.raw, (Py_ssize_t)16,
+                         self->active_mtu);
+}
+
+static PyObject *ep_get_closed(Endpoint *s, void *c) { return PyBool_FromLong(s->closed); }
+static PyObject *ep_get_depth(Endpoint *s, void *c) { return PyLong_FromLong(s->depth); }
+static PyObject *ep_get_recv_depth(Endpoint *s, void *c) { return PyLong_FromLong(s->recv_depth); }
+static PyObject *ep_get_device(Endpoint *s, void *c) { return PyUnicode_FromString(s->device); }
+static PyObject *ep_get_port(Endpoint *s, void *c) { return PyLong_FromLong(s->port); }
+static PyObject *ep_get_gid_index(Endpoint *s, void *c) { return PyLong_FromLong(s->gid_index); }
+static PyObject *ep_get_max_inline(Endpoint *s, void *c) { return PyLong_FromUnsignedLong(s->max_inline); }
+static PyObject *ep_get_in_flight(Endpoint *s, void *c)
+{
+    return PyLong_FromUnsignedLongLong(s->sends_posted - s->sends_completed);
+}
+static PyObject *ep_get_memory_regions(Endpoint *s, void *c)
+{
+    return s->mrs ? PyList_GetSlice(s->mrs, 0, PyList_GET_SIZE(s->mrs)) : PyList_New(0);
+}
+
+static PyGetSetDef ep_getset[] = {
+    {"closed", (getter)ep_get_closed, NULL, "close() was called", NULL},
+    {"depth", (getter)ep_get_depth, NULL, "send queue depth", NULL},
+    {"recv_depth", (getter)ep_get_recv_depth, NULL, "receive queue depth", NULL},
+    {"device", (getter)ep_get_device, NULL, "device name", NULL},
+    {"port", (getter)ep_get_port, NULL, "port number", NULL},
+    {"gid_index", (getter)ep_get_gid_index, NULL, "GID index", NULL},
+    {"max_inline", (getter)ep_get_max_inline, NULL, "writes up to this size go inline", NULL},
+    {"in_flight", (getter)ep_get_in_flight, NULL, "sends posted and not yet completed", NULL},
+    {"memory_regions", (getter)ep_get_memory_regions, NULL, "regions registered and not deregistered", NULL},
+    {NULL},
+};
+
+static PyMethodDef ep_methods[] = {
+    {"register", (PyCFunction)(void (*)(void))ep_register, METH_VARARGS | METH_KEYWORDS,
+     "register(buffer, access=LOCAL_WRITE|REMOTE_WRITE) -> MemoryRegion: writable C-contiguous memory, kept alive until deregistered"},
+    {"deregister", (PyCFunction)ep_deregister, METH_O, "deregister(mr): idempotent"},
+    {"connect_qp", (PyCFunction)ep_connect_qp, METH_VARARGS,
+     "connect_qp(qpn, psn, gid16, mtu_enum): the queue pair to RTR and RTS"},
+    {"local", (PyCFunction)ep_local, METH_NOARGS, "(qpn, psn, gid16, active_mtu_enum) of this side"},
+    {"post_write", (PyCFunction)(void (*)(void))ep_post_write, METH_VARARGS | METH_KEYWORDS,
+     "post_write(src, (addr, length, rkey), offset, imm=None) -> send number, 0 if the send queue is full"},
+    {"post_send_imm", (PyCFunction)ep_post_send_imm, METH_O,
+     "post_send_imm(imm) -> send number (0: queue full): a zero-length SEND carrying an immediate"},
+    {"post_send", (PyCFunction)ep_post_send, METH_O, "post_send(src) -> send number (0: queue full): a SEND"},
+    {"post_recv", (PyCFunction)ep_post_recv, METH_VARARGS,
+     "post_recv(count=1): give back receives for immediates, in chained batches"},
+    {"post_recv_into", (PyCFunction)ep_post_recv_into, METH_VARARGS,
+     "post_recv_into(dst, recv_id): one receive into registered local-only memory"},
+    {"poll", (PyCFunction)(void (*)(void))ep_poll, METH_VARARGS | METH_KEYWORDS,
+     "poll(max_entries=32, spin=0.0) -> [(wr_id, status, is_receive, imm, byte_len)]"},
+    {"wait_event", (PyCFunction)ep_wait_event, METH_VARARGS,
+     "wait_event(timeout) -> bool: block on the completion channel, GIL released"},
+    {"close", (PyCFunction)ep_close, METH_NOARGS, "free everything, children first; idempotent"},
+    {NULL},
+};
+
+static PyTypeObject EndpointType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "rdmatensor.providers._verbs_native.Endpoint",
+    .tp_doc = "Endpoint(device, port=1, gid_index=0, depth=256, recv_depth=256, psn=0): one RC queue pair",
+    .tp_basicsize = sizeof(Endpoint),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_new = ep_new,
+    .tp_init = (initproc)ep_init,
+    .tp_dealloc = (destructor)ep_dealloc,
+    .tp_methods = ep_methods,
+    .tp_getset = ep_getset,
+};
+
+#define STATUS(name) case name: return #name;
+static const char *status_enum_name(int status)
+{
+    switch (status) {
+    STATUS(IBV_WC_SUCCESS) STATUS(IBV_WC_LOC_LEN_ERR) STATUS(IBV_WC_LOC_QP_OP_ERR) STATUS(IBV_WC_LOC_EEC_OP_ERR)
+    STATUS(IBV_WC_LOC_PROT_ERR) STATUS(IBV_WC_WR_FLUSH_ERR) STATUS(IBV_WC_MW_BIND_ERR) STATUS(IBV_WC_BAD_RESP_ERR)
+    STATUS(IBV_WC_LOC_ACCESS_ERR) STATUS(IBV_WC_REM_INV_REQ_ERR) STATUS(IBV_WC_REM_ACCESS_ERR)
+    STATUS(IBV_WC_REM_OP_ERR) STATUS(IBV_WC_RETRY_EXC_ERR) STATUS(IBV_WC_RNR_RETRY_EXC_ERR)
+    STATUS(IBV_WC_LOC_RDD_VIOL_ERR) STATUS(IBV_WC_REM_INV_RD_REQ_ERR) STATUS(IBV_WC_REM_ABORT_ERR)
+    STATUS(IBV_WC_INV_EECN_ERR) STATUS(IBV_WC_INV_EEC_STATE_ERR) STATUS(IBV_WC_FATAL_ERR)
+    STATUS(IBV_WC_RESP_TIMEOUT_ERR) STATUS(IBV_WC_GENERAL_ERR)
+    default: return "unknown";
+    }
+}
+
+/* The name pyverbs would give (IBV_WC_RETRY_EXC_ERR), as the other endpoint reports it. */
+static PyObject *status_name(PyObject *mod, PyObject *arg)
+{
+    long status = PyLong_AsLong(arg);
+    if (status == -1 && PyErr_Occurred())
+        return NULL;
+    return PyUnicode_FromString(status_enum_name((int)status));
+}
+
+static PyMethodDef module_methods[] = {
+    {"status_name", status_name, METH_O, "a work completion status, as verbs names it"},
+    {NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_verbs_native", "A compiled RC endpoint (see rc_native.py).", -1, module_methods,
+};
+
+PyMODINIT_FUNC PyInit__verbs_native(void)
+{
+    PyObject *errors = PyImport_ImportModule("rdmatensor.errors");
+    if (!errors)
+        return NULL;
+    DeviceError = PyObject_GetAttrString(errors, "DeviceError");
+    VerbsError = PyObject_GetAttrString(errors, "VerbsError");
+    TransportError = PyObject_GetAttrString(errors, "TransportError");
+    UsageError = PyObject_GetAttrString(errors, "UsageError");
+    Py_DECREF(errors);
+    if (!DeviceError || !VerbsError || !TransportError || !UsageError)
+        return NULL;
+    if (PyType_Ready(&MemoryRegionType) < 0 || PyType_Ready(&EndpointType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m)
+        return NULL;
+    Py_INCREF(&EndpointType);
+    Py_INCREF(&MemoryRegionType);
+    if (PyModule_AddObject(m, "Endpoint", (PyObject *)&EndpointType) < 0 ||
+        PyModule_AddObject(m, "MemoryRegion", (PyObject *)&MemoryRegionType) < 0 ||
+        PyModule_AddIntConstant(m, "RECV_BATCH", RECV_BATCH) < 0 ||
+        PyModule_AddIntConstant(m, "ACCESS_LOCAL_WRITE", IBV_ACCESS_LOCAL_WRITE) < 0 ||
+        PyModule_AddIntConstant(m, "ACCESS_REMOTE_WRITE", IBV_ACCESS_REMOTE_WRITE) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,138 @@
+"""What the two RC endpoints share, and which one a verbs channel opens.
+
+An RC endpoint is one reliable-connected queue pair with its protection
+domain, completion queue (and completion channel) and memory regions. There
+are two with the same methods:
+
+- `rc_native.NativeEndpoint`, compiled (`_verbs_native.c`, built by `make
+  setup` from libibverbs-dev): posts, polls and waits with nothing allocated
+  and the GIL released where it blocks or spins. The default when built.
+- `rc_endpoint.RcEndpoint`, through Debian's pyverbs: the fallback.
+
+`RDMATENSOR_VERBS_ENDPOINT=native|pyverbs` forces one.
+
+The contract (both):
+
+    register(buffer, access) -> mr (.rkey)      deregister(mr)
+    params() -> RcParams                         connect(RcParams)
+    post_write(src, RemoteRegion, offset, imm=None) -> send number, 0 if the send queue is full
+    post_send_imm(imm) -> send number            post_send(src) -> send number
+    post_recv(count=1)                           post_recv_into(dst, recv_id)
+    poll(max_entries=32, spin=0.0) -> [(wr_id, status, is_receive, imm, byte_len)]
+    wait_event(timeout) -> bool                  status_name(status) -> str
+    close()                                      depth, recv_depth, device
+
+Sends are numbered 1, 2, 3... in the order they were posted and complete in
+that order (one RC send queue). Writes and sends go only from memory
+registered LOCAL_ONLY (staging); a write outside the remote region is a
+TransportError and is not posted.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import NamedTuple
+
+from ..errors import DeviceError, ProviderUnavailable
+
+# ibv_access_flags (verbs ABI): receive arenas may be written by the peer,
+# never read remotely; staging memory we send from is local only.
+ACCESS_LOCAL_WRITE, ACCESS_REMOTE_WRITE = 1, 2
+REMOTE_WRITE = ACCESS_LOCAL_WRITE | ACCESS_REMOTE_WRITE
+LOCAL_ONLY = ACCESS_LOCAL_WRITE
+MAX_REGION = 4 << 30
+RECV_BATCH = 16            # consumed receives given back with one post (a chain of work requests)
+
+ENDPOINT_ENV = "RDMATENSOR_VERBS_ENDPOINT"
+ENDPOINTS = ("native", "pyverbs")
+
+
+@dataclass(frozen=True)
+class RcParams:
+    """What a peer needs to connect its QP to ours."""
+    qpn: int
+    psn: int
+    gid: str
+    mtu: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class RemoteRegion(NamedTuple):
+    """Where a peer may write: address, length, key (a tuple: the compiled endpoint reads it as one)."""
+    addr: int
+    length: int
+    rkey: int
+
+
+def endpoint_kind(asked: str | None = None) -> str:
+    """The endpoint to open: `asked`, else the environment's, else native when built."""
+    asked = asked or os.environ.get(ENDPOINT_ENV, "")
+    if asked and asked not in ENDPOINTS:
+        raise ProviderUnavailable(f"{ENDPOINT_ENV}={asked!r}: choose {' or '.join(ENDPOINTS)}")
+    if asked:
+        return asked
+    from . import rc_native
+    return "native" if rc_native.BUILD_ERROR is None else "pyverbs"
+
+
+def endpoint_class(asked: str | None = None) -> type:
+    """The endpoint class, or ProviderUnavailable saying why it cannot be used here."""
+    kind = endpoint_kind(asked)
+    if kind == "native":
+        from . import rc_native
+        if rc_native.BUILD_ERROR is not None:
+            raise ProviderUnavailable(f"the compiled verbs endpoint is not built ({rc_native.BUILD_ERROR}): "
+                                      f"run `make setup` (it needs libibverbs-dev), or set {ENDPOINT_ENV}=pyverbs")
+        return rc_native.NativeEndpoint
+    try:
+        from .rc_endpoint import RcEndpoint
+    except Exception as exc:  # noqa: BLE001 - pyverbs missing or broken
+        raise ProviderUnavailable(f"the pyverbs endpoint cannot load: {exc}") from exc
+    return RcEndpoint
+
+
+def gid_bytes(gid: str) -> bytes:
+    """'fe80:0000:...' (8 groups of 4 hex digits, as sysfs and pyverbs write it) -> 16 bytes."""
+    raw = bytes.fromhex(gid.replace(":", ""))
+    if len(raw) != 16:
+        raise ValueError(f"a GID is 16 bytes, not {len(raw)}: {gid!r}")
+    return raw
+
+
+def gid_str(raw: bytes) -> str:
+    return ":".join(raw[i:i + 2].hex() for i in range(0, 16, 2))
+
+
+def find_port(device: str | None, port: int, gid_index: int | None) -> tuple[str, int, int]:
+    """(device, port, GID index) to open: as given, else the first ACTIVE port and
+    its RoCE v2 GID; DeviceError naming what is missing."""
+    if device is not None:
+        return device, port, gid_index or 0
+    from ..devices import active_port, list_devices
+    found = active_port()
+    if not found:
+        names = [d.name for d in list_devices(gids=False)]
+        raise DeviceError("no RDMA device with an ACTIVE port" +
+                          (f" (found {', '.join(names)}, none ACTIVE)" if names else " (no RDMA device at all)"))
+    dev, found_port = found
+    gid = found_port.roce_v2_gid()
+    if gid_index is None:
+        gid_index = gid.index if gid else 0
+    return dev.name, found_port.number, gid_index
+
+
+class EndpointHelpers:
+    """What both endpoints add to their verbs objects."""
+
+    @staticmethod
+    def remote_region(array, mr) -> RemoteRegion:
+        """How a peer names `array` (registered as `mr`) to write into it."""
+        return RemoteRegion(array.ctypes.data, array.nbytes, mr.rkey)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

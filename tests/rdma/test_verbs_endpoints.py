@@ -1,0 +1,229 @@
+"""The two RC endpoints on a real RDMA device (SoftRoCE in the VM under `make
+test`): the compiled one (`_verbs_native.c`, the default) and pyverbs' carry
+the same session byte for byte and talk to each other; the compiled one
+refuses a bad post before posting it, reports a dead peer, closes twice, and
+waits with the GIL released."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rdmatensor import PeerLost, Plan, TensorSpec, TransportError, connect
+from rdmatensor.providers.rc import ENDPOINT_ENV, LOCAL_ONLY, REMOTE_WRITE, endpoint_class
+from rdmatensor.providers.rc_endpoint import RcEndpoint
+from rdmatensor.providers.rc_native import NativeEndpoint
+
+from ..support.ranks import check, free_ports, run_ranks
+from ..transport.peer_proc import TOKEN, fault_plan
+
+pytestmark = pytest.mark.rdma
+ROOT = Path(__file__).resolve().parents[2]
+KINDS = {"native": NativeEndpoint, "pyverbs": RcEndpoint}
+
+
+def connected(a_kind: str = "native", b_kind: str = "native"):
+    """Two endpoints joined to each other in this process, receives posted."""
+    a, b = endpoint_class(a_kind)(), endpoint_class(b_kind)()
+    for ep in (a, b):
+        ep.post_recv(ep.recv_depth)
+    a.connect(b.params())
+    b.connect(a.params())
+    return a, b
+
+
+@pytest.fixture
+def pair(rdma_port):
+    """Two compiled endpoints joined to each other, closed after the test."""
+    a, b = connected()
+    yield a, b
+    a.close()
+    b.close()
+
+
+def completions(*endpoints, want: int, within: float = 30.0) -> list[tuple]:
+    """(endpoint index, wr_id, status, is_receive, imm, byte_len) until `want` arrived."""
+    got, end = [], time.monotonic() + within
+    while len(got) < want and time.monotonic() < end:
+        for i, ep in enumerate(endpoints):
+            got += [(i, *c) for c in ep.poll(16, 0.001)]
+    assert len(got) >= want, f"{len(got)} of {want} completions within {within} s: {got}"
+    return got
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_the_same_exchange_over_either_endpoint(rdma_port, kind, monkeypatch):
+    monkeypatch.setenv(ENDPOINT_ENV, kind)
+    plan = Plan([TensorSpec("w", (300, 7), np.float32, 0, 1), TensorSpec("b", (5,), np.int64, 1, 0),
+                 TensorSpec("dyn", (None,), np.uint8, 0, 1)])
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((300, 7)).astype(np.float32)
+    dyn = [rng.integers(0, 256, n, dtype=np.uint8) for n in (10, 70000, 3)]
+
+    def body(s, r):
+        assert type(s._ctx.channels[1 - r].ep) is KINDS[kind]       # the endpoint asked for
+        if r == 0:
+            for step in range(3):
+                s.send("w", w + step)
+                s.send("dyn", dyn[step])
+                with s.recv("b") as v:
+                    assert v.tolist() == [step] * 5
+            return True
+        for step in range(3):
+            with s.recv("w") as v:
+                assert np.array_equal(v, w + step)
+            with s.recv("dyn") as v:
+                assert np.array_equal(v, dyn[step])
+            s.send("b", np.full(5, step, np.int64))
+        return True
+
+    assert check(run_ranks(2, plan, "verbs", body, timeout=60)) == {0: True, 1: True}
+
+
+@pytest.mark.parametrize("a_kind,b_kind", [("native", "pyverbs"), ("pyverbs", "native")])
+def test_the_endpoints_talk_to_each_other(rdma_port, a_kind, b_kind):
+    a, b = connected(a_kind, b_kind)
+    try:
+        src = np.random.default_rng(1).integers(0, 256, 10000, dtype=np.uint8)
+        dst = np.zeros(12000, np.uint8)
+        a.register(src, LOCAL_ONLY)
+        region = b.remote_region(dst, b.register(dst, REMOTE_WRITE))
+        number = a.post_write(src, region, 1000, imm=0x12345678)
+        a.post_send_imm(0x0BADCAFE)
+        done = completions(a, b, want=4)
+        assert sorted(c[4] for c in done if c[0] == 1) == [0x0BADCAFE, 0x12345678]    # immediates, as sent
+        assert all(c[2] == 0 for c in done) and number in [c[1] for c in done if c[0] == 0]
+        assert np.array_equal(dst[1000:11000], src) and not dst[:1000].any() and not dst[11000:].any()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_native_refuses_a_bad_write_before_posting_it(pair):
+    a, b = pair
+    src = np.ones(4096, np.uint8)
+    receive_arena = np.zeros(4096, np.uint8)
+    canary = np.full(8192, 0xAB, np.uint8)          # the remote region is its first half
+    a.register(src, LOCAL_ONLY)
+    a.register(receive_arena, REMOTE_WRITE)
+    region = b.remote_region(canary, b.register(canary, REMOTE_WRITE))._replace(length=4096)
+    with pytest.raises(TransportError, match="outside the 4096-byte remote region"):
+        a.post_write(src[:100], region, 4000, imm=1)          # 4000 + 100 > 4096
+    with pytest.raises(TransportError, match="outside"):
+        a.post_write(src[:1], region, -1)
+    with pytest.raises(TransportError, match="registered staging memory"):
+        a.post_write(np.ones(16, np.uint8), region, 0)         # not registered
+    with pytest.raises(TransportError, match="registered staging memory"):
+        a.post_write(receive_arena[:16], region, 0)            # registered for the peer, not to send from
+    with pytest.raises(TransportError, match="registered staging memory"):
+        a.post_send(np.ones(16, np.uint8))
+    assert a.in_flight == 0                                    # nothing was posted...
+    time.sleep(0.2)
+    assert not a.poll(16) and not b.poll(16)                   # ...nothing completed...
+    assert (canary == 0xAB).all()                              # ...and no byte moved
+    assert a.post_write(src[:96], region, 4000, imm=2) == 1    # the last bytes in bounds do go
+    completions(a, b, want=2)
+    assert (canary[4000:4096] == 1).all() and (canary[4096:] == 0xAB).all()
+
+
+def test_native_write_the_peer_refuses_fails_with_its_status_named(pair):
+    """A write into memory the peer deregistered is refused by its NIC: the
+    completion names the status, and the queue pair's later work is flushed.
+    (On SoftRoCE here a write to a queue pair that is gone did not complete
+    within 20 s, so a dead peer is found by the session's heartbeats: the
+    next test.)"""
+    a, b = pair
+    src = np.ones(64, np.uint8)
+    dst = np.zeros(64, np.uint8)
+    a.register(src, LOCAL_ONLY)
+    mr = b.register(dst, REMOTE_WRITE)
+    region = b.remote_region(dst, mr)
+    b.deregister(mr)
+    assert a.post_write(src, region, 0, imm=7) == 1
+    assert a.post_send_imm(8) == 2
+    done, end = [], time.monotonic() + 60
+    while sum(not c[2] for c in done) < 2 and time.monotonic() < end:
+        done += a.poll(16, 0.01)
+    assert [(c[0], a.status_name(c[1])) for c in done if not c[2]] == [
+        (1, "IBV_WC_REM_ACCESS_ERR"), (2, "IBV_WC_WR_FLUSH_ERR")]
+    # the receives posted on the failed queue pair are flushed too, and known as receives
+    assert {a.status_name(c[1]) for c in done if c[2]} <= {"IBV_WC_WR_FLUSH_ERR"}
+    assert not dst.any()
+
+
+def test_a_session_write_to_a_killed_peer_is_reported(rdma_port):
+    ports = free_ports(2)
+    peers = {0: f"127.0.0.1:{ports[0]}", 1: f"127.0.0.1:{ports[1]}"}
+    proc = subprocess.Popen([sys.executable, "-m", "tests.transport.peer_proc", "idle", "verbs", *map(str, ports)],
+                            cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        with connect(0, peers, fault_plan(), provider="verbs", token=TOKEN, timeout=60) as s:
+            assert "connected" in proc.stdout.readline()
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+            t0 = time.monotonic()
+            with pytest.raises((PeerLost, TransportError)):
+                s.send("x", np.ones(1024, np.float32))     # holds the credit: the write is posted...
+                s.send("x", np.ones(1024, np.float32), timeout=30)   # ...and the next one learns its fate
+            assert time.monotonic() - t0 < 30
+            with pytest.raises(PeerLost):
+                s.send("x", np.ones(1024, np.float32))                # it sticks
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_native_close_is_idempotent_and_later_calls_are_typed_errors(rdma_port):
+    a, b = connected()
+    buf = np.zeros(4096, np.uint8)
+    mr = a.register(buf, LOCAL_ONLY)
+    b.close()
+    a.close()
+    a.close()
+    assert a.closed and mr.closed and not a.memory_regions
+    for call in (lambda: a.post_send_imm(1), lambda: a.poll(4), lambda: a.wait_event(0.01),
+                 lambda: a.register(buf), lambda: a.post_recv(16)):
+        with pytest.raises(TransportError, match="closed"):
+            call()
+    buf[:] = 1                              # the memory is ours again
+
+
+def test_native_waits_with_the_gil_released(pair):
+    """While one thread blocks on the completion channel, or spins on the CQ,
+    another Python thread keeps running."""
+    a, b = pair
+    for wait in (lambda: a.wait_event(0.5), lambda: a.poll(16, 0.5)):
+        finished = threading.Event()
+
+        def waiter(wait=wait, finished=finished):
+            wait()
+            finished.set()
+
+        t = threading.Thread(target=waiter)
+        counted = 0
+        t.start()
+        time.sleep(0.01)                    # the waiter is inside
+        while not finished.is_set():
+            counted += 1
+        t.join()
+        assert counted > 1000, f"the other thread ran {counted} loops while one waited"
+
+
+def test_native_wait_event_wakes_on_a_completion(pair):
+    a, b = pair
+    src = np.ones(16, np.uint8)
+    a.register(src, LOCAL_ONLY)
+    dst = np.zeros(16, np.uint8)
+    region = b.remote_region(dst, b.register(dst, REMOTE_WRITE))
+    a.post_write(src, region, 0, imm=5)
+    t0 = time.monotonic()
+    assert b.wait_event(30)                 # the immediate's receive completed
+    assert time.monotonic() - t0 < 30
+    assert completions(b, want=1)[0][4] == 5

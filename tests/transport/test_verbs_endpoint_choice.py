@@ -1,0 +1,50 @@
+"""The compiled verbs endpoint on a host without RDMA: it is built and imports,
+opening it says which device is missing, and RDMATENSOR_VERBS_ENDPOINT picks
+the endpoint or says why it cannot."""
+import pytest
+
+from rdmatensor.devices import active_port
+from rdmatensor.errors import DeviceError, ProviderUnavailable
+from rdmatensor.providers import rc, rc_native
+from rdmatensor.providers.rc import ENDPOINT_ENV, endpoint_class, endpoint_kind
+
+
+def test_the_compiled_endpoint_is_built_and_imports():
+    assert rc_native.BUILD_ERROR is None, f"run make setup: {rc_native.BUILD_ERROR}"
+    assert issubclass(rc_native.NativeEndpoint, rc_native._verbs_native.Endpoint)
+    assert rc_native._verbs_native.status_name(12) == "IBV_WC_RETRY_EXC_ERR"
+
+
+def test_opening_a_device_that_is_not_there_is_a_device_error():
+    with pytest.raises(DeviceError, match="no-such-device|no RDMA device"):
+        rc_native.NativeEndpoint("no-such-device")
+    if active_port() is None:                    # this host has no RDMA at all (this project's CI)
+        with pytest.raises(DeviceError, match="no RDMA device with an ACTIVE port"):
+            rc_native.NativeEndpoint()
+
+
+def test_the_environment_picks_the_endpoint(monkeypatch):
+    monkeypatch.delenv(ENDPOINT_ENV, raising=False)
+    assert endpoint_kind() == "native" and endpoint_class() is rc_native.NativeEndpoint
+    monkeypatch.setenv(ENDPOINT_ENV, "pyverbs")
+    assert endpoint_class().__name__ == "RcEndpoint"
+    monkeypatch.setenv(ENDPOINT_ENV, "native")
+    assert endpoint_class() is rc_native.NativeEndpoint
+    monkeypatch.setenv(ENDPOINT_ENV, "fast")
+    with pytest.raises(ProviderUnavailable, match="RDMATENSOR_VERBS_ENDPOINT='fast'"):
+        endpoint_class()
+
+
+def test_asking_for_the_compiled_endpoint_where_it_is_not_built_says_so(monkeypatch):
+    monkeypatch.setattr(rc_native, "BUILD_ERROR", "No module named '_verbs_native'")
+    monkeypatch.delenv(ENDPOINT_ENV, raising=False)
+    assert endpoint_kind() == "pyverbs"                   # the default falls back
+    with pytest.raises(ProviderUnavailable, match="not built.*make setup"):
+        endpoint_class("native")
+
+
+def test_gids_round_trip():
+    gid = "0000:0000:0000:0000:0000:ffff:c000:0201"
+    assert rc.gid_str(rc.gid_bytes(gid)) == gid
+    with pytest.raises(ValueError):
+        rc.gid_bytes("fe80::1")
