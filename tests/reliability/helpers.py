@@ -118,6 +118,22 @@ def snapshot() -> dict:
             "shm_maps": len(shm_mappings())}
 
 
+def rss_settled_kib(limit_kib: int, within: float = 5.0) -> int:
+    """RSS once freed memory went back to the system (gc, malloc_trim), waiting up
+    to `within` seconds for it to fall under `limit_kib`: a leak stays, a
+    transient peak does not (a failed setup can hold one for under a second)."""
+    import ctypes
+    trim = ctypes.CDLL(None).malloc_trim
+    deadline = time.monotonic() + within
+    while True:
+        gc.collect()
+        trim(0)
+        rss = rss_kib()
+        if rss < limit_kib or time.monotonic() > deadline:
+            return rss
+        time.sleep(0.1)
+
+
 def rdma_resources(kinds=("qp", "mr", "cq", "pd")) -> dict[str, int]:
     """Objects the kernel's RDMA devices hold per kind, as `rdma res show KIND` lists them."""
     out = {}

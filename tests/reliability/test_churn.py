@@ -15,7 +15,7 @@ import pytest
 from rdmatensor import AuthenticationError, PeerLost, Plan, PlanMismatch, TensorSpec
 
 from ..support.ranks import check, run_ranks
-from .helpers import SegmentTracker, rss_kib, settle, shm_mappings, snapshot
+from .helpers import SegmentTracker, rss_kib, rss_settled_kib, settle, shm_mappings, snapshot
 
 PLAN = Plan([TensorSpec("a", (256,), np.float32, 0, 1), TensorSpec("b", (None,), np.float32, 1, 0)])
 OTHER = Plan([TensorSpec("a", (255,), np.float32, 0, 1), TensorSpec("b", (None,), np.float32, 1, 0)])
@@ -75,7 +75,7 @@ def test_a_thousand_sessions_leave_nothing_behind(provider, monkeypatch):
             base = settle(snapshot())
             rss_base = rss_kib()
     end = settle(base)
-    rss_end = rss_kib()
+    rss_end = rss_settled_kib(rss_base + RSS_BOUND_KIB)
     _report(provider, cycles, t0, base, end, rss_base, rss_end)
     _assert_clean(base, end, rss_base, rss_end, tracker)
 
@@ -117,7 +117,7 @@ def test_failed_and_broken_sessions_leave_nothing_behind(provider, monkeypatch):
             base = settle(snapshot())
             rss_base = rss_kib()
     end = settle(base)
-    rss_end = rss_kib()
+    rss_end = rss_settled_kib(rss_base + RSS_BOUND_KIB)
     _report(f"{provider} failures", total, t0, base, end, rss_base, rss_end)
     _assert_clean(base, end, rss_base, rss_end, tracker)
 
