@@ -95,7 +95,9 @@ def verdict(samples: list[dict], warmup: int, rss_bound_mib: float) -> dict:
         if len(mine) < 2:
             raise ValueError(f"rank {rank}: {len(mine)} samples after the warm-up; lower --every or --warmup")
         first, last = mine[0], mine[-1]
-        grew = {k: max(s[k] for s in mine) - first[k] for k in COUNTS}
+        # what stays: the least of the later half (a descriptor open during one sample is not a leak)
+        later = mine[len(mine) // 2:]
+        grew = {k: max(0, min(s[k] for s in later) - first[k]) for k in COUNTS}
         rss_growth = (max(s["rss_kib"] for s in mine) - first["rss_kib"]) / 1024
         flat = all(v == 0 for v in grew.values()) and rss_growth <= rss_bound_mib
         out["ranks"][rank] = {"first": first, "last": last, "grew": grew, "rss_growth_mib": round(rss_growth, 2),
