@@ -31,8 +31,13 @@ One concept per module:
     tf_baseline TensorFlow's MultiWorkerMirroredStrategy on the same model, for comparison
     launch      the rdmatensor-train command (python -m tf_plugin.launch)
     run         the rdmatensor-run launcher (python -m tf_plugin.run)
+    cores       a rank's share of its host's cores for TensorFlow's intra-op pool (at import)
 """
 import importlib
+
+from .cores import share_cores
+
+share_cores()     # before TensorFlow's runtime starts: ranks sharing a host split its cores
 
 _WORLD = ("init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "broadcast_object",
           "allgather_object", "stats", "Average", "Sum", "ReduceOp")

@@ -63,6 +63,23 @@ def test_two_ranks_get_distinct_tf_config_ranks_and_one_token(tmp_path):
     assert "RDMATENSOR_PROVIDER" not in json.loads(lines_of(again.stdout, 0)[0])
 
 
+def test_ranks_sharing_a_host_split_its_cores_unless_the_user_chose(tmp_path):
+    body = script(tmp_path, "threads.py", """
+        import os
+        import tf_plugin
+        print(os.environ.get("TF_NUM_INTRAOP_THREADS"))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TF_NUM_INTRAOP_THREADS"}
+    share = str(max(1, len(os.sched_getaffinity(0)) // 3))
+    proc, _ = launcher("-np", "3", sys.executable, body, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert [lines_of(proc.stdout, r) for r in range(3)] == [[share]] * 3
+    proc, _ = launcher("-np", "2", sys.executable, body, env={**env, "TF_NUM_INTRAOP_THREADS": "0"})
+    assert [lines_of(proc.stdout, r) for r in range(2)] == [["0"]] * 2      # TensorFlow's own default, as asked
+    alone = subprocess.run([sys.executable, body], capture_output=True, text=True, env=env, timeout=60)
+    assert alone.stdout.split() == ["None"]                                  # no launcher: nothing changed
+
+
 def test_ps_tasks_join_tf_config_after_the_workers(tmp_path):
     body = script(tmp_path, "cfg.py", """
         import os
