@@ -85,7 +85,8 @@ _OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE),
             # A peer still starting up is retried quickly, not after gRPC's 1 s default.
             ("grpc.initial_reconnect_backoff_ms", 50),
             ("grpc.min_reconnect_backoff_ms", 50),
-            ("grpc.max_reconnect_backoff_ms", 500)]
+            ("grpc.max_reconnect_backoff_ms", 500),
+            ("grpc.enable_retries", 0)]
 
 
 def start_server(address: str, token: str, control, baseline, tls: TlsConfig | None = None,
