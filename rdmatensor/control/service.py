@@ -86,6 +86,8 @@ _OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE),
             ("grpc.initial_reconnect_backoff_ms", 50),
             ("grpc.min_reconnect_backoff_ms", 50),
             ("grpc.max_reconnect_backoff_ms", 500),
+            # No transparent retries: a call to a server shutting down (a peer whose
+            # setup failed) was retried in a tight loop, holding every attempt's error.
             ("grpc.enable_retries", 0)]
 
 
