@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-references", action="store_true", help="skip perftest/memcpy/socket references")
     p.add_argument("--checksum", choices=("off", "on", "both"), default="off",
                    help="CRC32 on every tensor; `both` measures each point with and without")
+    p.add_argument("--send-many", choices=("off", "on", "both"), default="off",
+                   help="step mode: send a step's tensors with one send_many() call (verbs: up to 32 "
+                        "writes per doorbell); `both` measures each point with and without")
     p.add_argument("--json", metavar="FILE", help="write results as JSON (schema in the README)")
     p.add_argument("--plot", metavar="FILE.png", help="bandwidth and latency against size")
     p.add_argument("--rank", type=int, choices=(0, 1), help="server/client mode: this side's rank")
@@ -130,8 +133,9 @@ def points_for(a, providers: list[str]) -> list[Point]:
         pts += [Point("bw", pr, s, checksum=c, **common) for s in bw_sizes for pr in providers for c in crcs]
     if a.mode == "step":
         tensors = model_grads.tensor_sizes(a.model) if a.model else a.step_tensors
-        pts += [Point("step", pr, sum(tensors), tensors=tensors, checksum=c, model=a.model or "", **common)
-                for pr in providers for c in crcs]
+        manys = {"off": (False,), "on": (True,), "both": (False, True)}[a.send_many]
+        pts += [Point("step", pr, sum(tensors), tensors=tensors, checksum=c, model=a.model or "", send_many=m,
+                      **common) for pr in providers for c in crcs for m in manys]
     if a.mode == "paper":
         pts += [Point("lat", pr, s, **common) for s in parse_sizes(PAPER_LAT_SIZES) for pr in providers]
         pts += [Point("bw", pr, s, **common) for s in parse_sizes(PAPER_BW_SIZES) for pr in providers]

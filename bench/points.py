@@ -32,10 +32,12 @@ class Point:
     checksum: bool = False       # CRC32 on every tensor (Plan(checksum=True))
     model: str = ""              # step mode: the model whose gradient set `tensors` is
     endpoint: str = ""           # verbs providers: the RC endpoint (native, pyverbs); "" is the default
+    send_many: bool = False      # step mode: one send_many() per step instead of a send() per tensor
 
     @property
     def label(self) -> str:
         name = f"{self.provider}/{self.endpoint}" if self.endpoint else self.provider
+        name += "+many" if self.send_many else ""
         return f"{name}+crc" if self.checksum else name
 
 
@@ -197,9 +199,14 @@ def _step(s, rank: int, p: Point) -> Result | None:
         return None
     bufs = [s.buffer(n) for n in names]
 
+    items = list(zip(names, bufs, strict=True))
+
     def step():
-        for n, b in zip(names, bufs, strict=False):
-            s.send(n, b)
+        if p.send_many:
+            s.send_many(items)
+        else:
+            for n, b in items:
+                s.send(n, b)
         s.recv("ack").release()
     t0 = time.perf_counter()
     for _ in range(p.warmup):

@@ -43,6 +43,7 @@
 #define RECV_BATCH 16                      /* receives given back per doorbell */
 #define RECV_TAG (1ULL << 63)              /* marks a receive's wr_id */
 #define MAX_POLL 64                        /* completions taken per poll() */
+#define MAX_CHAIN 32                       /* writes posted per doorbell by post_writes() */
 #define MAX_REGION (4ULL << 30)
 #define INLINE_WANTED 64                   /* small writes go inline when the device allows */
 #define SCRATCH_BYTES 64                   /* receives need an SGE; immediates never fill it */
@@ -513,6 +514,42 @@ static int parse_imm(PyObject *obj, uint32_t *imm)
     return 0;
 }
 
+/* Fill one write's work request and SGE: bounds and source checked, nothing posted. */
+static int build_write(Endpoint *self, PyObject *src, unsigned long long raddr, Py_ssize_t rlength,
+                       unsigned int rkey, Py_ssize_t offset, PyObject *imm_obj,
+                       struct ibv_send_wr *wr, struct ibv_sge *sge)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(src, &view, PyBUF_SIMPLE) < 0)
+        return -1;
+    uint64_t addr = (uintptr_t)view.buf, length = view.len;
+    PyBuffer_Release(&view);          /* the memory region keeps the memory alive */
+    if (offset < 0 || rlength < 0 || (uint64_t)offset + length > (uint64_t)rlength) {
+        PyErr_Format(TransportError, "write of %llu bytes at offset %zd is outside the %zd-byte remote region",
+                     (unsigned long long)length, offset, rlength);
+        return -1;
+    }
+    *sge = (struct ibv_sge){.addr = addr, .length = (uint32_t)length};
+    *wr = (struct ibv_send_wr){.sg_list = sge, .num_sge = length ? 1 : 0, .opcode = IBV_WR_RDMA_WRITE,
+                               .send_flags = IBV_SEND_SIGNALED};
+    wr->wr.rdma.remote_addr = raddr + (uint64_t)offset;
+    wr->wr.rdma.rkey = rkey;
+    if (length) {
+        MemoryRegion *mr = find_source(self, addr, length);
+        if (!mr)
+            return -1;
+        sge->lkey = mr->lkey;
+        if (length <= self->max_inline)
+            wr->send_flags |= IBV_SEND_INLINE;
+    }
+    if (imm_obj != Py_None) {
+        if (parse_imm(imm_obj, &wr->imm_data) < 0)
+            return -1;
+        wr->opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+    }
+    return 0;
+}
+
 static PyObject *ep_post_write(Endpoint *self, PyObject *args, PyObject *kw)
 {
     static char *names[] = {"src", "remote", "remote_offset", "imm", NULL};
@@ -523,35 +560,56 @@ static PyObject *ep_post_write(Endpoint *self, PyObject *args, PyObject *kw)
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O(KnI)n|O", names, &src, &raddr, &rlength, &rkey, &offset,
                                      &imm_obj) || check_open(self))
         return NULL;
-    Py_buffer view;
-    if (PyObject_GetBuffer(src, &view, PyBUF_SIMPLE) < 0)
+    struct ibv_sge sge;
+    struct ibv_send_wr wr;
+    if (build_write(self, src, raddr, rlength, rkey, offset, imm_obj, &wr, &sge) < 0)
         return NULL;
-    uint64_t addr = (uintptr_t)view.buf, length = view.len;
-    PyBuffer_Release(&view);          /* the memory region keeps the memory alive */
-    if (offset < 0 || rlength < 0 || (uint64_t)offset + length > (uint64_t)rlength) {
-        PyErr_Format(TransportError, "write of %llu bytes at offset %zd is outside the %zd-byte remote region",
-                     (unsigned long long)length, offset, rlength);
-        return NULL;
-    }
-    struct ibv_sge sge = {.addr = addr, .length = (uint32_t)length};
-    struct ibv_send_wr wr = {.sg_list = &sge, .num_sge = length ? 1 : 0, .opcode = IBV_WR_RDMA_WRITE,
-                             .send_flags = IBV_SEND_SIGNALED};
-    wr.wr.rdma.remote_addr = raddr + (uint64_t)offset;
-    wr.wr.rdma.rkey = rkey;
-    if (length) {
-        MemoryRegion *mr = find_source(self, addr, length);
-        if (!mr)
-            return NULL;
-        sge.lkey = mr->lkey;
-        if (length <= self->max_inline)
-            wr.send_flags |= IBV_SEND_INLINE;
-    }
-    if (imm_obj != Py_None) {
-        if (parse_imm(imm_obj, &wr.imm_data) < 0)
-            return NULL;
-        wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
-    }
     return post_numbered(self, &wr, "posting a write");
+}
+
+/* Several writes as one chain of work requests: one doorbell. Every one is
+ * checked before any is posted; numbered in order; 0 if the queue lacks room. */
+static PyObject *ep_post_writes(Endpoint *self, PyObject *arg)
+{
+    if (check_open(self))
+        return NULL;
+    PyObject *seq = PySequence_Fast(arg, "post_writes takes a list of (src, remote, offset, imm)");
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n < 1 || n > MAX_CHAIN) {
+        Py_DECREF(seq);
+        PyErr_Format(UsageError, "post_writes takes 1 to %d writes, not %zd", MAX_CHAIN, n);
+        return NULL;
+    }
+    struct ibv_sge sges[MAX_CHAIN];
+    struct ibv_send_wr wrs[MAX_CHAIN];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *src, *imm_obj;
+        unsigned long long raddr;
+        Py_ssize_t rlength, offset;
+        unsigned int rkey;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "O(KnI)nO;a write is (src, remote, offset, imm)",
+                              &src, &raddr, &rlength, &rkey, &offset, &imm_obj) ||
+            build_write(self, src, raddr, rlength, rkey, offset, imm_obj, &wrs[i], &sges[i]) < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        wrs[i].wr_id = self->sends_posted + 1 + (uint64_t)i;
+        wrs[i].next = i + 1 < n ? &wrs[i + 1] : NULL;
+    }
+    Py_DECREF(seq);
+    if (self->sends_posted - self->sends_completed + (uint64_t)n > (uint64_t)self->depth)
+        return PyLong_FromLong(0);
+    struct ibv_send_wr *bad = NULL;
+    int rc = ibv_post_send(self->qp, wrs, &bad);
+    if (rc) {
+        self->sends_posted += bad ? (uint64_t)(bad - wrs) : 0;   /* those before the bad one went */
+        return verbs_error("posting a chain of writes", rc);
+    }
+    uint64_t first = self->sends_posted + 1;
+    self->sends_posted += (uint64_t)n;
+    return PyLong_FromUnsignedLongLong(first);
 }
 
 static PyObject *ep_post_send_imm(Endpoint *self, PyObject *arg)
@@ -771,6 +829,9 @@ static PyMethodDef ep_methods[] = {
     {"local", (PyCFunction)ep_local, METH_NOARGS, "(qpn, psn, gid16, active_mtu_enum) of this side"},
     {"post_write", (PyCFunction)(void (*)(void))ep_post_write, METH_VARARGS | METH_KEYWORDS,
      "post_write(src, (addr, length, rkey), offset, imm=None) -> send number, 0 if the send queue is full"},
+    {"post_writes", (PyCFunction)ep_post_writes, METH_O,
+     "post_writes([(src, (addr, length, rkey), offset, imm), ...]) -> the first's send number (the others "
+     "follow), 0 if the send queue lacks room; one doorbell, at most MAX_CHAIN writes, all checked first"},
     {"post_send_imm", (PyCFunction)ep_post_send_imm, METH_O,
      "post_send_imm(imm) -> send number (0: queue full): a zero-length SEND carrying an immediate"},
     {"post_send", (PyCFunction)ep_post_send, METH_O, "post_send(src) -> send number (0: queue full): a SEND"},
@@ -854,6 +915,7 @@ PyMODINIT_FUNC PyInit__verbs_native(void)
     if (PyModule_AddObject(m, "Endpoint", (PyObject *)&EndpointType) < 0 ||
         PyModule_AddObject(m, "MemoryRegion", (PyObject *)&MemoryRegionType) < 0 ||
         PyModule_AddIntConstant(m, "RECV_BATCH", RECV_BATCH) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_CHAIN", MAX_CHAIN) < 0 ||
         PyModule_AddIntConstant(m, "ACCESS_LOCAL_WRITE", IBV_ACCESS_LOCAL_WRITE) < 0 ||
         PyModule_AddIntConstant(m, "ACCESS_REMOTE_WRITE", IBV_ACCESS_REMOTE_WRITE) < 0) {
         Py_DECREF(m);

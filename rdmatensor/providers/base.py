@@ -109,6 +109,11 @@ class Channel(ABC):
         deliver `imm`. Returns None once `src` may be reused, or (posted_writes)
         a handle to pass to wait() before reusing it."""
 
+    def write_many(self, writes: list) -> list:
+        """Several (region_id, offset, src, imm) writes, in order; their handles.
+        Default: one write() each. verbs posts them with one doorbell."""
+        return [self.write(*w) for w in writes]
+
     def wait(self, handle, timeout: float | None = None) -> None:
         """Block until the write behind `handle` no longer needs its source.
         Default: writes are complete when write() returns."""

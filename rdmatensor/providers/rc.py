@@ -16,6 +16,8 @@ The contract (both):
     register(buffer, access) -> mr (.rkey)      deregister(mr)
     params() -> RcParams                         connect(RcParams)
     post_write(src, RemoteRegion, offset, imm=None) -> send number, 0 if the send queue is full
+    post_writes([(src, RemoteRegion, offset, imm), ...]) -> the first's number, 0 without room
+                                                 (up to MAX_CHAIN writes, one doorbell, all checked first)
     post_send_imm(imm) -> send number            post_send(src) -> send number
     post_recv(count=1)                           post_recv_into(dst, recv_id)
     poll(max_entries=32, spin=0.0) -> [(wr_id, status, is_receive, imm, byte_len)]
@@ -42,6 +44,7 @@ REMOTE_WRITE = ACCESS_LOCAL_WRITE | ACCESS_REMOTE_WRITE
 LOCAL_ONLY = ACCESS_LOCAL_WRITE
 MAX_REGION = 4 << 30
 RECV_BATCH = 16            # consumed receives given back with one post (a chain of work requests)
+MAX_CHAIN = 32             # writes posted with one doorbell (post_writes)
 
 ENDPOINT_ENV = "RDMATENSOR_VERBS_ENDPOINT"
 ENDPOINTS = ("native", "pyverbs")

@@ -21,8 +21,8 @@ import time
 
 from ..devices import CONTEXT_LOCK, MTU_BYTES, MTU_ENUM
 from ..errors import DeviceError, TransportError, UsageError, VerbsError
-from .rc import (LOCAL_ONLY, MAX_REGION, RECV_BATCH, REMOTE_WRITE, EndpointHelpers, RcParams, RemoteRegion,
-                 find_port)
+from .rc import (LOCAL_ONLY, MAX_CHAIN, MAX_REGION, RECV_BATCH, REMOTE_WRITE, EndpointHelpers, RcParams,
+                 RemoteRegion, find_port)
 
 try:
     import pyverbs.enums as ev
@@ -206,19 +206,44 @@ class RcEndpoint(EndpointHelpers):
 
     def post_write(self, src, remote: RemoteRegion, remote_offset: int, imm: int | None = None) -> int:
         """RDMA WRITE (WITH IMM) of `src` into the remote region; the send's number."""
+        self._check_bounds(src, remote, remote_offset)
+        with self._post_lock:
+            return self._post_write(src, remote, remote_offset, imm)
+
+    def post_writes(self, writes) -> int:
+        """Several (src, remote, offset, imm) writes, every one checked before any
+        is posted; the first's number (the others follow), 0 if the queue lacks
+        room. pyverbs posts them one by one: the chain is the compiled endpoint's."""
+        if not 1 <= len(writes) <= MAX_CHAIN:
+            raise UsageError(f"post_writes takes 1 to {MAX_CHAIN} writes, not {len(writes)}")
+        for src, remote, offset, _ in writes:
+            self._check_bounds(src, remote, offset)
+            self._source_lkey(src.ctypes.data, src.nbytes)
+        with self._post_lock:
+            if self._sends_posted - self._sends_completed + len(writes) > self.depth:
+                return 0
+            first = self._sends_posted + 1
+            for w in writes:
+                self._post_write(*w)
+            return first
+
+    @staticmethod
+    def _check_bounds(src, remote: RemoteRegion, remote_offset: int) -> None:
         length = src.nbytes
         if remote_offset < 0 or remote_offset + length > remote.length:
             raise TransportError(f"write of {length} bytes at offset {remote_offset} is outside "
                                  f"the {remote.length}-byte remote region")
-        with self._post_lock:
-            sge, wr = self._write_sge, self._write_wr
-            addr = src.ctypes.data
-            sge.addr, sge.length, sge.lkey = addr, length, self._source_lkey(addr, length)
-            wr.sg_list = sge
-            wr.opcode = ev.IBV_WR_RDMA_WRITE if imm is None else ev.IBV_WR_RDMA_WRITE_WITH_IMM
-            wr.imm_data = imm or 0
-            wr.set_wr_rdma(remote.rkey, remote.addr + remote_offset)
-            return self._post_numbered(wr, f"posting a {length}-byte write")
+
+    def _post_write(self, src, remote: RemoteRegion, remote_offset: int, imm: int | None) -> int:
+        length = src.nbytes
+        sge, wr = self._write_sge, self._write_wr
+        addr = src.ctypes.data
+        sge.addr, sge.length, sge.lkey = addr, length, self._source_lkey(addr, length)
+        wr.sg_list = sge
+        wr.opcode = ev.IBV_WR_RDMA_WRITE if imm is None else ev.IBV_WR_RDMA_WRITE_WITH_IMM
+        wr.imm_data = imm or 0
+        wr.set_wr_rdma(remote.rkey, remote.addr + remote_offset)
+        return self._post_numbered(wr, f"posting a {length}-byte write")
 
     def post_send_imm(self, imm: int) -> int:
         """A one-byte SEND carrying only an immediate (consumes one posted receive)."""

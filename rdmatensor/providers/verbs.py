@@ -27,7 +27,7 @@ from ..errors import PeerLost, ProviderUnavailable, TransportError
 from ..memory import Arena
 from .base import Capabilities, Channel
 from ..devices import MTU_ENUM
-from .rc import LOCAL_ONLY, RECV_BATCH, REMOTE_WRITE, RcParams, RemoteRegion, endpoint_class
+from .rc import LOCAL_ONLY, MAX_CHAIN, RECV_BATCH, REMOTE_WRITE, RcParams, RemoteRegion, endpoint_class
 
 SEND_DEPTH = 256
 SPIN_SECONDS = 0.002       # a waiter polls the CQ itself this long before it sleeps
@@ -145,6 +145,26 @@ class VerbsChannel(Channel):
             if exc.peer is None:      # the endpoint refused it (bounds, source): say to whom
                 raise type(exc)(f"write to peer {self.peer}'s region {region_id}: {exc}", peer=self.peer) from exc
             raise
+
+    def write_many(self, writes: list) -> list[int]:
+        """Post the writes as chains of up to MAX_CHAIN work requests (one
+        doorbell each); their numbers. A chain is checked whole before it goes."""
+        numbers = []
+        for i in range(0, len(writes), MAX_CHAIN):
+            chain = []
+            for region_id, offset, src, imm in writes[i:i + MAX_CHAIN]:
+                remote = self._regions.get(region_id)
+                if remote is None:
+                    self.check_remote(region_id, offset, src.nbytes)     # raises, naming the region
+                chain.append((src, remote, offset, imm))
+            try:
+                first = self._post(self.ep.post_writes, chain)
+            except TransportError as exc:
+                if exc.peer is None:
+                    raise type(exc)(f"writes to peer {self.peer}: {exc}", peer=self.peer) from exc
+                raise
+            numbers += range(first, first + len(chain))
+        return numbers
 
     def notify(self, imm: int) -> None:
         self._post(self.ep.post_send_imm, imm)

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rdmatensor import PeerLost, Plan, TensorSpec, TransportError, connect
-from rdmatensor.providers.rc import ENDPOINT_ENV, LOCAL_ONLY, REMOTE_WRITE, endpoint_class
+from rdmatensor import PeerLost, Plan, TensorSpec, TransportError, UsageError, connect
+from rdmatensor.providers.rc import ENDPOINT_ENV, LOCAL_ONLY, MAX_CHAIN, REMOTE_WRITE, endpoint_class
 from rdmatensor.providers.rc_endpoint import RcEndpoint
 from rdmatensor.providers.rc_native import NativeEndpoint
 
@@ -131,6 +131,37 @@ def test_native_refuses_a_bad_write_before_posting_it(pair):
     assert a.post_write(src[:96], region, 4000, imm=2) == 1    # the last bytes in bounds do go
     completions(a, b, want=2)
     assert (canary[4000:4096] == 1).all() and (canary[4096:] == 0xAB).all()
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_chain_of_writes_lands_whole_in_order_or_not_at_all(rdma_port, kind):
+    a, b = connected(kind, "native")
+    try:
+        src = np.arange(4096, dtype=np.uint8)
+        canary = np.full(8192, 0xAB, np.uint8)
+        a.register(src, LOCAL_ONLY)
+        region = b.remote_region(canary, b.register(canary, REMOTE_WRITE))._replace(length=4096)
+        writes = [(src[i * 100:(i + 1) * 100], region, i * 128, 100 + i) for i in range(MAX_CHAIN)]
+        bad = writes[:5] + [(src[:100], region, 4000, 99)] + writes[5:8]          # the sixth is out of bounds
+        with pytest.raises(TransportError, match="outside the 4096-byte remote region"):
+            a.post_writes(bad)
+        with pytest.raises(UsageError, match="1 to 32 writes"):
+            a.post_writes(writes + writes[:1])
+        assert a.in_flight == 0
+        time.sleep(0.2)
+        assert not a.poll(16) and not b.poll(16) and (canary == 0xAB).all()       # none of the chain went
+        assert a.post_writes(writes) == 1                                         # numbers 1..32
+        done = completions(a, b, want=2 * MAX_CHAIN)
+        assert [c[1] for c in done if c[0] == 0] == list(range(1, MAX_CHAIN + 1))  # in order, each numbered
+        assert [c[4] for c in done if c[0] == 1] == [100 + i for i in range(MAX_CHAIN)]
+        for i in range(MAX_CHAIN):
+            assert np.array_equal(canary[i * 128:i * 128 + 100], src[i * 100:(i + 1) * 100])
+        assert (canary[4096:] == 0xAB).all()
+        assert a.post_writes(writes[:3]) == MAX_CHAIN + 1                         # numbering goes on
+        completions(a, b, want=6)
+    finally:
+        a.close()
+        b.close()
 
 
 def test_native_write_the_peer_refuses_fails_with_its_status_named(pair):

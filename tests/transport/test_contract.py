@@ -96,6 +96,70 @@ def test_a_thousand_small_tensors_for_100_steps(provider):
     assert res[0]["writes"] == n + (steps - 1) * len(range(0, n, 97))
 
 
+def test_send_many_delivers_every_tensor_in_order_with_repeats_and_copies(provider):
+    """100 buffer-filled tensors (batched: on verbs, chains of 32 writes), one
+    repeated (its credit must come back mid-batch), one from the user's own
+    array and a dynamic one (both go alone), and three of 2 MiB (more than a
+    socket takes at once), for 5 steps."""
+    n, steps = 100, 5
+    shapes = {f"w{i}": (4,) if i < n - 3 else (1 << 19,) for i in range(n)}
+    plan = Plan([TensorSpec(name, shape, np.float32, 0, 1) for name, shape in shapes.items()]
+                + [TensorSpec("own", (8,), np.int64, 0, 1), TensorSpec("dyn", (None,), np.uint8, 0, 1)])
+
+    def order(step):
+        """(name, the value it carries) in the order sent."""
+        ws = [(f"w{i}", np.full(shapes[f"w{i}"], step * 1000 + i, np.float32)) for i in range(n)]
+        return (ws[:50] + [("own", np.full(8, step, np.int64)), ("dyn", np.full(step + 1, step, np.uint8))]
+                + ws[50:] + [ws[0]])
+
+    def body(s, r):
+        if r == 0:
+            for step in range(steps):
+                items = []
+                for name, value in order(step):
+                    if name.startswith("w"):
+                        b = s.buffer(name)
+                        b[:] = value
+                        value = b
+                    items.append((name, value))
+                s.send_many(items)      # w0 twice: waits for the receiver to take the first
+            return s.stats()
+        wrong = []
+        for step in range(steps):
+            for name, value in order(step):
+                with s.recv(name) as v:
+                    if not np.array_equal(v, value):
+                        wrong.append((step, name))
+        return wrong
+
+    res = check(run_ranks(2, plan, provider, body))
+    assert res[1] == []
+    assert res[0]["writes"] == steps * (n + 3)
+
+
+def test_send_many_refuses_bad_input_naming_the_tensor_and_loses_no_credit(provider):
+    plan = Plan([TensorSpec("a", (4,), np.float32, 0, 1), TensorSpec("b", (4,), np.float32, 0, 1)])
+
+    def body(s, r):
+        if r == 0:
+            a = s.buffer("a")
+            a[:] = 1
+            with pytest.raises(TensorMismatch, match="'b'"):
+                s.send_many([("a", a), ("b", np.zeros(5, np.float32))])
+            with pytest.raises(UnknownTensor, match="'c'"):
+                s.send_many([("a", a), ("c", a)])
+            a[:] = 2
+            s.send_many([("a", a), ("b", np.full(4, 3, np.float32))])     # the credits are still here
+            return True
+        with s.recv("a") as v:
+            first = v.tolist()
+        with s.recv("b") as v:
+            return first, v.tolist()
+
+    res = check(run_ranks(2, plan, provider, body))
+    assert res[1] == ([2.0] * 4, [3.0] * 4)
+
+
 @pytest.mark.parametrize("provider", SCALE_PROVIDERS)
 def test_many_to_one_and_ring_with_three_ranks(provider):
     specs = [TensorSpec("g1", (256,), np.float64, 1, 0), TensorSpec("g2", (256,), np.float64, 2, 0),

@@ -13,6 +13,7 @@ def test_the_compiled_endpoint_is_built_and_imports():
     assert rc_native.BUILD_ERROR is None, f"run make setup: {rc_native.BUILD_ERROR}"
     assert issubclass(rc_native.NativeEndpoint, rc_native._verbs_native.Endpoint)
     assert rc_native._verbs_native.status_name(12) == "IBV_WC_RETRY_EXC_ERR"
+    assert (rc_native._verbs_native.MAX_CHAIN, rc_native._verbs_native.RECV_BATCH) == (rc.MAX_CHAIN, rc.RECV_BATCH)
 
 
 def test_opening_a_device_that_is_not_there_is_a_device_error():
