@@ -431,8 +431,8 @@ static MemoryRegion *find_source(Endpoint *self, uint64_t addr, uint64_t len)
             return mr;
         }
     }
-    PyErr_Format(TransportError, "verbs sends only from registered staging memory: [%#llx, +%llu) is in no "
-                 "local-only region of this endpoint", (unsigned long long)addr, (unsigned long long)len);
+    PyErr_Format(TransportError, "verbs sends only from registered staging memory: [%p, +%llu) is in no "
+                 "local-only region of this endpoint", (void *)(uintptr_t)addr, (unsigned long long)len);
     return NULL;
 }
 

@@ -107,6 +107,8 @@ class VerbsRpcChannel(VerbsChannel):
         self.on_imm(request.imm)
 
     # -- sending ----------------------------------------------------------
+    write_many = Channel.write_many       # one RPC per write, as such libraries send them
+
     def write(self, region_id: int, offset: int, src: np.ndarray, imm: int) -> None:
         desc = self.check_remote(region_id, offset, src.nbytes)
         message = pb.PushRequest(rank=self.rank, region_id=region_id, key=desc["key"], offset=offset,
