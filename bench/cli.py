@@ -109,8 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checksum", choices=("off", "on", "both"), default="off",
                    help="CRC32 on every tensor; `both` measures each point with and without")
     p.add_argument("--send-many", choices=("off", "on", "both"), default="off",
-                   help="step mode: send a step's tensors with one send_many() call (verbs: up to 32 "
-                        "writes per doorbell); `both` measures each point with and without")
+                   help="step and bw modes: send a step's tensors (bw: a window's) with one send_many() "
+                        "call (verbs: up to 32 writes per doorbell); `both` measures each point with and without")
     p.add_argument("--json", metavar="FILE", help="write results as JSON (schema in the README)")
     p.add_argument("--plot", metavar="FILE.png", help="bandwidth and latency against size")
     p.add_argument("--rank", type=int, choices=(0, 1), help="server/client mode: this side's rank")
@@ -129,11 +129,12 @@ def points_for(a, providers: list[str]) -> list[Point]:
     pts = []
     if a.mode in ("all", "lat"):
         pts += [Point("lat", pr, s, checksum=c, **common) for s in lat_sizes for pr in providers for c in crcs]
+    manys = {"off": (False,), "on": (True,), "both": (False, True)}[a.send_many]
     if a.mode in ("all", "bw"):
-        pts += [Point("bw", pr, s, checksum=c, **common) for s in bw_sizes for pr in providers for c in crcs]
+        pts += [Point("bw", pr, s, checksum=c, send_many=m, **common)
+                for s in bw_sizes for pr in providers for c in crcs for m in manys]
     if a.mode == "step":
         tensors = model_grads.tensor_sizes(a.model) if a.model else a.step_tensors
-        manys = {"off": (False,), "on": (True,), "both": (False, True)}[a.send_many]
         pts += [Point("step", pr, sum(tensors), tensors=tensors, checksum=c, model=a.model or "", send_many=m,
                       **common) for pr in providers for c in crcs for m in manys]
     if a.mode == "paper":
@@ -333,9 +334,10 @@ def evaluate_targets(rows: list[dict], setup_rows: list[dict]) -> list[dict]:
     def check(target, ok, measured):
         out.append({"target": target, "met": bool(ok), "measured": measured})
 
-    # verbs against perftest on the same device (each RC endpoint's rows, when measured side by side)
-    for name in sorted({r["provider"] for r in rows if r["provider"] == "verbs" or
-                        (r["provider"].startswith("verbs/") and "+" not in r["provider"])}):
+    # verbs against perftest on the same device (each RC endpoint's rows, when measured side by
+    # side; with --send-many, the batched rows too)
+    for name in sorted({r["provider"] for r in rows if r["provider"].split("+")[0].split("/")[0] == "verbs"
+                        and "+crc" not in r["provider"]}):
         for size, label in ((64 << 10, "64 KiB"), (1 << 20, "1 MiB"), (4 << 20, "4 MiB")):
             r = row("bw", name, size)
             if r and r.get("ratio_to_reference"):

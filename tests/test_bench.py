@@ -63,6 +63,18 @@ def test_step_mode_moves_a_whole_step():
     assert "step  tcp" in res.stdout
 
 
+def test_send_many_is_measured_beside_send_in_step_and_bw_modes(tmp_path):
+    out = tmp_path / "m.json"
+    res = bench("bw", "--providers", "tcp", "--sizes", "64K", "--seconds", "0.1", "--send-many", "both",
+                "--no-references", "--json", str(out))
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["provider"] for r in rows] == ["tcp", "tcp+many"] and all(r["mb_per_s"] > 0 for r in rows)
+    res = bench("step", "--providers", "shm", "--step-tensors", "40x4K", "--seconds", "0.1", "--send-many", "on")
+    assert res.returncode == 0, res.stderr
+    assert "step  shm+many" in res.stdout
+
+
 def test_targets_are_judged_from_the_rows():
     rows = [
         {"mode": "bw", "provider": "tcp", "size": 64 << 20, "mb_per_s": 900.0, "ratio_to_reference": 0.9,
@@ -87,7 +99,7 @@ def test_verbs_targets_are_judged_per_endpoint():
     def bw(provider, size, ratio):
         return {"mode": "bw", "provider": provider, "size": size, "mb_per_s": 50.0, "ratio_to_reference": ratio}
     rows = [bw("verbs/native", 64 << 10, 0.97), bw("verbs/native", 1 << 20, 0.94), bw("verbs/pyverbs", 4 << 20, 0.5),
-            bw("verbs/native+crc", 4 << 20, 0.2),
+            bw("verbs/native+crc", 4 << 20, 0.2), bw("verbs+many", 1 << 20, 1.1),
             {"mode": "lat", "provider": "verbs/native", "size": 8, "lat_us": {"median": 60.0},
              "ratio_to_reference": 4.4},
             {"mode": "lat", "provider": "verbs/pyverbs", "size": 8, "lat_us": {"median": 900.0},
@@ -97,7 +109,8 @@ def test_verbs_targets_are_judged_per_endpoint():
                    "verbs/native bw >= 0.95x ib_write_bw at 1 MiB": False,
                    "verbs/native 8 B half round trip <= 5x ib_write_lat": True,
                    "verbs/pyverbs bw >= 0.95x ib_write_bw at 4 MiB": False,
-                   "verbs/pyverbs 8 B half round trip <= 5x ib_write_lat": False}
+                   "verbs/pyverbs 8 B half round trip <= 5x ib_write_lat": False,
+                   "verbs+many bw >= 0.95x ib_write_bw at 1 MiB": True}
 
 
 def test_verbs_endpoints_are_measured_side_by_side():
