@@ -284,10 +284,8 @@ class Collectives:
         prefix = f"s{ts.index}"
         with self._lock, self.meter.comm():
             if self.rank == root:
-                for j, a in enumerate(arrays):
-                    for dst in range(self.size):
-                        if dst != root and a.size:
-                            self.session.send(f"{prefix}/b{j}/r{dst}", _contiguous(a))
+                self.session.send_many([(f"{prefix}/b{j}/r{dst}", _contiguous(a)) for j, a in enumerate(arrays)
+                                        for dst in range(self.size) if dst != root and a.size])
                 return list(arrays)
             out = []
             for j, a in enumerate(arrays):
@@ -309,10 +307,8 @@ class Collectives:
         (ts,) = self.ensure([("allgather", "", names, arrays)])
         prefix = f"s{ts.index}"
         with self._lock, self.meter.comm():
-            for j, a in enumerate(arrays):
-                for dst in range(self.size):
-                    if dst != self.rank:
-                        self.session.send(f"{prefix}/g{j}/r{self.rank}/r{dst}", _contiguous(a))
+            self.session.send_many([(f"{prefix}/g{j}/r{self.rank}/r{dst}", _contiguous(a))
+                                    for j, a in enumerate(arrays) for dst in range(self.size) if dst != self.rank])
             out = []
             for j, a in enumerate(arrays):
                 with contextlib.ExitStack() as held:

@@ -44,12 +44,14 @@ class PSWorker:
 
     def push(self, grads) -> None:
         with self.meter.comm():
+            items = []
             for v, g in zip(self.analysis.variables, grads, strict=True):
                 if v.sparse:
-                    self.session.send(grad_name(self.rank, v.key, "values"), _host(g.values))
-                    self.session.send(grad_name(self.rank, v.key, "indices"), _host(g.indices))
+                    items += [(grad_name(self.rank, v.key, "values"), _host(g.values)),
+                              (grad_name(self.rank, v.key, "indices"), _host(g.indices))]
                 else:
-                    self.session.send(grad_name(self.rank, v.key), _host(g))
+                    items.append((grad_name(self.rank, v.key), _host(g)))
+            self.session.send_many(items)
 
     def train_step(self, x, y) -> float:
         weights = self.pull()
@@ -91,9 +93,8 @@ class ParameterServer:
     def push(self) -> None:
         values = [_host(t) for t in self._read()]
         with self.meter.comm():
-            for w in range(self.analysis.workers):
-                for v, value in zip(self.infos, values, strict=True):
-                    self.session.send(param_name(w, v.key), value)
+            self.session.send_many([(param_name(w, v.key), value) for w in range(self.analysis.workers)
+                                    for v, value in zip(self.infos, values, strict=True)])
 
     def pull(self) -> list:
         names = []

@@ -138,8 +138,7 @@ class RingAllReduce:
         left = (r - 1) % n
         outgoing = {i: flats[i][bounds[i][ring_chunk("rs", 0, r, n)]] for i in live}
         for step in range(n - 1):                                   # reduce-scatter
-            for i in live:
-                s.send(ring_name(keys[i], "rs", step, r), outgoing[i])
+            s.send_many([(ring_name(keys[i], "rs", step, r), outgoing[i]) for i in live])
             c = ring_chunk("rs", step, r, n, receiving=True)        # the last step: chunk r + 1, complete
             for i in live:
                 last = step == n - 2
@@ -155,8 +154,7 @@ class RingAllReduce:
                         np.add(flats[i][bounds[i][c]], chunk, out=dst)
                 outgoing[i] = dst
         for step in range(n - 1):                                   # all-gather
-            for i in live:
-                s.send(ring_name(keys[i], "ag", step, r), outgoing[i])
+            s.send_many([(ring_name(keys[i], "ag", step, r), outgoing[i]) for i in live])
             c = ring_chunk("ag", step, r, n, receiving=True)
             for i in live:
                 dst = outs[i][bounds[i][c]]

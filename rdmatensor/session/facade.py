@@ -102,9 +102,9 @@ class Session:
     def send_many(self, items, timeout: float | None = None) -> None:
         """send() each (name, array) of `items`, in order; a bad item (unknown
         name, wrong dtype or shape) refuses the call before anything is sent.
-        Tensors filled in their buffer() go out together: on verbs, up to 32 writes per doorbell
-        (one chain of work requests); a batch is posted before waiting for a
-        credit, so a tensor may appear more than once."""
+        Static tensors go out together: on verbs, up to 32 writes per doorbell
+        (one chain of work requests), on tcp in one sendmsg. A batch is posted
+        before waiting for a credit, so a tensor may appear more than once."""
         self._sender.send_many(items, timeout)
 
     def recv(self, name: str, timeout: float | None = None) -> Received:

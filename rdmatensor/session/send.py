@@ -92,47 +92,54 @@ class Sender:
 
     def send_many(self, items, timeout: float | None = None) -> None:
         """send() of each (name, array), in order (any bad one refuses the call
-        before anything goes). Tensors filled in place
-        (buffer(), no header) are queued and written together, per peer, with
-        write_many(); the queue is written before anything that must wait or
-        go alone, so no credit is ever waited for while it holds writes."""
+        before anything goes). Static tensors without a checksum are queued, each
+        from its source (staging it was filled in, a copy there, or the array
+        itself where the provider writes from any memory), and written together
+        per peer with write_many(); the queue is written before anything that
+        must wait or go alone, so no credit is waited for while it holds writes."""
         slots = []
         for name, array in items:                  # bad input refuses the whole call: nothing goes
             st = self.credits.send.get(name)
             if st is None or not isinstance(array, np.ndarray) or not st.spec.matches(array):
                 self._refuse(name, array)
             slots.append((st, name, array))
-        queued: dict[int, SendSlot] = {}           # id -> slot whose credit is taken, in order
+        plan = self.ctx.plan
+        queued: dict[int, tuple[SendSlot, np.ndarray]] = {}     # id(slot) -> (slot, source), in order
         try:
             for st, name, array in slots:
-                if not (array is st.view and st.raw):
+                if not (wire.is_raw(st.spec, plan) and st.spec.nbytes):
                     self._write_queued(queued)
                     self.send(name, array, timeout)
                     continue
                 if not st.credit.is_set() or id(st) in queued:
                     self._write_queued(queued)     # the receiver may need them to give this credit back
                 self.credits.take(st, timeout)
-                queued[id(st)] = st
+                try:
+                    src = st.staging_bytes if array is st.view else self._source(st, array)
+                except BaseException:
+                    self.credits.keep(st)
+                    raise
+                queued[id(st)] = (st, src)
             self._write_queued(queued)
         finally:
-            for st in queued.values():             # taken but not written (an error on the way)
+            for st, _ in queued.values():          # taken but not written (an error on the way)
                 self.credits.keep(st)
 
-    def _write_queued(self, queued: dict[int, SendSlot]) -> None:
-        """Write every queued slot's staging, one write_many() per peer; a slot
+    def _write_queued(self, queued: dict) -> None:
+        """Write every queued (slot, source), one write_many() per peer; a slot
         leaves `queued` once its write is posted."""
-        by_peer: dict[int, list[SendSlot]] = {}
-        for st in queued.values():
-            by_peer.setdefault(st.peer, []).append(st)
-        for peer, slots in by_peer.items():
-            for st in slots:                       # counted before the write, as send() does
+        by_peer: dict[int, list] = {}
+        for st, src in queued.values():
+            by_peer.setdefault(st.peer, []).append((st, src))
+        for peer, pairs in by_peer.items():
+            for st, _ in pairs:                    # counted before the write, as send() does
                 st.writes += 1
                 st.bytes_sent += st.spec.nbytes
             try:
                 handles = self.ctx.channels[peer].write_many(
-                    [(st.region, st.offset, st.staging_bytes, st.imm) for st in slots])
+                    [(st.region, st.offset, src, st.imm) for st, src in pairs])
             except BaseException as exc:
-                for st in slots:
+                for st, _ in pairs:
                     st.writes -= 1
                     st.bytes_sent -= st.spec.nbytes
                 if isinstance(exc, PeerLost):
@@ -140,7 +147,7 @@ class Sender:
                     self.live.check()
                     self.live.check(peer)
                 raise
-            for st, handle in zip(slots, handles, strict=True):
+            for (st, _), handle in zip(pairs, handles, strict=True):
                 st.pending = handle
                 del queued[id(st)]
 
