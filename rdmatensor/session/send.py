@@ -21,6 +21,9 @@ from .growth import Growth
 from .liveness import Liveness
 
 
+BATCH = 32      # send_many() posts its queue once it holds this many writes (one chain on verbs)
+
+
 def _shape_str(shape) -> str:
     return "(" + ", ".join("?" if d is None else str(d) for d in shape) + ")"
 
@@ -95,7 +98,8 @@ class Sender:
         before anything goes). Static tensors without a checksum are queued, each
         from its source (staging it was filled in, a copy there, or the array
         itself where the provider writes from any memory), and written together
-        per peer with write_many(); the queue is written before anything that
+        per peer with write_many(), as soon as BATCH are queued (so the receiver
+        starts on them while the rest are prepared) and before anything that
         must wait or go alone, so no credit is waited for while it holds writes."""
         slots = []
         for name, array in items:                  # bad input refuses the whole call: nothing goes
@@ -120,6 +124,8 @@ class Sender:
                     self.credits.keep(st)
                     raise
                 queued[id(st)] = (st, src)
+                if len(queued) >= BATCH:           # a full chain goes now: the receiver starts on it
+                    self._write_queued(queued)
             self._write_queued(queued)
         finally:
             for st, _ in queued.values():          # taken but not written (an error on the way)
