@@ -74,8 +74,9 @@ def test_writes_and_receives_leak_nothing(rdma_port):
           f"fds {snap0['fds']}->{snap1['fds']}, threads {snap0['threads']}->{snap1['threads']}, "
           f"kernel objects {kernel0} -> {kernel1}")
     assert kernel1 == kernel0, f"QPs, MRs, CQs or PDs changed over the soak: {kernel0} -> {kernel1}"
-    # A work request built per write and receive leaked 128 B each: 300 KiB here.
-    assert heap1 - heap0 < 64 * 1024, f"malloc grew {heap1 - heap0} B over {writes} writes"
+    # A work request built per write and receive leaked 128 B each: 300 KiB here. One-off
+    # allocations of the interpreter and libraries measured 10-66 KiB over such runs.
+    assert heap1 - heap0 < 128 * 1024, f"malloc grew {heap1 - heap0} B over {writes} writes"
     assert snap1["fds"] <= snap0["fds"] and snap1["threads"] <= snap0["threads"], (snap0, snap1)
     assert rss1 - rss0 < 8 << 20, f"RSS grew {rss1 - rss0} B"
 
