@@ -123,6 +123,7 @@ def test_send_many_delivers_every_tensor_in_order_with_repeats_and_copies(provid
                         value = b
                     items.append((name, value))
                 s.send_many(items)      # w0 twice: waits for the receiver to take the first
+            s.barrier("received")       # no close while 2 MiB are in flight (a close race of its own)
             return s.stats()
         wrong = []
         for step in range(steps):
@@ -130,6 +131,7 @@ def test_send_many_delivers_every_tensor_in_order_with_repeats_and_copies(provid
                 with s.recv(name) as v:
                     if not np.array_equal(v, value):
                         wrong.append((step, name))
+        s.barrier("received")
         return wrong
 
     res = check(run_ranks(2, plan, provider, body))
