@@ -6,7 +6,7 @@
         with session.recv("grad/w") as view: ...      # on rank 0: read-only, zero-copy
 """
 from .control.service import TlsConfig
-from .errors import (AuthenticationError, BadRequest, CreditViolation, IntegrityError, PeerLost, PlanError,
+from .errors import (AuthenticationError, BadRequest, CallMismatch, CreditViolation, IntegrityError, PeerLost, PlanError,
                      PlanMismatch, ProviderUnavailable, RdmaTensorError, RecvTimeout, RefusedWrite, RemoteError,
                      SendTimeout, TensorMismatch, Timeout, TransportError, UnknownTensor, UsageError)
 from .plan import Plan, TensorSpec
@@ -14,7 +14,7 @@ from .session import Received, Session, connect
 
 __version__ = "0.1.0"
 __all__ = ["Plan", "TensorSpec", "connect", "Session", "Received", "TlsConfig", "RdmaTensorError",
-           "PlanError", "PlanMismatch", "TensorMismatch", "UnknownTensor", "AuthenticationError",
+           "PlanError", "PlanMismatch", "CallMismatch", "TensorMismatch", "UnknownTensor", "AuthenticationError",
            "PeerLost", "TransportError", "RemoteError", "RefusedWrite", "IntegrityError", "CreditViolation",
            "BadRequest", "UsageError", "Timeout", "SendTimeout", "RecvTimeout", "ProviderUnavailable",
            "__version__"]

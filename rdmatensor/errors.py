@@ -45,6 +45,15 @@ class PlanMismatch(RdmaTensorError):
     """Two ranks set up with different plans (or providers); the message names the first difference."""
 
 
+class CallMismatch(PlanMismatch):
+    """A value arrived tagged for another call than the one receiving it
+    (`got`, `expected`); it was discarded, never handed over."""
+
+    def __init__(self, message: str, *, got: int | None = None, expected: int | None = None, **kwargs):
+        super().__init__(message, **kwargs)
+        self.got, self.expected = got, expected
+
+
 class TensorMismatch(RdmaTensorError):
     """An array's dtype or shape does not match its tensor spec."""
 

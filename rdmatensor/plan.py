@@ -19,6 +19,8 @@ import numpy as np
 
 from .errors import PlanError
 
+MAX_SLOTS = 1 << 18     # per ordered pair of ranks: the slot-index bits of an immediate (providers/base.py)
+
 ALIGN = 64                    # every slot starts on a cache line
 MAX_ARENA_BYTES = 4 << 30     # one registered region at most
 DEFAULT_DYNAMIC_CAPACITY = 4096
@@ -156,6 +158,9 @@ class Plan:
              "max_arena_bytes": max_arena_bytes, "checksum": self.checksum}, sort_keys=True).encode()).hexdigest()
 
     def _layout(self, src: int, dst: int, specs: list[TensorSpec]) -> PairLayout:
+        if len(specs) > MAX_SLOTS:
+            raise PlanError(f"rank {src} sends rank {dst} {len(specs)} tensors: an immediate numbers at most "
+                            f"{MAX_SLOTS} slots per pair of ranks")
         slots, sizes = [], [0]
         for index, spec in enumerate(specs):
             payload = spec.nbytes if spec.is_static else (spec.capacity or DEFAULT_DYNAMIC_CAPACITY)

@@ -29,6 +29,7 @@ import numpy as np
 
 from ..errors import PeerLost, RefusedWrite, TransportError
 from ..memory import Arena
+from ..plan import MAX_SLOTS
 
 
 @dataclass(frozen=True)
@@ -180,17 +181,23 @@ class Channel(ABC):
 
 _EMPTY = np.zeros(0, dtype=np.uint8)
 
-# Immediates: 2 bits of kind, 30 bits of slot index.
+# Immediates: 2 bits of kind, 12 bits of tag, 18 bits of slot index. The tag
+# is the sender's label for the write (a DATA immediate's: which call it
+# belongs to, see Session.send), so a receiver can tell one call's value from
+# another's with no extra byte on the wire.
 IMM_DATA, IMM_CREDIT = 0, 1
-MAX_SLOTS = 1 << 30
+INDEX_BITS = MAX_SLOTS.bit_length() - 1
+TAG_BITS = 30 - INDEX_BITS
+MAX_TAG = (1 << TAG_BITS) - 1
 
 
-def make_imm(kind: int, index: int) -> int:
-    return (kind << 30) | index
+def make_imm(kind: int, index: int, tag: int = 0) -> int:
+    return (kind << 30) | (tag << INDEX_BITS) | index
 
 
-def split_imm(imm: int) -> tuple[int, int]:
-    return imm >> 30, imm & (MAX_SLOTS - 1)
+def split_imm(imm: int) -> tuple[int, int, int]:
+    """(kind, tag, slot index)."""
+    return imm >> 30, (imm >> INDEX_BITS) & MAX_TAG, imm & (MAX_SLOTS - 1)
 
 
 # The header of an emulated write on a stream (tcp payload follows it; shm has

@@ -17,7 +17,7 @@ import numpy as np
 from ..errors import CreditViolation, RdmaTensorError, RemoteError, SendTimeout
 from ..memory import Arena
 from ..plan import Slot
-from ..providers.base import IMM_CREDIT, IMM_DATA, MAX_SLOTS, make_imm
+from ..providers.base import IMM_CREDIT, IMM_DATA, INDEX_BITS, MAX_SLOTS, MAX_TAG, make_imm
 from .context import SessionContext
 from .flag import Flag
 from .liveness import Liveness
@@ -61,17 +61,19 @@ class RecvSlot:
         self.view: np.ndarray | None = None          # the read-only tensor in memory, where it never moves
         self.grown: tuple[int, Arena] | None = None  # (region id, arena) once grown
         self.state = self.EMPTY
+        self.tag = 0                                 # the sender's tag of the value in the slot
         self.arrived = Flag()                        # set while FULL, or for good once woken
         self.credit_imm = make_imm(IMM_CREDIT, slot.index)
         self.recvs = self.bytes_received = 0
         self._woken = False
         self._lock = threading.Lock()
 
-    def arrive(self) -> None:
+    def arrive(self, tag: int = 0) -> None:
         with self._lock:
             if self.state != self.EMPTY:
                 raise CreditViolation(f"rank {self.peer} wrote {self.name!r} without a credit",
                                       peer=self.peer, tensor=self.name)
+            self.tag = tag
             self.state = self.FULL
             self.arrived.set()
 
@@ -141,7 +143,7 @@ class Credits:
             if kind > IMM_CREDIT or index >= len(slots):
                 raise CreditViolation(f"rank {peer} sent immediate {imm:#x} for no slot", peer=peer)
             if kind == IMM_DATA:
-                slots[index].arrive()
+                slots[index].arrive((imm >> INDEX_BITS) & MAX_TAG)
             else:
                 slots[index].credit.set()
         except RemoteError as exc:

@@ -92,27 +92,38 @@ class Session:
         handed out only once the previous write from it completed."""
         return self._sender.buffer(name)
 
-    def send(self, name: str, array, timeout: float | None = None) -> None:
+    def send(self, name: str, array, timeout: float | None = None, tag: int = 0) -> None:
         """Write `array` into the receiver's slot for `name` (one one-sided write).
 
         Waits while the receiver still holds the previous value of this tensor
-        (SendTimeout after `timeout`, default the session's)."""
-        self._sender.send(name, array, timeout)
+        (SendTimeout after `timeout`, default the session's). `tag` (0..4095)
+        travels in the write's immediate: the receiver sees it on the value
+        (Received.tag) and recv(tag=) hands over only a value that carries it."""
+        self._sender.send(name, array, timeout, tag)
 
-    def send_many(self, items, timeout: float | None = None) -> None:
+    def send_many(self, items, timeout: float | None = None, tag: int = 0) -> None:
         """send() each (name, array) of `items`, in order; a bad item (unknown
         name, wrong dtype or shape) refuses the call before anything is sent.
         Static tensors go out together: on verbs, up to 32 writes per doorbell
         (one chain of work requests), on tcp in one sendmsg. A batch is posted
-        before waiting for a credit, so a tensor may appear more than once."""
-        self._sender.send_many(items, timeout)
+        before waiting for a credit, so a tensor may appear more than once.
+        Every write carries `tag`, as in send()."""
+        self._sender.send_many(items, timeout, tag)
 
-    def recv(self, name: str, timeout: float | None = None) -> Received:
+    def recv(self, name: str, timeout: float | None = None, tag: int | None = None) -> Received:
         """Wait for `name` and return it as a read-only view of the receive arena.
 
         Use `with session.recv(name) as array:`; the slot goes back to the
-        sender when the block ends (or on `release()`)."""
-        return self._receiver.recv(name, timeout)
+        sender when the block ends (or on `release()`). With `tag`, a value
+        the sender wrote with another tag is discarded (its slot given back)
+        and CallMismatch raised: one call never takes another call's value."""
+        return self._receiver.recv(name, timeout, tag)
+
+    def wait_released(self, names, timeout: float | None = None) -> None:
+        """Wait until the receiver of each tensor this rank sends in `names` has
+        released its last value (its credit is back): the value was taken.
+        SendTimeout after `timeout` (default the session's)."""
+        self._sender.wait_released(names, timeout)
 
     def barrier(self, name: str = "barrier", timeout: float | None = None) -> None:
         """Wait until every rank of the plan reached the barrier of this name."""
@@ -128,9 +139,13 @@ class Session:
         """Names of the tensors whose value arrived here and has not been taken
         by recv() (what peers already sent: a watchdog's view of the session).
         Completions a provider keeps until asked (shm's ring) are taken in first."""
+        return [name for name, _ in self.arrived()]
+
+    def arrived(self) -> list[tuple[str, int]]:
+        """(name, tag) of every value that arrived here and was not taken yet, as unread()."""
         for ch in list(self._ctx.channels.values()):
             ch.progress()
-        return [name for name, st in self._credits.recv.items() if st.state == st.FULL]
+        return [(name, st.tag) for name, st in list(self._credits.recv.items()) if st.state == st.FULL]
 
     def abort(self, error: RdmaTensorError) -> None:
         """Fail the whole session with `error`: every waiting call and every

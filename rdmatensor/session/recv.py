@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import IntegrityError, RecvTimeout, TransportError, UnknownTensor, UsageError
+from ..errors import CallMismatch, IntegrityError, RecvTimeout, TransportError, UnknownTensor, UsageError
 from . import wire
 from .context import SessionContext
 from .credits import Credits, RecvSlot
@@ -17,11 +17,11 @@ class Received:
 
     Use as a context manager (`with session.recv(name) as array:`); leaving
     the block (or `release()`) hands the slot back to the sender."""
-    __slots__ = ("_credits", "_state", "array", "name", "__weakref__")
+    __slots__ = ("_credits", "_state", "array", "name", "tag", "__weakref__")
 
     def __init__(self, credits: Credits, state: RecvSlot, array: np.ndarray):
         self._credits, self._state, self.array = credits, state, array
-        self.name = state.name
+        self.name, self.tag = state.name, state.tag
 
     def release(self) -> None:
         if self._state is None:
@@ -47,7 +47,7 @@ class Receiver:
     def __init__(self, ctx: SessionContext, credits: Credits, live: Liveness):
         self.ctx, self.credits, self.live = ctx, credits, live
 
-    def recv(self, name: str, timeout: float | None = None) -> Received:
+    def recv(self, name: str, timeout: float | None = None, tag: int | None = None) -> Received:
         ctx = self.ctx
         st = self.credits.recv.get(name)
         if st is None:
@@ -70,6 +70,11 @@ class Receiver:
             self.live.check()
             self.live.check(st.peer)
             raise TransportError(f"{name!r}: woken without data", peer=st.peer, tensor=name)
+        if tag is not None and st.tag != tag:     # another call's value: never handed to this one
+            got = st.tag
+            self.credits.give_back(st)
+            raise CallMismatch(f"{name!r} from rank {st.peer} carries tag {got}, not {tag}: the value belongs "
+                               f"to another call (discarded)", peer=st.peer, tensor=name, got=got, expected=tag)
         array = st.view
         if array is None:
             try:

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import PeerLost, RdmaTensorError, TensorMismatch, UnknownTensor, UsageError
+from ..errors import PeerLost, RdmaTensorError, SendTimeout, TensorMismatch, UnknownTensor, UsageError
 from ..plan import TensorSpec
+from ..providers.base import INDEX_BITS, MAX_TAG
 from . import wire
 from .context import SessionContext
 from .credits import Credits, SendSlot
@@ -22,6 +23,13 @@ from .liveness import Liveness
 
 
 BATCH = 32      # send_many() posts its queue once it holds this many writes (one chain on verbs)
+
+
+def tag_bits(tag: int) -> int:
+    """A write's tag, as its bits in a DATA immediate."""
+    if not 0 <= tag <= MAX_TAG:
+        raise UsageError(f"a write's tag is an integer in 0..{MAX_TAG}, not {tag!r}")
+    return tag << INDEX_BITS
 
 
 def _shape_str(shape) -> str:
@@ -67,10 +75,11 @@ class Sender:
             except RdmaTensorError:
                 st.pending = None
 
-    def send(self, name: str, array, timeout: float | None = None) -> None:
+    def send(self, name: str, array, timeout: float | None = None, tag: int = 0) -> None:
         st = self.credits.send.get(name)
         if st is None or not isinstance(array, np.ndarray) or not st.spec.matches(array):
             self._refuse(name, array)
+        imm = st.imm | tag_bits(tag) if tag else st.imm
         self.credits.take(st, timeout)
         # Counted per slot while this thread holds its credit (no other can),
         # and before the write, after which the credit may come back at once.
@@ -78,9 +87,9 @@ class Sender:
         st.bytes_sent += array.nbytes
         try:
             if array is st.view and st.raw:      # the common case, kept short: filled in place, no header
-                st.pending = self.ctx.channels[st.peer].write(st.region, st.offset, st.staging_bytes, st.imm)
+                st.pending = self.ctx.channels[st.peer].write(st.region, st.offset, st.staging_bytes, imm)
             else:
-                self._write(st, st.spec, array)
+                self._write(st, st.spec, array, imm)
         except BaseException as exc:
             st.writes -= 1
             st.bytes_sent -= array.nbytes
@@ -93,7 +102,17 @@ class Sender:
                 self.live.check(st.peer)
             raise
 
-    def send_many(self, items, timeout: float | None = None) -> None:
+    def wait_released(self, names, timeout: float | None = None) -> None:
+        for name in names:
+            _, st = self._slot(name)
+            if not st.credit.is_set():
+                timeout = self.ctx.timeout if timeout is None else timeout
+                if not self.ctx.channels[st.peer].wait_for(st.credit, timeout):
+                    raise SendTimeout(f"{name!r}: rank {st.peer} did not take the value within {timeout:.1f} s",
+                                      peer=st.peer, tensor=name)
+            self.live.check(st.peer)
+
+    def send_many(self, items, timeout: float | None = None, tag: int = 0) -> None:
         """send() of each (name, array), in order (any bad one refuses the call
         before anything goes). Static tensors without a checksum are queued, each
         from its source (staging it was filled in, a copy there, or the array
@@ -101,6 +120,7 @@ class Sender:
         per peer with write_many(), as soon as BATCH are queued (so the receiver
         starts on them while the rest are prepared) and before anything that
         must wait or go alone, so no credit is waited for while it holds writes."""
+        bits = tag_bits(tag)
         slots = []
         for name, array in items:                  # bad input refuses the whole call: nothing goes
             st = self.credits.send.get(name)
@@ -113,7 +133,7 @@ class Sender:
             for st, name, array in slots:
                 if not (wire.is_raw(st.spec, plan) and st.spec.nbytes):
                     self._write_queued(queued)
-                    self.send(name, array, timeout)
+                    self.send(name, array, timeout, tag)
                     continue
                 if not st.credit.is_set() or id(st) in queued:
                     self._write_queued(queued)     # the receiver may need them to give this credit back
@@ -123,29 +143,29 @@ class Sender:
                 except BaseException:
                     self.credits.keep(st)
                     raise
-                queued[id(st)] = (st, src)
+                queued[id(st)] = (st, src, st.imm | bits)
                 if len(queued) >= BATCH:           # a full chain goes now: the receiver starts on it
                     self._write_queued(queued)
             self._write_queued(queued)
         finally:
-            for st, _ in queued.values():          # taken but not written (an error on the way)
+            for st, _, _ in queued.values():       # taken but not written (an error on the way)
                 self.credits.keep(st)
 
     def _write_queued(self, queued: dict) -> None:
-        """Write every queued (slot, source), one write_many() per peer; a slot
-        leaves `queued` once its write is posted."""
+        """Write every queued (slot, source, immediate), one write_many() per peer;
+        a slot leaves `queued` once its write is posted."""
         by_peer: dict[int, list] = {}
-        for st, src in queued.values():
-            by_peer.setdefault(st.peer, []).append((st, src))
+        for st, src, imm in queued.values():
+            by_peer.setdefault(st.peer, []).append((st, src, imm))
         for peer, pairs in by_peer.items():
-            for st, _ in pairs:                    # counted before the write, as send() does
+            for st, _, _ in pairs:                 # counted before the write, as send() does
                 st.writes += 1
                 st.bytes_sent += st.spec.nbytes
             try:
                 handles = self.ctx.channels[peer].write_many(
-                    [(st.region, st.offset, src, st.imm) for st, src in pairs])
+                    [(st.region, st.offset, src, imm) for st, src, imm in pairs])
             except BaseException as exc:
-                for st, _ in pairs:
+                for st, _, _ in pairs:
                     st.writes -= 1
                     st.bytes_sent -= st.spec.nbytes
                 if isinstance(exc, PeerLost):
@@ -153,7 +173,7 @@ class Sender:
                     self.live.check()
                     self.live.check(peer)
                 raise
-            for (st, _), handle in zip(pairs, handles, strict=True):
+            for (st, _, _), handle in zip(pairs, handles, strict=True):
                 st.pending = handle
                 del queued[id(st)]
 
@@ -165,10 +185,9 @@ class Sender:
         raise TensorMismatch(f"{name!r}: expected {spec.dtype} {_shape_str(spec.shape)}, "
                              f"got {array.dtype} {_shape_str(array.shape)}", tensor=name)
 
-    def _write(self, st: SendSlot, spec: TensorSpec, array: np.ndarray) -> None:
+    def _write(self, st: SendSlot, spec: TensorSpec, array: np.ndarray, imm: int) -> None:
         ctx = self.ctx
         ch = ctx.channels[st.peer]
-        imm = st.imm
         if wire.is_raw(spec, ctx.plan):
             if spec.nbytes == 0:
                 ch.notify(imm)

@@ -5,7 +5,7 @@ import time
 import numpy as np
 import pytest
 
-from rdmatensor import (AuthenticationError, PeerLost, Plan, PlanMismatch, SendTimeout,
+from rdmatensor import (AuthenticationError, CallMismatch, PeerLost, Plan, PlanMismatch, SendTimeout,
                         TensorMismatch, TensorSpec, UnknownTensor, UsageError)
 from rdmatensor.plan import SUPPORTED_DTYPES
 
@@ -160,6 +160,42 @@ def test_send_many_refuses_bad_input_naming_the_tensor_and_loses_no_credit(provi
 
     res = check(run_ranks(2, plan, provider, body))
     assert res[1] == ([2.0] * 4, [3.0] * 4)
+
+
+def test_a_write_carries_its_tag_and_recv_never_hands_over_another_calls_value(provider):
+    plan = Plan([TensorSpec("a", (4,), np.float32, 0, 1), TensorSpec("b", (2,), np.int64, 0, 1),
+                 TensorSpec("d", (None,), np.uint8, 0, 1)])
+
+    def body(s, r):
+        if r == 0:
+            s.send("a", np.full(4, 1, np.float32), tag=4095)
+            s.send_many([("a", np.full(4, 2, np.float32)), ("b", np.arange(2)), ("d", np.arange(5, dtype=np.uint8))],
+                        tag=17)
+            s.wait_released(["a", "b", "d"])           # the receiver took (or refused) every value
+            with pytest.raises(UsageError, match="tag"):
+                s.send("a", np.zeros(4, np.float32), tag=4096)
+            s.send("a", np.full(4, 3, np.float32))    # the refused value's credit came back
+            return True
+        with s.recv("a", tag=4095) as v:
+            first = (v.tolist(),)
+        deadline = time.monotonic() + 10
+        while len(s.arrived()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen = sorted(s.arrived())
+        with pytest.raises(CallMismatch, match="tag 17, not 18") as refused:
+            s.recv("a", tag=18)
+        assert (refused.value.got, refused.value.expected, refused.value.tensor) == (17, 18, "a")
+        got_b = s.recv("b", tag=17)
+        assert got_b.tag == 17
+        got_b.release()
+        with s.recv("d") as v:                        # no tag asked: any value is handed over
+            d = v.tolist()
+        with s.recv("a", tag=0) as v:
+            last = v.tolist()
+        return first[0], seen, d, last
+
+    res = check(run_ranks(2, plan, provider, body))
+    assert res[1] == ([1.0] * 4, [("a", 17), ("b", 17), ("d", 17)], [0, 1, 2, 3, 4], [3.0] * 4)
 
 
 @pytest.mark.parametrize("provider", SCALE_PROVIDERS)
