@@ -6,9 +6,9 @@
         with session.recv("grad/w") as view: ...      # on rank 0: read-only, zero-copy
 """
 from .control.service import TlsConfig
-from .errors import (AuthenticationError, BadRequest, CallMismatch, CreditViolation, IntegrityError, PeerLost, PlanError,
-                     PlanMismatch, ProviderUnavailable, RdmaTensorError, RecvTimeout, RefusedWrite, RemoteError,
-                     SendTimeout, TensorMismatch, Timeout, TransportError, UnknownTensor, UsageError)
+from .errors import (AuthenticationError, BadRequest, CallMismatch, CreditViolation, IntegrityError, PeerLost,
+                     PlanError, PlanMismatch, ProviderUnavailable, RdmaTensorError, RecvTimeout, RefusedWrite,
+                     RemoteError, SendTimeout, TensorMismatch, Timeout, TransportError, UnknownTensor, UsageError)
 from .plan import Plan, TensorSpec
 from .session import Received, Session, connect
 
