@@ -11,8 +11,8 @@ same sequence: no two ranks ever wait on each other in different rings.
 
 Nothing here is left to hang: a bucket not handed over within the timeout
 (the step that launched its round died half-way) fails the round with
-`Timeout`, a ring's error fails its round, and both stick: every later launch
-raises the same error. This module does not import TensorFlow.
+`Timeout`, and a ring's error fails its round: every bucket of it, including
+those handed over later, raises that error. Later rounds run as usual. This module does not import TensorFlow.
 """
 from __future__ import annotations
 
@@ -67,7 +67,6 @@ class CommThread:
         self._open: dict = {}                                          # key -> its round still being handed over
         self._uncollected: dict = {}                                   # key -> its rounds with results to collect
         self._rounds = 0
-        self._error: BaseException | None = None
         self._closed = False
         self._thread: threading.Thread | None = None
 
@@ -117,7 +116,7 @@ class CommThread:
         under the rings is replaced)."""
         deadline = time.monotonic() + self.timeout
         with self._cond:
-            while self._queue and self._error is None:
+            while self._queue:
                 if not self._cond.wait(max(0.0, deadline - time.monotonic())):
                     raise Timeout(f"rank {self.rank}: all-reduces still running after {self.timeout:.0f} s: "
                                   f"{[r.key for r in self._queue]}")
@@ -145,8 +144,6 @@ class CommThread:
             self.timeline.close()
 
     def _check(self) -> None:
-        if self._error is not None:
-            raise self._error
         if self._closed:
             raise UsageError(f"rank {self.rank}: the communication thread is closed")
 
@@ -163,12 +160,8 @@ class CommThread:
             with self._cond:
                 if self._queue and self._queue[0] is rnd:
                     self._queue.popleft()
-                if rnd.error is not None:           # sticky: later rounds cannot meet their peers' any more
-                    self._error = self._error or rnd.error
-                    for later in self._queue:
-                        later.fail(self._error)
-                    self._queue.clear()
-                    self._open.clear()
+                # A failed round fails alone: its run() already reset the generation with
+                # every rank (collectives.py), so later rounds meet their peers as usual.
                 self._cond.notify_all()
 
     def _run(self, rnd: Round) -> None:

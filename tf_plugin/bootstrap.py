@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import random
 import socket
+import threading
 
 import numpy as np
 
@@ -40,6 +41,8 @@ class Bootstrap:
     def __init__(self, rank: int, peers: dict[int, str], provider: str, token: str, timeout: float):
         self.rank, self.size = rank, len(peers)
         self.exchanges = 0                 # collective calls made through this channel
+        self._ahead: dict[int, tuple[str, bytes]] = {}    # a message peek() took in before its exchange did
+        self._reading = threading.Lock()   # one reader of the slots at a time: an exchange, or peek()
         self.session = connect(rank, peers, bootstrap_plan(self.size), provider=provider, token=token,
                                timeout=timeout) if self.size > 1 else None
 
@@ -56,15 +59,33 @@ class Bootstrap:
 
     def take(self, src: int, timeout: float | None = None) -> tuple[str, bytes]:
         """The next message from `src`: (its tag, its data)."""
+        with self._reading:
+            if src in self._ahead:
+                return self._ahead.pop(src)
+            return self._read(src, timeout)
+
+    def _read(self, src: int, timeout: float | None) -> tuple[str, bytes]:
         with self.session.recv(boot_name(src, self.rank), timeout) as view:
             raw = view.tobytes()                 # out of the slot: it goes back to the sender now
         got, _, data = raw.partition(b"\0")
         return got.decode(errors="replace"), data
 
+    def peek(self, src: int) -> tuple[str, bytes] | None:
+        """`src`'s next message if it has arrived, left for the exchange that reads it;
+        None if there is none yet, or an exchange is reading right now."""
+        if not self._reading.acquire(blocking=False):
+            return None
+        try:
+            if src not in self._ahead and src in self.unread():
+                self._ahead[src] = self._read(src, 0)
+            return self._ahead.get(src)
+        finally:
+            self._reading.release()
+
     def unread(self) -> list[int]:
         """The ranks whose next message has arrived and is not read yet."""
         waiting = set(self.session.unread()) if self.session is not None else set()
-        return [src for src in range(self.size) if boot_name(src, self.rank) in waiting]
+        return [src for src in range(self.size) if src in self._ahead or boot_name(src, self.rank) in waiting]
 
     def allgather(self, tag: str, data: bytes) -> list[bytes]:
         """Every rank's `data`, in rank order."""

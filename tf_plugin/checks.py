@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rdmatensor import PeerLost, PlanMismatch, RdmaTensorError, Timeout
+from rdmatensor import PlanMismatch, RdmaTensorError, Timeout
 
-from .collectives import Collectives, entries_of
+from .collectives import TAGS, Collectives, describe, entries_of
 
 GRACE = 2.0                 # seconds a peer's tensors may lie unread before the ranks are declared diverged
 WATCH_EVERY = 0.25
@@ -61,21 +61,12 @@ def finite_check_from_env() -> bool:
     return os.environ.get("RDMATENSOR_CHECK_FINITE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def describe(entries: list[dict]) -> str:
-    """A collective as a message shows it: its op and first tensors with dtype and shape."""
-    if not entries:
-        return "an empty collective"
-    kind, _, arg = entries[0]["op"].partition(":")
-    op = {"allreduce": f"allreduce ({arg.split(':')[0]})", "broadcast": f"broadcast from rank {arg}"}.get(kind, kind)
-    shown = ", ".join(f"{e['name']!r} {e['dtype']} {list(e['shape'])}" for e in entries[:3])
-    more = f" and {len(entries) - 3} more" if len(entries) > 3 else ""
-    return f"{op} of {shown}{more}"
-
-
 @dataclass
 class Planning:
-    """This rank proposing tensor sets (the requests given to ensure)."""
+    """This rank proposing tensor sets for call `number` (the requests given to ensure)."""
     requests: list
+    number: int
+    generation: int
     since: float = field(default_factory=time.monotonic)
 
     @property
@@ -98,10 +89,10 @@ class CheckedCollectives(Collectives):
             self._watchdog.start()
 
     # ----------------------------------------------------------- the calls
-    def ensure(self, requests):
-        self._planning = Planning(list(requests))
+    def ensure(self, requests, number=None):
+        self._planning = Planning(list(requests), self.calls if number is None else number, self.generations)
         try:
-            return super().ensure(requests)
+            return super().ensure(requests, number)
         finally:
             self._planning = None
 
@@ -145,12 +136,8 @@ class CheckedCollectives(Collectives):
         try:
             yield
         except RdmaTensorError as exc:
-            if exc.tensor is not None and exc.tensor in names:
+            if exc.tensor is not None and exc.tensor in names or isinstance(exc, PlanMismatch):
                 raise                                   # named already
-            if isinstance(exc, PeerLost) and exc.peer is not None:
-                diverged = self._diverged_peer(exc.peer, entries_of(kind, op, names, arrays))
-                if diverged is not None:                # the peer left because the ranks diverged
-                    raise diverged from exc
             what = f"{kind} of {names[0]!r}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
             if isinstance(exc, Timeout) and exc.peer is not None:
                 message = f"{what} on rank {self.rank}: rank {exc.peer} did not take part within the timeout ({exc})"
@@ -182,48 +169,71 @@ class CheckedCollectives(Collectives):
 
     # ---------------------------------------------------------- divergence
     def _watch(self) -> None:
-        seen, since = None, 0.0
+        seen: dict = {}                      # a peer's exchange message -> when it was first seen unread
         while not self._stop.wait(WATCH_EVERY):
-            planning = self._planning
-            stale = self._stale(planning) if planning is not None else None
-            key = None if stale is None else (id(planning), stale)
-            if key != seen:
-                seen, since = key, time.monotonic()
+            try:
+                error = self._divergence(seen)
+            except RdmaTensorError:          # a session closing under the watchdog: nothing to judge
                 continue
-            if key is None or time.monotonic() - since < self.grace:
+            session = self.session
+            if error is not None and session is not None and not session.closed:
+                session.abort(error)         # every call waiting on it raises `error` and resets
+                session.close()              # and every peer's wait on this rank ends
+
+    def _divergence(self, seen: dict) -> PlanMismatch | None:
+        """Proof that the ranks called different collectives, or None:
+
+        - a value tagged with the number of a call in progress here, in the
+          slot of another tensor set (the peer's call of that number is another);
+        - a value tagged with the number of the call this rank is planning (the
+          peer runs a planned set while this rank proposes a new one);
+        - a peer's proposal for the number of a call that moves values here
+          (the peer plans while this rank runs a planned set);
+        - a peer's object exchange unread for the grace period while a call
+          moves values here."""
+        session, planning, active = self.session, self._planning, dict(self._active)
+        if session is None or session.closed or (planning is None and not active):
+            return None
+        if planning is not None and planning.generation != self.generations:
+            planning = None           # its new generation is connected: values for its call are expected
+        for name, tag in session.arrived():
+            index = _set_index(name)
+            mine = active.get(tag)
+            if mine is not None and index != mine[1]:
+                return self._mismatch(session.plan.specs[name].src, self._order[index].entries, mine[2], False)
+            if planning is not None and tag == planning.number % TAGS and mine is None:
+                return self._mismatch(session.plan.specs[name].src, self._order[index].entries,
+                                      planning.entries, True)
+        if planning is not None or not active:
+            return None
+        numbers = {number: entries for number, _, entries in active.values()}
+        for src in self.bootstrap.unread():
+            message = self.bootstrap.peek(src)
+            if message is None:
                 continue
-            error = self._proposer_error(planning, stale)
-            for session in (self.session, self.bootstrap.session):
-                if session is not None:
-                    session.abort(error)
-                    session.close()         # the peer's wait ends now, and it learns why (_naming)
-            return
+            tag, data = message
+            if tag == "plan":
+                theirs = json.loads(data)
+                if theirs.get("call") in numbers and not theirs.get("failed"):
+                    return self._mismatch(src, [e for s in theirs["sets"] for e in s], numbers[theirs["call"]], True,
+                                          mine_planned=True)
+            else:
+                first = seen.setdefault((src, tag, len(data)), time.monotonic())
+                if time.monotonic() - first > self.grace:
+                    return PlanMismatch(f"rank {src} is in the exchange {tag!r} while rank {self.rank} is in "
+                                        f"{describe(next(iter(numbers.values())))}: {WHY}", peer=src)
+        return None
 
-    def _stale(self, planning: Planning) -> str | None:
-        """A tensor of a planned set that a peer wrote here while this rank, with no
-        all-reduce left to run, proposes new sets: one it will never read."""
-        session = self.session
-        if session is None or not self.comm.idle():
-            return None
-        unread = session.unread()
-        return unread[0] if unread else None
+    def _mismatch(self, peer: int, theirs: list, mine: list, new: bool, mine_planned: bool = False) -> PlanMismatch:
+        theirs_text, mine_text = describe(theirs), describe(mine)
+        if new and mine_planned:
+            theirs_text += ", new to the plan,"
+        elif new:
+            mine_text += ", new to the plan,"
+        return PlanMismatch(f"rank {peer} is in {theirs_text} while rank {self.rank} calls {mine_text}: {WHY}",
+                            peer=peer, tensor=mine[0]["name"] if mine else None)
 
-    def _proposer_error(self, planning: Planning, tensor: str) -> PlanMismatch:
-        peer = self.session.plan.specs[tensor].src
-        index = int(re.search(r"(?:^|/)s(\d+)/", tensor).group(1))      # set i's tensors: s{i}/..., ring/s{i}/...
-        mine = planning.entries
-        return PlanMismatch(f"rank {peer} is in {describe(self._order[index].entries)} while rank {self.rank} "
-                            f"calls {describe(mine)}, new to the plan: {WHY}", peer=peer, tensor=mine[0]["name"])
 
-    def _diverged_peer(self, peer: int, mine: list[dict]) -> PlanMismatch | None:
-        """The error to raise when `peer` left while its proposal lies unread here."""
-        if peer not in self.bootstrap.unread():
-            return None
-        try:
-            tag, data = self.bootstrap.take(peer, timeout=0)
-        except RdmaTensorError:
-            return None
-        theirs = (describe([e for s in json.loads(data)["sets"] for e in s]) + ", new to the plan,"
-                  if tag == "plan" else f"the exchange {tag!r}")
-        return PlanMismatch(f"rank {peer} calls {theirs} while rank {self.rank} is in {describe(mine)}: {WHY}",
-                            peer=peer, tensor=mine[0]["name"])
+def _set_index(name: str) -> int:
+    """The tensor set a slot belongs to: set i's tensors are s{i}/..., ring/s{i}/..."""
+    return int(re.search(r"(?:^|/)s(\d+)/", name).group(1))

@@ -22,7 +22,10 @@ What each set becomes in the plan:
   takes its result later (collect); eagerly, all are handed over, then
   collected. The fusion threshold is part of the set, so ranks that disagree
   on it fail with PlanMismatch;
-- broadcast: one tensor per (tensor, non-root rank), written by the root;
+- broadcast: one tensor per (tensor, non-root rank), written by the root,
+  and one byte per non-root rank, written once every rank released the
+  value: a rank returns only when every rank took part in the same call, so
+  a broadcast that fails on one rank fails on all (as Horovod's does);
 - allgather: one dynamic-shape tensor (first dimension None) per (tensor,
   ordered pair of ranks), its first room the largest any rank proposed.
 
@@ -40,7 +43,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from rdmatensor import Plan, PlanMismatch, TensorSpec, UsageError, connect
+from rdmatensor import PeerLost, Plan, PlanMismatch, RdmaTensorError, TensorSpec, Timeout, UsageError, connect
+from rdmatensor.providers.base import MAX_TAG
 
 from .analyzer import Analysis, VarInfo, buckets_of, fusion_threshold, ring_specs
 from .background import CommThread
@@ -48,6 +52,8 @@ from .bootstrap import Bootstrap, PortReservation
 from .meter import Meter
 from .timeline import Timeline
 
+OK = np.ones(1, np.uint8)   # a broadcast's root to every other rank: every rank took the value
+TAGS = MAX_TAG + 1     # call numbers travel mod this in every write's tag
 COUNTED = ("control_calls", "bytes_sent", "bytes_received", "writes", "recvs", "copies", "dynamic", "grows")
 
 
@@ -116,6 +122,17 @@ def first_difference(proposals: list[list[dict]]) -> str | None:
     return None
 
 
+def describe(entries: list[dict]) -> str:
+    """A collective as a message shows it: its op and first tensors with dtype and shape."""
+    if not entries:
+        return "an empty collective"
+    kind, _, arg = entries[0]["op"].partition(":")
+    op = {"allreduce": f"allreduce ({arg.split(':')[0]})", "broadcast": f"broadcast from rank {arg}"}.get(kind, kind)
+    shown = ", ".join(f"{e['name']!r} {e['dtype']} {list(e['shape'])}" for e in entries[:3])
+    more = f" and {len(entries) - 3} more" if len(entries) > 3 else ""
+    return f"{op} of {shown}{more}"
+
+
 @dataclass(frozen=True)
 class _Described:
     """A tensor's shape and dtype, standing for its array before it exists."""
@@ -129,13 +146,49 @@ def _contiguous(a) -> np.ndarray:
     return a if a.flags.c_contiguous else np.array(a, order="C")
 
 
+@dataclass
+class Reset:
+    """A generation replaced because a call failed on some rank: the earliest
+    failed call's number, the rank it failed on, and why."""
+    call: int
+    rank: int
+    why: str
+
+
+class Settled(Exception):
+    """Raised inside a call for an error every rank already agreed on (no reset needed)."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _collateral(exc: RdmaTensorError) -> bool:
+    """A call failed because a peer left the generation or went quiet, not for a cause seen here."""
+    return isinstance(exc, (PeerLost, Timeout))
+
+
 class Collectives:
     """This rank's view of the growing plan: tensor sets, the current generation's
-    session, and allreduce / broadcast / allgather of numpy arrays through it."""
+    session, and allreduce / broadcast / allgather of numpy arrays through it.
+
+    Every collective call has a number, counted alike on every rank (calls run
+    in program order), and each of its writes carries the number as its tag
+    (mod 4096): a value is handed only to the call it was written for (recv
+    with tag=), and a value of this rank's call number in another tensor set's
+    slot means the ranks called different collectives (checks.py watches for
+    it). A call that fails after any value moved ends the generation on its
+    rank: the session is closed, so every peer's wait on it ends too, and the
+    ranks agree in one exchange on the earliest failed call and connect a
+    fresh generation with empty slots. The calls with that number raise on
+    every rank; a later call caught by the reset runs again on the new one.
+    So no value outlives the call it was written for, and an error in one
+    call never fails the next."""
 
     def __init__(self, bootstrap: Bootstrap, hosts: list[str], provider: str, token: str, timeout: float,
-                 threshold: int | None = None, watch=lambda session: None):
+                 threshold: int | None = None, watch=lambda session: None, job_failure=lambda: None):
         self.bootstrap, self.hosts, self.watch = bootstrap, hosts, watch   # watch: each generation's session
+        self.job_failure = job_failure            # () -> the lost rank's PeerLost once the job failed, else None
         self.rank, self.size = bootstrap.rank, bootstrap.size
         self.provider, self.token, self.timeout = provider, token, timeout
         self.threshold = fusion_threshold(threshold)     # bytes per all-reduce bucket
@@ -144,40 +197,130 @@ class Collectives:
                                Timeline.from_env(self.rank) if self.size > 1 else None)
         self.session = None
         self.generations = 0
+        self.calls = 0                             # collective calls begun: the next one's number
+        self.resets: list[Reset] = []
+        self._active: dict[int, tuple[int, int, list]] = {}   # tag -> (call number, set index, entries)
         self._sets: dict[tuple, TensorSet] = {}
         self._order: list[TensorSet] = []
         self._rings: dict[int, object] = {}       # set index -> RingAllReduce over the current session
+        self._open_calls: dict[tuple, tuple] = {}  # all-reduce set key -> (its latest call's number, set)
+        self._retired_session = None
         self._retired = dict.fromkeys(COUNTED, 0)  # counters of closed generations
         self._lock = threading.RLock()             # one collective at a time per process
 
+    # ------------------------------------------------------------- calls
+    def begin(self) -> int:
+        """The next call's number (every rank numbers its calls alike)."""
+        with self._lock:
+            number, self.calls = self.calls, self.calls + 1
+            return number
+
+    def attempt(self, number: int, body, entries: list):
+        """Run call `number` (body(), which moves its values); if it fails after
+        values may have moved, reset the generation with every rank, then raise
+        if this is the earliest failed call, or run body() again on the new
+        generation if an earlier call's failure cut this one off."""
+        for _ in range(3):
+            generation = self.generations
+            try:
+                return body()
+            except Settled as settled:
+                raise settled.error from None
+            except RdmaTensorError as exc:
+                lost = self.job_failure()
+                if lost is not None:
+                    raise lost from exc
+                reset = self._recover(number, generation, exc, entries)
+                if reset.call == number:
+                    raise self._failed(exc, reset) from exc
+            finally:
+                self._active.pop(number % TAGS, None)
+        raise PlanMismatch(f"rank {self.rank}: call {number} was cut off by resets three times: the ranks diverged")
+
+    def _failed(self, exc: RdmaTensorError, reset: Reset) -> RdmaTensorError:
+        """What a failed call raises: its own error where this rank saw the cause,
+        else the cause as the rank that saw it reported it."""
+        if reset.rank == self.rank or not _collateral(exc):
+            return exc
+        return PlanMismatch(f"rank {reset.rank}: {reset.why}", peer=reset.rank, tensor=exc.tensor)
+
+    def active(self, number: int, ts: TensorSet) -> int:
+        """Mark call `number` as moving the values of `ts` (the watchdog's view); its tag."""
+        tag = number % TAGS
+        self._active[tag] = (number, ts.index, ts.entries)
+        return tag
+
+    def _recover(self, number: int, generation: int, exc: RdmaTensorError, entries: list) -> Reset:
+        with self._lock:
+            if self.generations != generation and self.resets:
+                return self.resets[-1]          # another thread of this rank reset it since this call began
+            self._abandon(exc)
+            why = f"{describe(entries)} failed: {exc}"
+            return self._next_generation(number, [], failed=why, cause=not _collateral(exc))
+
+    def _abandon(self, exc: RdmaTensorError) -> None:
+        """End the current generation on this rank: whoever waits on it (a thread of
+        this rank, a peer) stops waiting now."""
+        session = self.session
+        if session is not None and not session.closed:
+            session.abort(exc if not isinstance(exc, PeerLost) else PlanMismatch(str(exc), peer=exc.peer))
+            self._retire(session)
+
     # ------------------------------------------------------------ the plan
-    def ensure(self, requests: list[tuple[str, str, list, list]]) -> list[TensorSet]:
+    def ensure(self, requests: list[tuple[str, str, list, list]], number: int | None = None) -> list[TensorSet]:
         """The tensor sets of `requests` (kind, op, names, arrays: arrays may be
         anything with .shape and .dtype), adding the missing ones to the plan in
-        one exchange. Every rank must make the same call."""
+        one exchange, as part of call `number` (default: the next call's).
+        Every rank must make the same call."""
         if self.size == 1:
             return []
         with self._lock:
             keys = [set_key(k, op, names, arrays) for k, op, names, arrays in requests]
-            missing = {key: req for key, req in zip(keys, requests, strict=True) if key not in self._sets}
-            if missing:
-                self._extend(list(missing.items()))
-            return [self._sets[key] for key in keys]
+            for _ in range(3):
+                missing = {key: req for key, req in zip(keys, requests, strict=True) if key not in self._sets}
+                if not missing and self.session is not None:
+                    return [self._sets[key] for key in keys]
+                reset = self._next_generation(self.calls if number is None else number, list(missing.items()))
+                if reset is None:
+                    return [self._sets[key] for key in keys]
+                if reset.call == number:
+                    raise Settled(PlanMismatch(f"rank {reset.rank}: {reset.why}", peer=reset.rank,
+                                               tensor=requests[0][2][0] if requests[0][2] else None))
+            raise PlanMismatch(f"rank {self.rank}: the plan could not be agreed after three resets")
 
-    def _extend(self, missing) -> None:
+    def _next_generation(self, number: int, missing, failed: str | None = None, cause: bool = False) -> Reset | None:
+        """One exchange with every rank, then a new generation: the plan extended by
+        `missing` (kind, op, names, arrays) when every rank proposes the same sets,
+        or, when a rank reports a failed call (`failed`: why, on this rank), the
+        same plan in fresh slots, and the earliest failed call as a Reset (`cause`:
+        this rank saw why it failed, rather than a peer leaving or going quiet)."""
         proposal = [entries_of(k, op, names, arrays) for _, (k, op, names, arrays) in missing]
         hints = [[int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize for a in arrays]
                  for _, (_, _, _, arrays) in missing]
         reservation = PortReservation(self.hosts[self.rank])
+        reset = None
         try:
-            payload = json.dumps({"sets": proposal, "hints": hints, "port": reservation.port}).encode()
+            payload = json.dumps({"sets": proposal, "hints": hints, "port": reservation.port, "call": number,
+                                  "failed": failed, "cause": cause}).encode()
             got = [json.loads(raw) for raw in self.bootstrap.allgather("plan", payload)]
-            problem = first_difference([[e for s in g["sets"] for e in s] for g in got])
-            if problem is None and any([len(s) for s in g["sets"]] != [len(s) for s in proposal] for g in got):
-                problem = (f"plan mismatch: the ranks group their tensors into different collectives "
-                           f"({[[len(s) for s in g['sets']] for g in got]} tensors per collective, by rank)")
-            if problem:
-                raise PlanMismatch(problem)
+            failures = [(g["call"], not g["cause"], r, g["failed"]) for r, g in enumerate(got) if g.get("failed")]
+            if failures:
+                call, _, who, why = min(failures)     # the earliest call; the rank that saw its cause
+                reset = Reset(call, who, why)
+                missing = []
+                if failed is None:          # this rank proposed; the others reset under it
+                    self._abandon(PlanMismatch(f"rank {reset.rank}: {reset.why}", peer=reset.rank))
+            else:
+                problem = first_difference([[e for s in g["sets"] for e in s] for g in got])
+                if problem is None and any([len(s) for s in g["sets"]] != [len(s) for s in proposal] for g in got):
+                    problem = (f"plan mismatch: the ranks group their tensors into different collectives "
+                               f"({[[len(s) for s in g['sets']] for g in got]} tensors per collective, by rank)")
+                if problem is None and len({g["call"] for g in got}) > 1:
+                    problem = (f"plan mismatch: the ranks are at different calls "
+                               f"({[g['call'] for g in got]}, by rank): {describe(proposal[0] if proposal else [])}"
+                               f" on rank {self.rank}")
+                if problem:
+                    raise Settled(PlanMismatch(problem))
             new = []
             for j, (key, (kind, op, _, _)) in enumerate(missing):
                 ts = TensorSet(len(self._order) + len(new), kind, op, proposal[j])
@@ -187,15 +330,21 @@ class Collectives:
             peers = {r: f"{self.hosts[r]}:{g['port']}" for r, g in enumerate(got)}
         finally:
             reservation.close()            # the new session's control server binds it now
+        if reset is None:
+            self.comm.drain()              # no ring still runs on the session being replaced
         session = connect(self.rank, peers, plan, provider=self.provider, token=self.token, timeout=self.timeout)
         self.watch(session)
-        self.comm.drain()                  # no ring still runs on the session being replaced
         for key, ts in new:
             self._sets[key] = ts
             self._order.append(ts)
-        self._retire(self.session)
-        self.session, self.generations = session, self.generations + 1
+        if reset is None:
+            self._retire(self.session)
+        self.generations += 1              # first: the watchdog reads the session, then the generation
+        self.session = session
         self._rings.clear()
+        if reset is not None:
+            self.resets.append(reset)
+        return reset
 
     def _lay_out(self, ts: TensorSet, room: list[int]) -> None:
         """The TensorSpecs of a new set (and, for an allreduce, its ring's analysis)."""
@@ -213,14 +362,16 @@ class Collectives:
             ts.specs = [TensorSpec(f"{prefix}/b{j}/r{dst}", s, d, root, dst)
                         for j, (s, d) in enumerate(zip(shapes, dtypes, strict=True)) if 0 not in s
                         for dst in range(n) if dst != root]
+            ts.specs += [TensorSpec(f"{prefix}/ok/r{dst}", (1,), np.uint8, root, dst) for dst in range(n) if dst != root]
         else:
             ts.specs = [TensorSpec(f"{prefix}/g{j}/r{src}/r{dst}", s, d, src, dst, capacity=max(room[j], 64))
                         for j, (s, d) in enumerate(zip(shapes, dtypes, strict=True))
                         for src in range(n) for dst in range(n) if src != dst]
 
     def _retire(self, session) -> None:
-        if session is None:
+        if session is None or session is self._retired_session:
             return
+        self._retired_session = session
         stats = session.stats()
         for k in COUNTED:
             self._retired[k] += stats.get(k, 0)
@@ -235,12 +386,25 @@ class Collectives:
         return AllreduceGroup(request, set_key(*request), allreduce_buckets(shapes, dtypes, self.threshold))
 
     def launch(self, group: AllreduceGroup, j: int, arrays: list) -> None:
-        """Hand bucket j of the group's all-reduce to the communication thread (the
-        first launch of a new set plans it: every rank must make the same calls)."""
+        """Hand bucket j of the group's all-reduce to the communication thread. The
+        first bucket opens a call (and the first call of a new set plans it: every
+        rank must make the same calls)."""
         with self._lock:
-            ts = self._sets.get(group.key) or self.ensure([group.request])[0]
-            ring = self._ring(ts)
-            self.comm.launch(ts.index, j, arrays, len(ts.analysis.buckets), ring.reduce_bucket, ring.describe)
+            if j == 0 or group.key not in self._open_calls:
+                number = self.begin()
+                entries = entries_of(*group.request)
+                ts = self.attempt(number, lambda: self._sets.get(group.key) or self.ensure([group.request], number)[0],
+                                  entries)
+                self._open_calls[group.key] = (number, ts)
+            number, ts = self._open_calls[group.key]
+
+            def run(k: int, bucket: list, number=number, ts=ts):
+                def body():
+                    tag = self.active(number, ts)
+                    return self._ring(ts).reduce_bucket(k, bucket, tag=tag)
+                return self.attempt(number, body, ts.entries)
+
+            self.comm.launch(ts.index, j, arrays, len(ts.analysis.buckets), run, self._ring(ts).describe)
 
     def collect(self, group: AllreduceGroup, j: int) -> list[np.ndarray]:
         """Bucket j's results (its members, in order), once its ring is done."""
@@ -267,7 +431,7 @@ class Collectives:
 
     def _ring(self, ts: TensorSet):
         ring = self._rings.get(ts.index)
-        if ring is None:
+        if ring is None or ring.session is not self.session:
             from .ring import RingAllReduce
             ring = self._rings[ts.index] = RingAllReduce(self.session, ts.analysis, self.meter,
                                                          average=ts.op.startswith("average"))
@@ -275,26 +439,37 @@ class Collectives:
 
     def broadcast(self, names, arrays, root: int) -> list[np.ndarray]:
         """Root's arrays on every rank (each rank passes arrays of the same shapes);
-        on the root, its own arrays come back as they are."""
+        on the root, its own arrays come back as they are, once every rank took them."""
         if not 0 <= root < self.size:
             raise ValueError(f"root_rank {root} is not a rank of this job (size {self.size})")
         if self.size == 1:
             return list(arrays)
-        (ts,) = self.ensure([("broadcast", str(root), names, arrays)])
-        prefix = f"s{ts.index}"
-        with self._lock, self.meter.comm():
-            if self.rank == root:
-                self.session.send_many([(f"{prefix}/b{j}/r{dst}", _contiguous(a)) for j, a in enumerate(arrays)
-                                        for dst in range(self.size) if dst != root and a.size])
-                return list(arrays)
-            out = []
-            for j, a in enumerate(arrays):
-                if not a.size:
-                    out.append(np.array(a))
-                    continue
-                with self.session.recv(f"{prefix}/b{j}/r{self.rank}") as view:
-                    out.append(self._copy_out(view))
-            return out
+        request = ("broadcast", str(root), names, arrays)
+        number = self.begin()
+
+        def body():
+            with self._lock, self.meter.comm():
+                (ts,) = self.ensure([request], number)
+                tag, prefix = self.active(number, ts), f"s{ts.index}"
+                if self.rank == root:
+                    items = [(f"{prefix}/b{j}/r{dst}", _contiguous(a)) for j, a in enumerate(arrays)
+                             for dst in range(self.size) if dst != root and a.size]
+                    self.session.send_many(items, tag=tag)
+                    self.session.wait_released([name for name, _ in items])   # every rank took it, in this call
+                    self.session.send_many([(f"{prefix}/ok/r{dst}", OK) for dst in range(self.size) if dst != root],
+                                           tag=tag)
+                    return list(arrays)
+                out = []
+                for j, a in enumerate(arrays):
+                    if not a.size:
+                        out.append(np.array(a))
+                        continue
+                    with self.session.recv(f"{prefix}/b{j}/r{self.rank}", tag=tag) as view:
+                        out.append(self._copy_out(view))
+                self.session.recv(f"{prefix}/ok/r{self.rank}", tag=tag).release()   # so did every other rank
+                return out
+
+        return self.attempt(number, body, entries_of(*request))
 
     def allgather(self, names, arrays) -> list[np.ndarray]:
         """Every rank's arrays concatenated along the first dimension, in rank order
@@ -304,23 +479,31 @@ class Collectives:
             raise ValueError(f"allgather needs tensors of rank >= 1, not scalars: {scalars}")
         if self.size == 1:
             return [_contiguous(a) for a in arrays]
-        (ts,) = self.ensure([("allgather", "", names, arrays)])
-        prefix = f"s{ts.index}"
-        with self._lock, self.meter.comm():
-            self.session.send_many([(f"{prefix}/g{j}/r{self.rank}/r{dst}", _contiguous(a))
-                                    for j, a in enumerate(arrays) for dst in range(self.size) if dst != self.rank])
-            out = []
-            for j, a in enumerate(arrays):
-                with contextlib.ExitStack() as held:
-                    parts = [a if src == self.rank else held.enter_context(
-                        self.session.recv(f"{prefix}/g{j}/r{src}/r{self.rank}")) for src in range(self.size)]
-                    rows = sum(p.shape[0] for p in parts)
-                    from .ingest import aligned_empty
-                    result = aligned_empty((rows, *a.shape[1:]), a.dtype)
-                    np.concatenate(parts, out=result)
-                    self.meter.tally["copied"] += 1
-                out.append(result)
-            return out
+        request = ("allgather", "", names, arrays)
+        number = self.begin()
+
+        def body():
+            with self._lock, self.meter.comm():
+                (ts,) = self.ensure([request], number)
+                tag, prefix = self.active(number, ts), f"s{ts.index}"
+                self.session.send_many([(f"{prefix}/g{j}/r{self.rank}/r{dst}", _contiguous(a))
+                                        for j, a in enumerate(arrays) for dst in range(self.size)
+                                        if dst != self.rank], tag=tag)
+                out = []
+                for j, a in enumerate(arrays):
+                    with contextlib.ExitStack() as held:
+                        parts = [a if src == self.rank else held.enter_context(
+                            self.session.recv(f"{prefix}/g{j}/r{src}/r{self.rank}", tag=tag))
+                            for src in range(self.size)]
+                        rows = sum(p.shape[0] for p in parts)
+                        from .ingest import aligned_empty
+                        result = aligned_empty((rows, *a.shape[1:]), a.dtype)
+                        np.concatenate(parts, out=result)
+                        self.meter.tally["copied"] += 1
+                    out.append(result)
+                return out
+
+        return self.attempt(number, body, entries_of(*request))
 
     def _copy_out(self, view: np.ndarray) -> np.ndarray:
         """A received value outlives its slot (and its generation): one copy."""

@@ -227,18 +227,22 @@ def grouped_allreduce(tensors, average=None, device_dense: str = "", device_spar
     base = name or "allreduce"
     names = [base if len(tensors) == 1 else f"{base}/{j}" for j in range(len(tensors))]
     if any(isinstance(t, tf.IndexedSlices) for t in tensors):
-        out = reduce_gradients(tensors, [types.SimpleNamespace(name=n) for n in names], compression, False, op)
-        factor = prescale_factor * postscale_factor
-        return out if factor == 1.0 else [
-            tf.IndexedSlices(t.values * tf.cast(factor, t.values.dtype), t.indices, t.dense_shape)
-            if isinstance(t, tf.IndexedSlices) else t * tf.cast(factor, t.dtype) for t in out]
-    tensors = [tf.convert_to_tensor(t) for t in tensors]
-    if prescale_factor != 1.0:
-        tensors = [t * tf.cast(prescale_factor, t.dtype) for t in tensors]
+        if prescale_factor != 1.0 or postscale_factor != 1.0:
+            raise NotImplementedError("pre/postscale_factor are not supported with tf.IndexedSlices "
+                                      "(as in Horovod): pass sparse_as_dense, or scale the values yourself")
+        return reduce_gradients(tensors, [types.SimpleNamespace(name=n) for n in names], compression, False, op)
+    tensors = [_scaled(tf.convert_to_tensor(t), prescale_factor) for t in tensors]
     out = _allreduce_many(tensors, names, _average(op), compression)
-    if postscale_factor != 1.0:
-        out = [t * tf.cast(postscale_factor, t.dtype) for t in out]
-    return out
+    return [_scaled(t, postscale_factor) for t in out]
+
+
+def _scaled(tensor, factor: float):
+    """tensor * factor as Horovod computes it: in float64 (float32 for float16), then
+    cast back to the tensor's dtype (integers truncate toward zero)."""
+    if factor == 1.0:
+        return tensor
+    wide = tf.float32 if tensor.dtype == tf.float16 else tf.float64
+    return tf.cast(tf.cast(tensor, wide) * tf.constant(factor, wide), tensor.dtype)
 
 
 def allgather(tensor, device_dense: str = "", device_sparse: str = "", name: str | None = None):

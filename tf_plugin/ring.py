@@ -20,10 +20,11 @@ message.
 
 Passes over the bytes: each gradient in a bucket of several is copied once
 into it (fewer, larger writes: on tcp the per-write cost dominates small
-models), divided by N on the way when averaging floating point; a gradient
-alone in its bucket leaves from TensorFlow's buffer (verbs: one copy into
-staging) and its sum is divided block by block right after each block is
-added, while the block is still in cache. Partial sums land in staging, the
+models); a gradient alone in its bucket leaves from TensorFlow's buffer
+(verbs: one copy into staging). An average is the sum times 1/N, computed
+as Horovod does (in float64, float32 for float16; integers truncate), block
+by block right after each block is added, while the block is still in
+cache: dividing before the sum would be as cheap but round differently. Partial sums land in staging, the
 complete sum of this rank's chunk straight in the output, which the
 all-gather sends from; every other chunk is copied once from its slot into
 the output (and, when N > 2, forwarded from there). The outputs are 64-byte
@@ -87,36 +88,31 @@ class RingAllReduce:
             result.update(zip((key for key, _, _ in b.members), self._members(b, out), strict=True))
         return [result[k] if k in result else np.zeros_like(by_key[k]) for k in keys]
 
-    def reduce_bucket(self, j: int, arrays: list) -> list[np.ndarray]:
+    def reduce_bucket(self, j: int, arrays: list, tag: int = 0) -> list[np.ndarray]:
         """Bucket j's ring alone (its members' arrays in order), averaged unless the
         ring was made with average=False: what the communication thread runs.
-        Returns the members' results."""
+        Every write carries `tag`, and only values with it are taken (the call's
+        number: see collectives.py). Returns the members' results."""
         b = self.analysis.buckets[j]
         flat, divide = self._flat(b, [np.ascontiguousarray(a) for a in arrays], self.average)
-        (out,) = self._ring([b.key], [flat], [self._outputs[b.key].lease()], [divide])
+        (out,) = self._ring([b.key], [flat], [self._outputs[b.key].lease()], [divide], tag)
         return self._members(b, out)
 
     def _flat(self, bucket, arrays: list, average: bool) -> tuple[np.ndarray, bool]:
-        """The bucket as one flat array, and whether its sum over the ranks still
-        needs dividing by N: the gradient itself, or its members copied into the
-        fused buffer, floating-point ones divided by N on the way (the same pass
-        as a copy, and then the sum needs no pass of its own)."""
+        """The bucket as one flat array (the gradient itself, or its members copied
+        into the fused buffer), and whether its sum over the ranks is to be divided by N."""
         buf = self._fused.get(bucket.key)
         if buf is None:
             return arrays[0].reshape(-1), average
-        scale = average and buf.dtype.kind in "fc"
         for (_, offset, n), a in zip(bucket.members, arrays, strict=True):
-            if scale:
-                np.multiply(a.reshape(-1), 1.0 / self.size, out=buf[offset:offset + n])
-            else:
-                np.copyto(buf[offset:offset + n], a.reshape(-1))
+            np.copyto(buf[offset:offset + n], a.reshape(-1))
         self.meter.tally["fused"] += len(bucket.members)
-        return buf, average and not scale
+        return buf, average
 
     def _members(self, bucket, out: np.ndarray) -> list[np.ndarray]:
         return [out[offset:offset + n].reshape(self.shapes[key]) for key, offset, n in bucket.members]
 
-    def _ring(self, keys: list, flats: list, outs: list, divide: list) -> list[np.ndarray]:
+    def _ring(self, keys: list, flats: list, outs: list, divide: list, tag: int = 0) -> list[np.ndarray]:
         """Sum the flat arrays over the ranks into `outs` (divided by N where
         `divide` says so). The last reduce-scatter step adds straight into this
         rank's chunk of the output, which the all-gather then sends from; every
@@ -124,10 +120,11 @@ class RingAllReduce:
         s, n, r = self.session, self.size, self.rank
 
         def finish(chunk):                 # this rank's fully summed chunk, in place
-            if chunk.dtype.kind in "fc":
-                np.multiply(chunk, 1.0 / n, out=chunk)
-            else:                          # integers average by floor division
-                np.floor_divide(chunk, n, out=chunk)
+            if chunk.dtype.kind in "fc":       # as Horovod: in float64 (float32 for float16), rounded back
+                np.multiply(chunk, (np.float32 if chunk.dtype == np.float16 else np.float64)(1.0 / n), out=chunk,
+                            casting="same_kind")
+            else:                          # integers as Horovod: scaled in float64, truncated back
+                np.copyto(chunk, np.trunc(chunk * (1.0 / n)), casting="unsafe")
 
         live = [i for i, f in enumerate(flats) if f.size]
         if n == 1:
@@ -138,13 +135,13 @@ class RingAllReduce:
         left = (r - 1) % n
         outgoing = {i: flats[i][bounds[i][ring_chunk("rs", 0, r, n)]] for i in live}
         for step in range(n - 1):                                   # reduce-scatter
-            s.send_many([(ring_name(keys[i], "rs", step, r), outgoing[i]) for i in live])
+            s.send_many([(ring_name(keys[i], "rs", step, r), outgoing[i]) for i in live], tag=tag)
             c = ring_chunk("rs", step, r, n, receiving=True)        # the last step: chunk r + 1, complete
             for i in live:
                 last = step == n - 2
                 # a partial sum lands where the next write leaves from; the complete one in the output
                 dst = outs[i][bounds[i][c]] if last else s.buffer(ring_name(keys[i], "rs", step + 1, r))
-                with s.recv(ring_name(keys[i], "rs", step, left)) as chunk:
+                with s.recv(ring_name(keys[i], "rs", step, left), tag=tag) as chunk:
                     if last and divide[i]:         # block by block: divided while still in cache
                         for lo in range(0, dst.size, BLOCK):
                             block = slice(lo, lo + BLOCK)
@@ -154,11 +151,11 @@ class RingAllReduce:
                         np.add(flats[i][bounds[i][c]], chunk, out=dst)
                 outgoing[i] = dst
         for step in range(n - 1):                                   # all-gather
-            s.send_many([(ring_name(keys[i], "ag", step, r), outgoing[i]) for i in live])
+            s.send_many([(ring_name(keys[i], "ag", step, r), outgoing[i]) for i in live], tag=tag)
             c = ring_chunk("ag", step, r, n, receiving=True)
             for i in live:
                 dst = outs[i][bounds[i][c]]
-                with s.recv(ring_name(keys[i], "ag", step, left)) as chunk:
+                with s.recv(ring_name(keys[i], "ag", step, left), tag=tag) as chunk:
                     np.copyto(dst, chunk)
                 outgoing[i] = dst                  # forwarded next step (N > 2) from the output itself
         return outs

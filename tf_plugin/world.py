@@ -108,7 +108,8 @@ def init(model=None, provider: str | None = None, cluster: Cluster | None = None
             check_finite = finite_check_from_env()
         try:
             collectives = CheckedCollectives(boot, hosts, provider, token, timeout, fusion_threshold,
-                                             watch=failure.watch, check_finite=check_finite)
+                                             watch=failure.watch, job_failure=lambda: failure.first,
+                                             check_finite=check_finite)
         except BaseException:
             boot.close()
             raise
