@@ -136,7 +136,7 @@ class CheckedCollectives(Collectives):
         try:
             yield
         except RdmaTensorError as exc:
-            if exc.tensor is not None and exc.tensor in names or isinstance(exc, PlanMismatch):
+            if exc.tensor is not None and exc.tensor in names:
                 raise                                   # named already
             what = f"{kind} of {names[0]!r}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
             if isinstance(exc, Timeout) and exc.peer is not None:

@@ -230,7 +230,10 @@ class Collectives:
                 lost = self.job_failure()
                 if lost is not None:
                     raise lost from exc
-                reset = self._recover(number, generation, exc, entries)
+                try:
+                    reset = self._recover(number, generation, exc, entries)
+                except Settled as settled:        # the reset's own exchange failed (a rank gone or silent)
+                    raise settled.error from exc
                 if reset.call == number:
                     raise self._failed(exc, reset) from exc
             finally:
@@ -302,7 +305,10 @@ class Collectives:
         try:
             payload = json.dumps({"sets": proposal, "hints": hints, "port": reservation.port, "call": number,
                                   "failed": failed, "cause": cause}).encode()
-            got = [json.loads(raw) for raw in self.bootstrap.allgather("plan", payload)]
+            try:
+                got = [json.loads(raw) for raw in self.bootstrap.allgather("plan", payload)]
+            except RdmaTensorError as exc:   # no value moved: nothing to reset, and no rank to reset with
+                raise Settled(exc) from exc
             failures = [(g["call"], not g["cause"], r, g["failed"]) for r, g in enumerate(got) if g.get("failed")]
             if failures:
                 call, _, who, why = min(failures)     # the earliest call; the rank that saw its cause
@@ -362,7 +368,8 @@ class Collectives:
             ts.specs = [TensorSpec(f"{prefix}/b{j}/r{dst}", s, d, root, dst)
                         for j, (s, d) in enumerate(zip(shapes, dtypes, strict=True)) if 0 not in s
                         for dst in range(n) if dst != root]
-            ts.specs += [TensorSpec(f"{prefix}/ok/r{dst}", (1,), np.uint8, root, dst) for dst in range(n) if dst != root]
+            ts.specs += [TensorSpec(f"{prefix}/ok/r{dst}", (1,), np.uint8, root, dst)
+                         for dst in range(n) if dst != root]
         else:
             ts.specs = [TensorSpec(f"{prefix}/g{j}/r{src}/r{dst}", s, d, src, dst, capacity=max(room[j], 64))
                         for j, (s, d) in enumerate(zip(shapes, dtypes, strict=True))
