@@ -23,6 +23,7 @@ import tensorflow as tf
 from . import ingest, overlap
 from .analyzer import var_key
 from .collectives import allreduce_op
+from .tf_errors import as_horovod_errors
 from .world import Average, ReduceOp, Sum, world
 
 __all__ = ["Compression", "DistributedGradientTape", "allreduce", "grouped_allreduce", "allgather", "broadcast",
@@ -91,7 +92,8 @@ def _through_numpy(fn, tensors: list, shapes: list, name: str) -> list:
     """fn(list of ndarrays) -> ndarrays of the same dtypes. Eager: called now, its
     outputs borrowed by TensorFlow; in a graph: one stateful tf.numpy_function."""
     if tf.executing_eagerly():
-        outs = fn([np.asarray(t) for t in tensors])       # CPU tensors: aliases, no copy
+        with as_horovod_errors():
+            outs = fn([np.asarray(t) for t in tensors])   # CPU tensors: aliases, no copy
         tally = world().collectives.meter.tally
         return [ingest.borrow(o, tally) for o in outs]
     outs = tf.numpy_function(lambda *arrays: fn(list(arrays)), tensors, [t.dtype for t in tensors],
@@ -237,11 +239,11 @@ def grouped_allreduce(tensors, average=None, device_dense: str = "", device_spar
 
 
 def _scaled(tensor, factor: float):
-    """tensor * factor as Horovod computes it: in float64 (float32 for float16), then
-    cast back to the tensor's dtype (integers truncate toward zero)."""
+    """tensor * factor as Horovod computes it on CPU: integers in float64, truncated
+    back toward zero; float16 in float32; other floats in their own precision."""
     if factor == 1.0:
         return tensor
-    wide = tf.float32 if tensor.dtype == tf.float16 else tf.float64
+    wide = {tf.float16: tf.float32, tf.float32: tf.float32, tf.float64: tf.float64}.get(tensor.dtype, tf.float64)
     return tf.cast(tf.cast(tensor, wide) * tf.constant(factor, wide), tensor.dtype)
 
 

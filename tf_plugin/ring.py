@@ -22,7 +22,7 @@ Passes over the bytes: each gradient in a bucket of several is copied once
 into it (fewer, larger writes: on tcp the per-write cost dominates small
 models); a gradient alone in its bucket leaves from TensorFlow's buffer
 (verbs: one copy into staging). An average is the sum times 1/N, computed
-as Horovod does (in float64, float32 for float16; integers truncate), block
+as Horovod does (in float32 for float16; integers in float64, truncated), block
 by block right after each block is added, while the block is still in
 cache: dividing before the sum would be as cheap but round differently. Partial sums land in staging, the
 complete sum of this rank's chunk straight in the output, which the
@@ -120,9 +120,9 @@ class RingAllReduce:
         s, n, r = self.session, self.size, self.rank
 
         def finish(chunk):                 # this rank's fully summed chunk, in place
-            if chunk.dtype.kind in "fc":       # as Horovod: in float64 (float32 for float16), rounded back
-                np.multiply(chunk, (np.float32 if chunk.dtype == np.float16 else np.float64)(1.0 / n), out=chunk,
-                            casting="same_kind")
+            if chunk.dtype.kind in "fc":       # as Horovod: in the chunk's precision (float32 for float16)
+                np.multiply(chunk, (np.float32 if chunk.dtype == np.float16 else chunk.dtype.type)(1.0 / n),
+                            out=chunk, casting="same_kind")
             else:                          # integers as Horovod: scaled in float64, truncated back
                 np.copyto(chunk, np.trunc(chunk * (1.0 / n)), casting="unsafe")
 

@@ -97,9 +97,10 @@ for call in range(calls):
         else:
             got = hvd.allreduce(tf.constant(mine), op=hvd.Sum if kind == "sum" else hvd.Average, name=name).numpy()
             total = sum(value(call, r, dtype, shape, kind).astype(np.float64) for r in range(size))
-            want = (total * (1.0 / size) if kind == "average" else total).astype(dtype)
-            if kind == "average" and np.dtype(dtype).kind == "i":
-                want = np.trunc(total * (1.0 / size)).astype(dtype)
+            want = total.astype(dtype)       # exact: small integers
+            if kind == "average":            # as Horovod: times 1/size, integers in float64 then truncated
+                want = (np.trunc(total * (1.0 / size)) if np.dtype(dtype).kind == "i" else
+                        want * np.dtype(dtype).type(1.0 / size)).astype(dtype)
         error = None
     except Exception as exc:  # noqa: BLE001 - the point of the case
         error = f"{type(exc).__name__}: {str(exc)[:300]}"

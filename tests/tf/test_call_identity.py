@@ -25,7 +25,7 @@ def check(rep, size, calls):
     # One allgather name, two dtypes, both planned, one per rank: a typed error on every rank,
     # at once (not at the timeout), and the next agreeing call gets its own values.
     d = rep["diverged"]
-    assert d["error"] == "PlanMismatch" and "'leftover'" in d["message"], d
+    assert d["error"] == "CollectiveMismatch" and d["is_failed_precondition"] and "'leftover'" in d["message"], d
     assert "float32" in d["message"] and "int32" in d["message"]
     assert d["seconds"] < 10, d
     assert rep["after"] is True and rep["after_shape"] == [sum(17 + 15 * r for r in range(size)), 17, 17]

@@ -16,7 +16,7 @@ def test_broken_scripts_get_typed_errors_naming_the_tensor_and_the_rank(tmp_path
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for rank, rep in enumerate(reports):
         case = rep["different_models"]                 # rank 1's hidden layer is 9 wide, rank 0's 8
-        assert case["error"] == "PlanMismatch" and case["after_ok"], case
+        assert case["error"] == "CollectiveMismatch" and case["after_ok"], case
         assert "'sequential/hidden/kernel' differs (shape: [6, 8] vs [6, 9])" in case["message"]
         assert f"on rank {rank}" in case["message"] and case["tensor"] == "sequential/hidden/kernel"
 
@@ -35,7 +35,7 @@ def test_broken_scripts_get_typed_errors_naming_the_tensor_and_the_rank(tmp_path
                 f"from another rank (rank {rank}'s own value is finite)") in case["message"]
 
         case = rep["shape_change"]                     # 'grad' is 5 long on rank 1 at step 3, else 4
-        assert case["error"] == "PlanMismatch" and case["after_ok"], case
+        assert case["error"] == "CollectiveMismatch" and case["after_ok"], case
         assert case["tensor"] == "grad" and case["peer"] == 1 - rank
         assert "'grad' float32 [5]" in case["message"] and "'grad' float32 [4]" in case["message"]
         assert case["seconds"] < 10, case

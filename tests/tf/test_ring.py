@@ -10,7 +10,7 @@ from tf_plugin.analyzer import Analysis, VarInfo, buckets_of, ring_specs
 from ..support.ranks import check, run_ranks
 
 # a fused float bucket (divided by N while copied in), a float gradient alone in its bucket (its
-# sum divided block by block: several blocks per chunk), an integer bucket (floor division), sizes
+# sum divided block by block: several blocks per chunk), an integer bucket (truncated toward zero, as Horovod), sizes
 # not divisible by N
 VARIABLES = [VarInfo("w", (7, 5), np.dtype(np.float32), False, {}),
              VarInfo("b", (5,), np.dtype(np.float32), False, {}),
@@ -61,7 +61,8 @@ def test_ring_sums_and_averages_on_every_rank(n, average):
         everyone = [values(r, step) for r in range(n)]
         for t, v in enumerate(VARIABLES):
             total = sum(e[t] for e in everyone)
-            want = total if not average else total // n if v.dtype.kind == "i" else total / n
+            want = total if not average else np.trunc(total * (1.0 / n)).astype(v.dtype) if v.dtype.kind == "i" \
+                else total / n
             for r in range(n):
                 assert results[r][step][t].shape == v.shape and results[r][step][t].dtype == v.dtype
                 assert results[r][step][t].tobytes() == results[0][step][t].tobytes()     # bit-identical
