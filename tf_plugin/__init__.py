@@ -40,14 +40,22 @@ from .cores import share_cores
 share_cores()     # before TensorFlow's runtime starts: ranks sharing a host split its cores
 
 _WORLD = ("init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "broadcast_object",
-          "allgather_object", "stats", "Average", "Sum", "ReduceOp")
-_HOROVOD = ("DistributedGradientTape", "broadcast_variables", "allreduce", "grouped_allreduce", "allgather",
-            "broadcast", "Compression")
-_API = {**dict.fromkeys(_WORLD, "world"), **dict.fromkeys(_HOROVOD, "horovod")}
+          "allgather_object", "stats", "Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp",
+          "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built",
+          "ddl_built", "ccl_built", "cuda_built", "rocm_built", "is_homogeneous", "ProcessSet", "global_process_set",
+          "add_process_set", "remove_process_set")
+_HOROVOD = ("DistributedGradientTape", "PartialDistributedGradientTape", "broadcast_variables", "allreduce",
+            "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_",
+            "broadcast_global_variables", "alltoall", "reducescatter", "grouped_reducescatter", "join", "rank_op",
+            "local_rank_op", "size_op", "local_size_op", "Compression")
+_API = {**dict.fromkeys(_WORLD, "world"), **dict.fromkeys(_HOROVOD, "horovod"), "_executing_eagerly": "util",
+        "SyncBatchNormalization": "sync_batch_norm"}
 __all__ = list(_API)
 
 
 def __getattr__(name: str):
+    if name == "util":
+        return importlib.import_module(".util", __name__)
     module = _API.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -111,9 +111,9 @@ class CheckedCollectives(Collectives):
             self._check_outputs(group, j, out)
         return out
 
-    def allreduce(self, names, arrays, average: bool = True):
-        with self._naming("allreduce", "average" if average else "sum", names, arrays):
-            return super().allreduce(names, arrays, average)
+    def allreduce(self, names, arrays, op: str = "average"):
+        with self._naming("allreduce", op, names, arrays):
+            return super().allreduce(names, arrays, op)
 
     def broadcast(self, names, arrays, root: int):
         with self._naming("broadcast", str(root), names, arrays):
@@ -122,6 +122,10 @@ class CheckedCollectives(Collectives):
     def allgather(self, names, arrays):
         with self._naming("allgather", "", names, arrays):
             return super().allgather(names, arrays)
+
+    def alltoall(self, name, array, splits):
+        with self._naming("alltoall", "", [name], [array]):
+            return super().alltoall(name, array, splits)
 
     def close(self) -> None:
         self._stop.set()

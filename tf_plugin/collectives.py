@@ -26,8 +26,9 @@ What each set becomes in the plan:
   and one byte per non-root rank, written once every rank released the
   value: a rank returns only when every rank took part in the same call, so
   a broadcast that fails on one rank fails on all (as Horovod's does);
-- allgather: one dynamic-shape tensor (first dimension None) per (tensor,
-  ordered pair of ranks), its first room the largest any rank proposed.
+- allgather, alltoall: one dynamic-shape tensor (first dimension None) per
+  (tensor, ordered pair of ranks), its first room the largest any rank
+  proposed (an alltoall part is at most its whole tensor).
 
 The previous generation is closed once the next one is connected and the
 communication thread has finished every ring on it: the new setup barrier
@@ -61,9 +62,9 @@ COUNTED = ("control_calls", "bytes_sent", "bytes_received", "writes", "recvs", "
 class TensorSet:
     """One collective's tensors, as every rank agreed on them."""
     index: int
-    kind: str                      # allreduce | broadcast | allgather
-    op: str                        # allreduce: average | sum; broadcast: root rank; allgather: ""
-    entries: list                  # per tensor: {"name", "shape", "dtype"} (allgather: shape[0] None)
+    kind: str                      # allreduce | broadcast | allgather | alltoall
+    op: str                        # allreduce: REDUCTIONS:threshold; broadcast: root rank; others: ""
+    entries: list                  # per tensor: {"name", "shape", "dtype"} (ROWS_VARY kinds: shape[0] None)
     specs: list = field(default_factory=list)
     analysis: Analysis | None = None
 
@@ -77,9 +78,17 @@ class AllreduceGroup:
     buckets: list
 
 
-def allreduce_op(average: bool, threshold: int) -> str:
-    """An all-reduce set's op: how it combines, and the fusion threshold that cut its buckets."""
-    return f"{'average' if average else 'sum'}:{threshold}"
+ROWS_VARY = ("allgather", "alltoall")    # kinds whose tensors' first dimension may differ between ranks and calls
+REDUCTIONS = ("average", "sum", "min", "max", "product")
+COMBINE = {"average": np.add, "sum": np.add, "min": np.minimum, "max": np.maximum, "product": np.multiply}
+
+
+def allreduce_op(op: str, threshold: int) -> str:
+    """An all-reduce set's op: how it combines (one of REDUCTIONS), and the fusion
+    threshold that cut its buckets."""
+    if op not in REDUCTIONS:
+        raise ValueError(f"reduction {op!r} is not one of {REDUCTIONS}")
+    return f"{op}:{threshold}"
 
 
 def allreduce_buckets(shapes, dtypes, threshold: int) -> list:
@@ -94,13 +103,14 @@ def set_key(kind: str, op: str, names, arrays) -> tuple:
     name, shape and dtype in order. Names make a set specific (a call that
     differs from any before is proposed to every rank, so a difference between
     ranks is seen there), though ranks need not agree on them."""
-    dims = (lambda a: a.shape[1:]) if kind == "allgather" else (lambda a: a.shape)
+    dims = (lambda a: a.shape[1:]) if kind in ROWS_VARY else (lambda a: a.shape)
     return (kind, op, tuple((n, tuple(dims(a)), np.dtype(a.dtype)) for n, a in zip(names, arrays, strict=True)))
 
 
 def entries_of(kind: str, op: str, names, arrays) -> list[dict]:
+    varies = kind in ROWS_VARY
     return [{"name": n, "op": f"{kind}:{op}" if op != "" else kind,
-             "shape": ([None] if kind == "allgather" else []) + list(a.shape[1 if kind == "allgather" else 0:]),
+             "shape": ([None] if varies else []) + list(a.shape[1 if varies else 0:]),
              "dtype": np.dtype(a.dtype).name} for n, a in zip(names, arrays, strict=True)]
 
 
@@ -179,11 +189,10 @@ class Collectives:
     slot means the ranks called different collectives (checks.py watches for
     it). A call that fails after any value moved ends the generation on its
     rank: the session is closed, so every peer's wait on it ends too, and the
-    ranks agree in one exchange on the earliest failed call and connect a
-    fresh generation with empty slots. The calls with that number raise on
-    every rank; a later call caught by the reset runs again on the new one.
-    So no value outlives the call it was written for, and an error in one
-    call never fails the next."""
+    ranks agree in one exchange on the earliest failed call (and on the next
+    call's number) and connect a fresh generation with empty slots. Every
+    rank's call raises. So no value outlives the call it was written for, and
+    an error in one call never fails the next."""
 
     def __init__(self, bootstrap: Bootstrap, hosts: list[str], provider: str, token: str, timeout: float,
                  threshold: int | None = None, watch=lambda session: None, job_failure=lambda: None):
@@ -216,33 +225,30 @@ class Collectives:
             return number
 
     def attempt(self, number: int, body, entries: list):
-        """Run call `number` (body(), which moves its values); if it fails after
-        values may have moved, reset the generation with every rank, then raise
-        if this is the earliest failed call, or run body() again on the new
-        generation if an earlier call's failure cut this one off."""
-        for _ in range(3):
-            generation = self.generations
+        """Run call `number` (body(), which moves its values). If it fails after
+        values may have moved, the generation is reset with every rank before the
+        error is raised: the next call starts on empty slots, its number agreed."""
+        generation = self.generations
+        try:
+            return body()
+        except Settled as settled:
+            raise settled.error from None
+        except RdmaTensorError as exc:
+            lost = self.job_failure()
+            if lost is not None:
+                raise lost from exc
             try:
-                return body()
-            except Settled as settled:
-                raise settled.error from None
-            except RdmaTensorError as exc:
-                lost = self.job_failure()
-                if lost is not None:
-                    raise lost from exc
-                try:
-                    reset = self._recover(number, generation, exc, entries)
-                except Settled as settled:        # the reset's own exchange failed (a rank gone or silent)
-                    raise settled.error from exc
-                if reset.call == number:
-                    raise self._failed(exc, reset) from exc
-            finally:
-                self._active.pop(number % TAGS, None)
-        raise PlanMismatch(f"rank {self.rank}: call {number} was cut off by resets three times: the ranks diverged")
+                reset = self._recover(number, generation, exc, entries)
+            except Settled as settled:        # the reset's own exchange failed (a rank gone or silent)
+                raise settled.error from exc
+            raise self._failed(exc, reset) from exc
+        finally:
+            self._active.pop(number % TAGS, None)
 
     def _failed(self, exc: RdmaTensorError, reset: Reset) -> RdmaTensorError:
         """What a failed call raises: its own error where this rank saw the cause,
-        else the cause as the rank that saw it reported it."""
+        else the cause as the rank that saw it reported it (the earliest failed
+        call's: a later call cut off by the reset fails with it)."""
         if reset.rank == self.rank or not _collateral(exc):
             return exc
         return PlanMismatch(f"rank {reset.rank}: {reset.why}", peer=reset.rank, tensor=exc.tensor)
@@ -279,17 +285,14 @@ class Collectives:
             return []
         with self._lock:
             keys = [set_key(k, op, names, arrays) for k, op, names, arrays in requests]
-            for _ in range(3):
-                missing = {key: req for key, req in zip(keys, requests, strict=True) if key not in self._sets}
-                if not missing and self.session is not None:
-                    return [self._sets[key] for key in keys]
-                reset = self._next_generation(self.calls if number is None else number, list(missing.items()))
-                if reset is None:
-                    return [self._sets[key] for key in keys]
-                if reset.call == number:
-                    raise Settled(PlanMismatch(f"rank {reset.rank}: {reset.why}", peer=reset.rank,
-                                               tensor=requests[0][2][0] if requests[0][2] else None))
-            raise PlanMismatch(f"rank {self.rank}: the plan could not be agreed after three resets")
+            missing = {key: req for key, req in zip(keys, requests, strict=True) if key not in self._sets}
+            if not missing and self.session is not None:
+                return [self._sets[key] for key in keys]
+            reset = self._next_generation(self.calls if number is None else number, list(missing.items()))
+            if reset is not None:          # a rank's call failed meanwhile: this one fails with it
+                raise Settled(PlanMismatch(f"rank {reset.rank}: {reset.why}", peer=reset.rank,
+                                           tensor=requests[0][2][0] if requests[0][2] else None))
+            return [self._sets[key] for key in keys]
 
     def _next_generation(self, number: int, missing, failed: str | None = None, cause: bool = False) -> Reset | None:
         """One exchange with every rank, then a new generation: the plan extended by
@@ -310,6 +313,9 @@ class Collectives:
             except RdmaTensorError as exc:   # no value moved: nothing to reset, and no rank to reset with
                 raise Settled(exc) from exc
             failures = [(g["call"], not g["cause"], r, g["failed"]) for r, g in enumerate(got) if g.get("failed")]
+            numbers = [g["call"] for g in got]
+            if failures or len(set(numbers)) > 1:
+                self.calls = max(numbers) + 1      # every rank numbers its next call alike again
             if failures:
                 call, _, who, why = min(failures)     # the earliest call; the rank that saw its cause
                 reset = Reset(call, who, why)
@@ -321,10 +327,10 @@ class Collectives:
                 if problem is None and any([len(s) for s in g["sets"]] != [len(s) for s in proposal] for g in got):
                     problem = (f"plan mismatch: the ranks group their tensors into different collectives "
                                f"({[[len(s) for s in g['sets']] for g in got]} tensors per collective, by rank)")
-                if problem is None and len({g["call"] for g in got}) > 1:
-                    problem = (f"plan mismatch: the ranks are at different calls "
-                               f"({[g['call'] for g in got]}, by rank): {describe(proposal[0] if proposal else [])}"
-                               f" on rank {self.rank}")
+                if problem is None and len(set(numbers)) > 1:
+                    problem = (f"plan mismatch: the ranks' collectives are out of step (call number {numbers}, by "
+                               f"rank): an earlier collective ran on some ranks only; rank {self.rank} calls "
+                               f"{describe(proposal[0] if proposal else [])}")
                 if problem:
                     raise Settled(PlanMismatch(problem))
             new = []
@@ -385,11 +391,11 @@ class Collectives:
         session.close()
 
     # --------------------------------------------------------- collectives
-    def allreduce_group(self, names, shapes, dtypes, average: bool = True) -> AllreduceGroup:
+    def allreduce_group(self, names, shapes, dtypes, op: str = "average") -> AllreduceGroup:
         """An all-reduce of tensors whose shapes are known ahead (a graph being
         built): its buckets, for launch() and collect()."""
         described = [_Described(tuple(s), np.dtype(d)) for s, d in zip(shapes, dtypes, strict=True)]
-        request = ("allreduce", allreduce_op(average, self.threshold), list(names), described)
+        request = ("allreduce", allreduce_op(op, self.threshold), list(names), described)
         return AllreduceGroup(request, set_key(*request), allreduce_buckets(shapes, dtypes, self.threshold))
 
     def launch(self, group: AllreduceGroup, j: int, arrays: list) -> None:
@@ -420,13 +426,14 @@ class Collectives:
             raise UsageError(f"rank {self.rank}: bucket {j} of an all-reduce collected before any launch")
         return self.comm.collect(ts.index, j)
 
-    def allreduce(self, names, arrays, average: bool = True) -> list[np.ndarray]:
-        """Sum or average over the ranks; the outputs are 64-byte aligned arrays that
-        stay untouched while anything refers to them."""
+    def allreduce(self, names, arrays, op: str = "average") -> list[np.ndarray]:
+        """The arrays combined over the ranks by `op` (average, sum, min, max,
+        product); the outputs are 64-byte aligned arrays that stay untouched while
+        anything refers to them."""
         if self.size == 1:
             return [_contiguous(a) for a in arrays]
         arrays = [_contiguous(a) for a in arrays]
-        group = self.allreduce_group(names, [a.shape for a in arrays], [a.dtype for a in arrays], average)
+        group = self.allreduce_group(names, [a.shape for a in arrays], [a.dtype for a in arrays], op)
         members = [[int(key) for key, _, _ in b.members] for b in group.buckets]
         for j, positions in enumerate(members):
             self.launch(group, j, [arrays[p] for p in positions])
@@ -440,8 +447,9 @@ class Collectives:
         ring = self._rings.get(ts.index)
         if ring is None or ring.session is not self.session:
             from .ring import RingAllReduce
+            op = ts.op.split(":")[0]
             ring = self._rings[ts.index] = RingAllReduce(self.session, ts.analysis, self.meter,
-                                                         average=ts.op.startswith("average"))
+                                                         average=op == "average", combine=COMBINE[op])
         return ring
 
     def broadcast(self, names, arrays, root: int) -> list[np.ndarray]:
@@ -509,6 +517,44 @@ class Collectives:
                         self.meter.tally["copied"] += 1
                     out.append(result)
                 return out
+
+        return self.attempt(number, body, entries_of(*request))
+
+    def alltoall(self, name: str, array: np.ndarray, splits) -> tuple[np.ndarray, np.ndarray]:
+        """Rows splits[d] of `array` (in order along the first dimension) go to rank d;
+        returns what every rank sent this one, concatenated in rank order, and how
+        many rows came from each. splits None: equal parts."""
+        rows = array.shape[0]
+        if splits is None:
+            if rows % self.size:
+                raise ValueError(f"alltoall of {name!r}: {rows} rows do not split equally over {self.size} "
+                                      f"ranks (pass splits)")
+            splits = [rows // self.size] * self.size
+        splits = [int(x) for x in np.asarray(splits).reshape(-1)]
+        if len(splits) != self.size or min(splits) < 0 or sum(splits) != rows:
+            raise ValueError(f"alltoall of {name!r}: splits {splits} must be {self.size} non-negative counts "
+                                  f"adding up to the first dimension ({rows})")
+        bounds = np.concatenate([[0], np.cumsum(splits)])
+        parts = [_contiguous(array[bounds[d]:bounds[d + 1]]) for d in range(self.size)]
+        if self.size == 1:
+            return parts[0], np.array(splits, np.int32)
+        request = ("alltoall", "", [name], [array])
+        number = self.begin()
+
+        def body():
+            with self._lock, self.meter.comm():
+                (ts,) = self.ensure([request], number)
+                tag, prefix = self.active(number, ts), f"s{ts.index}"
+                self.session.send_many([(f"{prefix}/g0/r{self.rank}/r{dst}", parts[dst]) for dst in range(self.size)
+                                        if dst != self.rank], tag=tag)
+                with contextlib.ExitStack() as held:
+                    got = [parts[src] if src == self.rank else held.enter_context(
+                        self.session.recv(f"{prefix}/g0/r{src}/r{self.rank}", tag=tag)) for src in range(self.size)]
+                    from .ingest import aligned_empty
+                    out = aligned_empty((sum(g.shape[0] for g in got), *array.shape[1:]), array.dtype)
+                    np.concatenate(got, out=out)
+                    self.meter.tally["copied"] += 1
+                    return out, np.array([g.shape[0] for g in got], np.int32)
 
         return self.attempt(number, body, entries_of(*request))
 

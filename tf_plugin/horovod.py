@@ -15,7 +15,10 @@ ring's outputs are): see ingest.borrow.
 from __future__ import annotations
 
 import functools
+import time
 import types
+
+import keras
 
 import numpy as np
 import tensorflow as tf
@@ -23,11 +26,13 @@ import tensorflow as tf
 from . import ingest, overlap
 from .analyzer import var_key
 from .collectives import allreduce_op
-from .tf_errors import as_horovod_errors
-from .world import Average, ReduceOp, Sum, world
+from .tf_errors import InvalidArgument, as_horovod_errors, numpy_function
+from .world import Adasum, Average, Max, Min, Product, ReduceOp, Sum, allgather_object, world
 
-__all__ = ["Compression", "DistributedGradientTape", "allreduce", "grouped_allreduce", "allgather", "broadcast",
-           "broadcast_variables", "Average", "Sum"]
+__all__ = ["Compression", "DistributedGradientTape", "PartialDistributedGradientTape", "allreduce",
+           "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_", "broadcast_variables",
+           "broadcast_global_variables", "alltoall", "reducescatter", "grouped_reducescatter", "join", "rank_op",
+           "local_rank_op", "size_op", "local_size_op"]
 
 
 # ------------------------------------------------------------- compression
@@ -63,18 +68,30 @@ class Compression:
 
 
 # ---------------------------------------------------------------- plumbing
-def _average(op) -> bool:
-    if op not in (Average, Sum):
-        raise ValueError(f"op {op!r}: only hvd.Average and hvd.Sum are supported")
-    return op == Average
+REDUCTION = {Average: "average", Sum: "sum", Min: "min", Max: "max", Product: "product"}
 
 
 def _op(average, op):
+    """Horovod's `op` (or the deprecated `average`) as a ReduceOp; Average by default."""
     if average is not None and op is not None:
         raise ValueError("give either average or op, not both")
     if average is not None:
         return Average if average else Sum
     return Average if op is None else ReduceOp(op)
+
+
+def _reduction(op) -> str:
+    """A dense all-reduce's reduction, as the collectives name it."""
+    op = ReduceOp(op)
+    if op == Adasum:
+        raise NotImplementedError("op=hvd.Adasum is not supported: use hvd.Average or hvd.Sum")
+    return REDUCTION[op]
+
+
+def _sparse_op(op) -> None:
+    if ReduceOp(op) not in (Average, Sum):
+        raise NotImplementedError("only hvd.Sum and hvd.Average are supported with tf.IndexedSlices (as in "
+                                  "Horovod): pass sparse_as_dense=True for other ops")
 
 
 def _names(items) -> list[str]:
@@ -89,34 +106,36 @@ def _names(items) -> list[str]:
 
 
 def _through_numpy(fn, tensors: list, shapes: list, name: str) -> list:
-    """fn(list of ndarrays) -> ndarrays of the same dtypes. Eager: called now, its
-    outputs borrowed by TensorFlow; in a graph: one stateful tf.numpy_function."""
+    """fn(list of ndarrays) -> ndarrays, one per tensor and of its dtype. Eager:
+    called now, its outputs borrowed by TensorFlow; in a graph: one stateful
+    numpy_function (tf_errors.numpy_function: Horovod's error types there too)."""
     if tf.executing_eagerly():
         with as_horovod_errors():
             outs = fn([np.asarray(t) for t in tensors])   # CPU tensors: aliases, no copy
         tally = world().collectives.meter.tally
         return [ingest.borrow(o, tally) for o in outs]
-    outs = tf.numpy_function(lambda *arrays: fn(list(arrays)), tensors, [t.dtype for t in tensors],
-                             stateful=True, name=name)
+    outs = numpy_function(lambda *arrays: fn(list(arrays)), tensors, [t.dtype for t in tensors], name,
+                          lambda arrays: [np.zeros(0, a.dtype) for a in arrays])
     for o, shape in zip(outs, shapes, strict=True):
         o.set_shape(shape)
     return list(outs)
 
 
-def _allreduce_many(tensors, names, average: bool, compression) -> list:
+def _allreduce_many(tensors, names, op: str, compression) -> list:
     """Eagerly: every bucket handed to the communication thread, then collected.
     In a graph, with static shapes: one launch op per bucket, fed only by that
     bucket's tensors, and one wait op per bucket (tf_plugin.overlap), so rings run
-    while backprop still computes later buckets; otherwise one numpy_function."""
+    while backprop still computes later buckets; otherwise one numpy_function.
+    `op`: a reduction of collectives.REDUCTIONS."""
     packed = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
     sent = [p[0] for p in packed]
     collectives = world().collectives
     if tf.executing_eagerly() or not overlap.static(sent) or world().size == 1:
-        reduced = _through_numpy(lambda arrays: world().collectives.allreduce(names, arrays, average),
+        reduced = _through_numpy(lambda arrays: world().collectives.allreduce(names, arrays, op),
                                  sent, [t.shape for t in sent], "rdmatensor_allreduce")
     else:
         group = collectives.allreduce_group(names, [tuple(t.shape) for t in sent],
-                                            [t.dtype.as_numpy_dtype for t in sent], average)
+                                            [t.dtype.as_numpy_dtype for t in sent], op)
         members = [[int(key) for key, _, _ in b.members] for b in group.buckets]
         reduced = overlap.bucketed(sent, members, functools.partial(collectives.launch, group),
                                    functools.partial(collectives.collect, group), "rdmatensor_allreduce")
@@ -127,7 +146,7 @@ def _allgather_many(tensors, names) -> list:
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     for n, t in zip(names, tensors, strict=True):
         if t.shape.rank == 0:
-            raise ValueError(f"allgather of {n!r}: a scalar has no first dimension to concatenate")
+            raise InvalidArgument(f"allgather of {n!r}: a scalar has no first dimension to concatenate")
     return _through_numpy(lambda arrays: world().collectives.allgather(names, arrays), tensors,
                           [tf.TensorShape([None]).concatenate(t.shape[1:]) for t in tensors], "rdmatensor_allgather")
 
@@ -147,11 +166,12 @@ def _allgather_slices(slices: list, names: list, average: bool) -> list:
     return out
 
 
-def reduce_gradients(grads, sources, compression=NoneCompressor, sparse_as_dense: bool = False, op=Average):
+def reduce_gradients(grads, sources, compression=NoneCompressor, sparse_as_dense: bool = False, op=Average,
+                     prescale_factor: float = 1.0, postscale_factor: float = 1.0):
     """Gradients (any nest matching `sources`, None kept) combined over the ranks:
     dense ones by one all-reduce, sparse ones (tf.IndexedSlices) by allgather unless
     `sparse_as_dense`. Shared by DistributedGradientTape and the Keras optimizer."""
-    average = _average(op)
+    reduction = _reduction(op)
     flat = tf.nest.flatten(grads)
     names = _names(tf.nest.flatten(sources))
     if len(names) != len(flat):
@@ -161,81 +181,21 @@ def reduce_gradients(grads, sources, compression=NoneCompressor, sparse_as_dense
     out = list(flat)
     dense = [j for j, g in enumerate(flat) if g is not None and not isinstance(g, tf.IndexedSlices)]
     sparse = [j for j, g in enumerate(flat) if isinstance(g, tf.IndexedSlices)]
-    if dense:
-        reduced = _allreduce_many([flat[j] for j in dense], [names[j] for j in dense], average, compression)
-        for j, r in zip(dense, reduced, strict=True):
-            out[j] = r
     if sparse:
-        gathered = _allgather_slices([flat[j] for j in sparse], [names[j] for j in sparse], average)
+        _sparse_op(op)
+        if prescale_factor != 1.0 or postscale_factor != 1.0:
+            raise NotImplementedError("pre/postscale_factor are not supported with tf.IndexedSlices "
+                                      "(as in Horovod): pass sparse_as_dense=True, or scale the values yourself")
+    if dense:
+        scaled = [_scaled(tf.convert_to_tensor(flat[j]), prescale_factor) for j in dense]
+        reduced = _allreduce_many(scaled, [names[j] for j in dense], reduction, compression)
+        for j, r in zip(dense, reduced, strict=True):
+            out[j] = _scaled(r, postscale_factor)
+    if sparse:
+        gathered = _allgather_slices([flat[j] for j in sparse], [names[j] for j in sparse], reduction == "average")
         for j, r in zip(sparse, gathered, strict=True):
             out[j] = r
     return tf.nest.pack_sequence_as(grads, out)
-
-
-def plan_ahead(model) -> None:
-    """Plan a built Keras model's first step now: the all-reduce of its trainable
-    variables' gradients and the broadcast of all its variables from rank 0."""
-    def described(variables):
-        return [types.SimpleNamespace(shape=tuple(v.shape), dtype=np.dtype(tf.as_dtype(v.dtype).as_numpy_dtype))
-                for v in variables]
-    trainable, every = list(model.trainable_variables), list(model.variables)
-    threshold = world().collectives.threshold
-    requests = [("allreduce", allreduce_op(True, threshold), _names(trainable), described(trainable)),
-                ("broadcast", "0", _names(every), described(every))]
-    world().collectives.ensure([r for r in requests if r[2]])
-
-
-# --------------------------------------------------------------- public API
-class DistributedGradientTape:
-    """A tf.GradientTape whose gradient() combines the gradients over the ranks
-    (Average: the mean, as if one process had seen every rank's batch)."""
-
-    def __init__(self, gradtape, device_dense: str = "", device_sparse: str = "",
-                 compression=Compression.none, sparse_as_dense: bool = False, op=Average):
-        _average(op)
-        self._tape, self._compression, self._sparse_as_dense, self._op = gradtape, compression, sparse_as_dense, op
-
-    def __getattr__(self, name):
-        return getattr(self._tape, name)
-
-    def __enter__(self):
-        self._tape.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._tape.__exit__(*exc)
-
-    def gradient(self, target, sources, output_gradients=None,
-                 unconnected_gradients=tf.UnconnectedGradients.NONE):
-        grads = self._tape.gradient(target, sources, output_gradients, unconnected_gradients)
-        return reduce_gradients(grads, sources, self._compression, self._sparse_as_dense, self._op)
-
-
-def allreduce(tensor, average=None, device_dense: str = "", device_sparse: str = "", compression=Compression.none,
-              op=None, prescale_factor: float = 1.0, postscale_factor: float = 1.0, name: str | None = None):
-    """The tensor combined over the ranks (op Average, the default, or Sum); a
-    tf.IndexedSlices is allgathered instead, as Horovod does."""
-    (out,) = grouped_allreduce([tensor], average, device_dense, device_sparse, compression, op, prescale_factor,
-                               postscale_factor, name)
-    return out
-
-
-def grouped_allreduce(tensors, average=None, device_dense: str = "", device_sparse: str = "",
-                      compression=Compression.none, op=None, prescale_factor: float = 1.0,
-                      postscale_factor: float = 1.0, name: str | None = None) -> list:
-    """allreduce of several tensors in one collective (one ring over fused buckets)."""
-    op = _op(average, op)
-    tensors = list(tensors)
-    base = name or "allreduce"
-    names = [base if len(tensors) == 1 else f"{base}/{j}" for j in range(len(tensors))]
-    if any(isinstance(t, tf.IndexedSlices) for t in tensors):
-        if prescale_factor != 1.0 or postscale_factor != 1.0:
-            raise NotImplementedError("pre/postscale_factor are not supported with tf.IndexedSlices "
-                                      "(as in Horovod): pass sparse_as_dense, or scale the values yourself")
-        return reduce_gradients(tensors, [types.SimpleNamespace(name=n) for n in names], compression, False, op)
-    tensors = [_scaled(tf.convert_to_tensor(t), prescale_factor) for t in tensors]
-    out = _allreduce_many(tensors, names, _average(op), compression)
-    return [_scaled(t, postscale_factor) for t in out]
 
 
 def _scaled(tensor, factor: float):
@@ -247,26 +207,225 @@ def _scaled(tensor, factor: float):
     return tf.cast(tf.cast(tensor, wide) * tf.constant(factor, wide), tensor.dtype)
 
 
-def allgather(tensor, device_dense: str = "", device_sparse: str = "", name: str | None = None):
-    """Every rank's tensor concatenated along the first dimension, in rank order;
-    the first dimension may differ between ranks."""
-    (out,) = _allgather_many([tensor], [name or "allgather"])
+def plan_ahead(model) -> None:
+    """Plan a built Keras model's first step now: the all-reduce of its trainable
+    variables' gradients and the broadcast of all its variables from rank 0."""
+    def described(variables):
+        return [types.SimpleNamespace(shape=tuple(v.shape), dtype=np.dtype(tf.as_dtype(v.dtype).as_numpy_dtype))
+                for v in variables]
+    trainable, every = list(model.trainable_variables), list(model.variables)
+    threshold = world().collectives.threshold
+    requests = [("allreduce", allreduce_op("average", threshold), _names(trainable), described(trainable)),
+                ("broadcast", "0", _names(every), described(every))]
+    world().collectives.ensure([r for r in requests if r[2]])
+
+
+def _with_gradient(forward, backward):
+    """forward(*tensors) -> tensor(s), differentiable with backward(upstream, inputs,
+    outputs) -> the inputs' gradients (Horovod's gradient of each collective)."""
+    @tf.custom_gradient
+    def op(*tensors):
+        out = forward(*tensors)
+
+        def grad(*upstream):
+            return backward(upstream, tensors, out)
+        return out, grad
+    return op
+
+
+# --------------------------------------------------------------- public API
+class DistributedGradientTape:
+    """A tf.GradientTape whose gradient() combines the gradients over the ranks
+    (Average: the mean, as if one process had seen every rank's batch). Sources
+    registered with register_local_source() keep their own rank's gradient
+    (divided by the number of ranks with scale_local_gradients, as Horovod)."""
+
+    def __init__(self, gradtape, device_dense: str = "", device_sparse: str = "",
+                 compression=Compression.none, sparse_as_dense: bool = False, op=Average,
+                 gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
+                 process_set=None, scale_local_gradients: bool = True):
+        op = ReduceOp(op)
+        _reduction(op)
+        if gradient_predivide_factor != 1.0 and op != Average:
+            raise ValueError("gradient_predivide_factor not supported with op != Average")
+        if groups is not None and not (isinstance(groups, list) or groups > 0):
+            raise ValueError("groups should be a non-negative integer or a list of list of tf.Variable.")
+        _global_only(process_set)
+        self._tape, self._compression, self._sparse_as_dense = gradtape, compression, sparse_as_dense
+        self._op, self._predivide, self._scale_local = op, gradient_predivide_factor, scale_local_gradients
+        self._local_sources: set[int] = set()
+
+    def __getattr__(self, name):
+        return getattr(self._tape, name)
+
+    def __enter__(self):
+        self._tape.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._tape.__exit__(*exc)
+
+    def register_local_source(self, source) -> None:
+        """Keep this source's gradient local: it is not combined over the ranks."""
+        self._local_sources.add(id(source))
+
+    def gradient(self, target, sources, output_gradients=None,
+                 unconnected_gradients=tf.UnconnectedGradients.NONE):
+        grads = self._tape.gradient(target, sources, output_gradients, unconnected_gradients)
+        flat_sources, flat_grads = tf.nest.flatten(sources), tf.nest.flatten(grads)
+        shared = [j for j, s in enumerate(flat_sources) if id(s) not in self._local_sources]
+        op, pre, post = self._op, 1.0, 1.0
+        if self._predivide != 1.0:          # as Horovod: the average split around the sum
+            op, pre, post = Sum, 1.0 / self._predivide, self._predivide / world().size
+        reduced = reduce_gradients([flat_grads[j] for j in shared], [flat_sources[j] for j in shared],
+                                   self._compression, self._sparse_as_dense, op, pre, post)
+        out = list(flat_grads)
+        for j, g in zip(shared, reduced, strict=True):
+            out[j] = g
+        if self._scale_local:
+            for j, s in enumerate(flat_sources):
+                if id(s) in self._local_sources and out[j] is not None:
+                    g = out[j]
+                    out[j] = (tf.IndexedSlices(g.values / world().size, g.indices, g.dense_shape)
+                              if isinstance(g, tf.IndexedSlices) else g / world().size)
+        return tf.nest.pack_sequence_as(grads, out)
+
+    def get_local_and_global_gradients(self, target, sources, output_gradients=None):
+        """([(local source, gradient)], [(shared source, gradient)])."""
+        grads = self.gradient(target, sources, output_gradients)
+        pairs = list(zip(sources, grads, strict=True))
+        return ([p for p in pairs if id(p[0]) in self._local_sources],
+                [p for p in pairs if id(p[0]) not in self._local_sources])
+
+
+def PartialDistributedGradientTape(gradtape, device_dense: str = "", device_sparse: str = "",
+                                   compression=Compression.none, sparse_as_dense: bool = False, op=Average,
+                                   gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
+                                   process_set=None, local_layers=None, scale_local_gradients: bool = True):
+    """A DistributedGradientTape whose `local_layers`' trainable variables keep
+    their local gradients (model parallel parts, per-rank heads)."""
+    if local_layers is None:
+        local_layers = []
+    elif isinstance(local_layers, keras.layers.Layer):
+        local_layers = [local_layers]
+    elif not all(isinstance(layer, keras.layers.Layer) for layer in local_layers):
+        raise ValueError("All local layers must be of tf.keras.layers.Layer type.")
+    tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
+                                   gradient_predivide_factor, num_groups, groups, process_set, scale_local_gradients)
+    for layer in local_layers:
+        for v in layer.trainable_weights:
+            tape.register_local_source(v)
+    return tape
+
+
+def allreduce(tensor, average=None, device_dense: str = "", device_sparse: str = "", compression=Compression.none,
+              op=None, prescale_factor: float = 1.0, postscale_factor: float = 1.0, name: str | None = None,
+              process_set=None, ignore_name_scope: bool = False):
+    """The tensor combined over the ranks by `op`: Average (the default), Sum, Min,
+    Max or Product; a tf.IndexedSlices is allgathered instead, as Horovod does
+    (Average and Sum only). Differentiable: the gradient is the same all-reduce of
+    the upstream gradient."""
+    op = _op(average, op)
+    if isinstance(tensor, tf.IndexedSlices):
+        (out,) = grouped_allreduce([tensor], None, device_dense, device_sparse, compression, op, prescale_factor,
+                                   postscale_factor, process_set, name=name)
+        return out
+    (out,) = grouped_allreduce([tensor], None, device_dense, device_sparse, compression, op, prescale_factor,
+                               postscale_factor, process_set, name=name or "allreduce")
     return out
 
 
-def broadcast(tensor, root_rank: int, device: str = "", name: str | None = None):
-    """root_rank's value of the tensor, on every rank."""
+def grouped_allreduce(tensors, average=None, device_dense: str = "", device_sparse: str = "",
+                      compression=Compression.none, op=None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0, process_set=None, ignore_name_scope: bool = False,
+                      name: str | None = None) -> list:
+    """allreduce of several tensors in one collective (one ring over fused buckets)."""
+    op = _op(average, op)
+    _global_only(process_set)
+    tensors = list(tensors)
+    base = name or "allreduce"
+    names = [base if len(tensors) == 1 else f"{base}/{j}" for j in range(len(tensors))]
+    if any(isinstance(t, tf.IndexedSlices) for t in tensors):
+        return reduce_gradients(tensors, [types.SimpleNamespace(name=n) for n in names], compression, False, op,
+                                prescale_factor, postscale_factor)
+    reduction = _reduction(op)
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+
+    def forward(*xs):
+        return _allreduce_many([_scaled(x, prescale_factor) for x in xs], names, reduction, compression)
+
+    def backward(upstream, inputs, outputs):
+        out = _allreduce_many([_scaled(tf.convert_to_tensor(g), prescale_factor) for g in upstream],
+                              [f"{n}/grad" for n in names], reduction, compression)
+        return [_scaled(g, postscale_factor) for g in out]
+
+    out = _with_gradient(lambda *xs: [_scaled(t, postscale_factor) for t in forward(*xs)], backward)(*tensors)
+    return list(out)
+
+
+def allgather(tensor, device_dense: str = "", device_sparse: str = "", name: str | None = None,
+              process_set=None, ignore_name_scope: bool = False):
+    """Every rank's tensor concatenated along the first dimension, in rank order;
+    the first dimension may differ between ranks. Differentiable (Horovod's
+    gradient: the upstream gradient averaged over the ranks, this rank's rows)."""
+    (out,) = grouped_allgather([tensor], name=name or "allgather", process_set=process_set)
+    return out
+
+
+def grouped_allgather(tensors, name: str | None = None, ignore_name_scope: bool = False, process_set=None) -> list:
+    """allgather of several tensors in one collective."""
+    _global_only(process_set)
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    base = name or "allgather"
+    names = [base if len(tensors) == 1 else f"{base}/{j}" for j in range(len(tensors))]
+
+    def backward(upstream, inputs, outputs):
+        averaged = _allreduce_many([tf.convert_to_tensor(g) for g in upstream], [f"{n}/grad" for n in names],
+                                   "average", Compression.none)
+        rows = _allgather_many([tf.reshape(tf.shape(x)[0], [1]) for x in inputs], [f"{n}/rows" for n in names])
+        return [tf.split(g, tf.reshape(r, [world().size]), axis=0)[world().rank]
+                for g, r in zip(averaged, rows, strict=True)]
+
+    return list(_with_gradient(lambda *xs: _allgather_many(list(xs), names), backward)(*tensors))
+
+
+def broadcast(tensor, root_rank: int, device: str = "", name: str | None = None, process_set=None,
+              ignore_name_scope: bool = False):
+    """root_rank's value of the tensor, on every rank. Differentiable (Horovod's
+    gradient: the upstream gradient averaged over the ranks, on the root; zero
+    elsewhere)."""
+    _global_only(process_set)
     tensor = tf.convert_to_tensor(tensor)
     names = [name or "broadcast"]
-    (out,) = _through_numpy(lambda arrays: world().collectives.broadcast(names, arrays, root_rank), [tensor],
-                            [tensor.shape], "rdmatensor_broadcast")
-    return out
+
+    def forward(x):
+        (out,) = _through_numpy(lambda arrays: world().collectives.broadcast(names, arrays, root_rank), [x],
+                                [x.shape], "rdmatensor_broadcast")
+        return out
+
+    def backward(upstream, inputs, outputs):
+        (g,) = _allreduce_many([tf.convert_to_tensor(upstream[0])], [f"{names[0]}/grad"], "average",
+                               Compression.none)
+        return g if world().rank == root_rank else g * 0
+
+    return _with_gradient(forward, backward)(tensor)
 
 
-def broadcast_variables(variables, root_rank: int):
+def broadcast_(variables, root_rank: int, name: str | None = None, process_set=None):
+    """Assign root_rank's values to `variables` in place; their new values."""
+    variables = list(variables)
+    op = broadcast_variables(variables, root_rank)
+    if tf.executing_eagerly():
+        return [v.read_value() for v in variables]
+    with tf.control_dependencies([op]):
+        return [v.read_value() for v in variables]
+
+
+def broadcast_variables(variables, root_rank: int, process_set=None, inplace: bool = False):
     """Assign root_rank's values to the variables on every rank: any variables
     (trainable, non-trainable such as BatchNorm statistics, optimizer slots),
     eagerly or inside tf.function (returns the assignments as one op there)."""
+    _global_only(process_set)
     variables = list(tf.nest.flatten(variables))
     if not variables:
         return None if tf.executing_eagerly() else tf.no_op()
@@ -278,3 +437,102 @@ def broadcast_variables(variables, root_rank: int):
         return None if tf.executing_eagerly() else tf.group(*outs)
     assigns = [v.assign(o) for v, o in zip(variables, outs, strict=True)]
     return None if tf.executing_eagerly() else tf.group(*assigns)
+
+
+def broadcast_global_variables(root_rank: int):
+    """TF1 graphs: broadcast every global variable from root_rank (an op). Eagerly
+    there are no global variables: RuntimeError, as in Horovod."""
+    if tf.executing_eagerly():
+        raise RuntimeError("hvd.broadcast_global_variables() does not support eager execution. Please use "
+                           "`hvd.broadcast_variables(<model/optimizer variables>)` instead.")
+    return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
+
+
+def alltoall(tensor, splits=None, name: str | None = None, ignore_name_scope: bool = False, process_set=None):
+    """Rows splits[r] of `tensor` (along its first dimension, in rank order) go to
+    rank r; returns the rows every rank sent this one, in rank order, and, when
+    `splits` is given, how many came from each rank. Differentiable."""
+    _global_only(process_set)
+    tensor = tf.convert_to_tensor(tensor)
+    if tensor.shape.rank == 0:
+        raise InvalidArgument("alltoall: a scalar has no first dimension to split")
+    given = splits is not None
+    split_t = tf.cast(tf.convert_to_tensor(splits if given else [], tf.int64), tf.int32)
+    base = name or "alltoall"
+
+    def exchange(x, s, label):
+        def fn(arrays):
+            out, received = world().collectives.alltoall(label, arrays[0], arrays[1] if arrays[1].size else None)
+            return [out, received]
+        out, received = _through_numpy(fn, [x, s], [tf.TensorShape([None]).concatenate(x.shape[1:]),
+                                                    tf.TensorShape([world().size])], "rdmatensor_alltoall")
+        return out, received
+
+    @tf.custom_gradient
+    def op(x):
+        out, received = exchange(x, split_t, base)
+
+        def grad(upstream):
+            back, _ = exchange(tf.convert_to_tensor(upstream), received, f"{base}/grad")
+            return back
+        return (out, tf.stop_gradient(received)), lambda g, _=None: grad(g)
+
+    out, received = op(tensor)
+    return (out, received) if given else out
+
+
+def reducescatter(tensor, device_dense: str = "", compression=Compression.none, op=Average,
+                  name: str | None = None, process_set=None, ignore_name_scope: bool = False,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0):
+    """The tensor combined over the ranks by `op`, then split along the first
+    dimension: this rank's rows (the first rows % size ranks get one more)."""
+    (out,) = grouped_reducescatter([tensor], device_dense, compression, op, name, process_set, ignore_name_scope,
+                                   prescale_factor, postscale_factor)
+    return out
+
+
+def grouped_reducescatter(tensors, device_dense: str = "", compression=Compression.none, op=Average,
+                          name: str | None = None, process_set=None, ignore_name_scope: bool = False,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
+    """reducescatter of several tensors in one collective."""
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    for t in tensors:
+        if t.shape.rank == 0:
+            raise InvalidArgument("reducescatter: a scalar has no first dimension to scatter")
+    reduced = grouped_allreduce(tensors, None, device_dense, "", compression, op, prescale_factor,
+                                postscale_factor, process_set, name=name or "reducescatter")
+    n, r = world().size, world().rank
+    out = []
+    for t in reduced:
+        rows = tf.shape(t)[0]
+        lo = r * (rows // n) + tf.minimum(r, rows % n)
+        count = rows // n + tf.cast(r < rows % n, rows.dtype)
+        out.append(t[lo:lo + count])
+    return out
+
+
+def join() -> int:
+    """Wait until every rank joined; the rank that joined last (the same on every rank)."""
+    arrivals = allgather_object(time.time(), name="join")
+    return int(np.argmax(arrivals))
+
+
+def rank_op(name: str | None = None):
+    return tf.constant(world().rank, tf.int32, name=name)
+
+
+def local_rank_op(name: str | None = None):
+    return tf.constant(world().local_rank, tf.int32, name=name)
+
+
+def size_op(process_set_id: int = 0, name: str | None = None):
+    return tf.constant(world().size, tf.int32, name=name)
+
+
+def local_size_op(name: str | None = None):
+    return tf.constant(world().local_size, tf.int32, name=name)
+
+
+def _global_only(process_set) -> None:
+    if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
+        raise NotImplementedError("process sets other than the global one are not supported yet")

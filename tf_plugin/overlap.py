@@ -26,6 +26,8 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
+from .tf_errors import numpy_function
+
 _last_wait = weakref.WeakKeyDictionary()     # graph -> the last wait op of its latest all-reduce
 
 
@@ -43,15 +45,16 @@ def bucketed(tensors: list, members: list[list[int]], launch, collect, name: str
     tokens, previous = [], [_last_wait[graph]] if graph in _last_wait else []
     for j, positions in enumerate(members):
         with tf.control_dependencies(previous):
-            token = tf.numpy_function(_launcher(launch, j), [tensors[p] for p in positions], tf.int64,
-                                      stateful=True, name=f"{name}_launch")
+            token = numpy_function(_launcher(launch, j), [tensors[p] for p in positions], tf.int64,
+                                   f"{name}_launch", lambda arrays: np.int64(-1))
         tokens.append(token)
         previous = [token]
     out = [None] * len(tensors)
     with tf.control_dependencies(tokens):
         for j, positions in enumerate(members):
-            results = tf.numpy_function(_collector(collect, j), [tokens[j]], [tensors[p].dtype for p in positions],
-                                        stateful=True, name=f"{name}_wait")
+            dtypes = [tensors[p].dtype for p in positions]
+            results = numpy_function(_collector(collect, j), [tokens[j]], dtypes, f"{name}_wait",
+                                     lambda _, dtypes=dtypes: [np.zeros(0, d.as_numpy_dtype) for d in dtypes])
             for p, r in zip(positions, results, strict=True):
                 r.set_shape(tensors[p].shape)
                 out[p] = r

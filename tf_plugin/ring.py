@@ -53,8 +53,10 @@ BLOCK = 1 << 16       # elements summed then divided at a time: about L2-sized, 
 
 
 class RingAllReduce:
-    def __init__(self, session, analysis: Analysis, meter: Meter | None = None, average: bool = True):
-        self.session, self.analysis, self.average = session, analysis, average
+    def __init__(self, session, analysis: Analysis, meter: Meter | None = None, average: bool = True,
+                 combine=np.add):
+        # combine: how two ranks' values make one (np.add; np.minimum, np.maximum, np.multiply)
+        self.session, self.analysis, self.average, self.combine = session, analysis, average, combine
         self.meter = meter or Meter()
         self.rank, self.size = session.rank, analysis.workers
         self.index = {v.key: i for i, v in enumerate(analysis.variables)}
@@ -145,10 +147,10 @@ class RingAllReduce:
                     if last and divide[i]:         # block by block: divided while still in cache
                         for lo in range(0, dst.size, BLOCK):
                             block = slice(lo, lo + BLOCK)
-                            np.add(flats[i][bounds[i][c]][block], chunk[block], out=dst[block])
+                            self.combine(flats[i][bounds[i][c]][block], chunk[block], out=dst[block])
                             finish(dst[block])
                     else:
-                        np.add(flats[i][bounds[i][c]], chunk, out=dst)
+                        self.combine(flats[i][bounds[i][c]], chunk, out=dst)
                 outgoing[i] = dst
         for step in range(n - 1):                                   # all-gather
             s.send_many([(ring_name(keys[i], "ag", step, r), outgoing[i]) for i in live], tag=tag)

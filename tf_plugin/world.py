@@ -32,11 +32,17 @@ from .failure import JobFailure
 
 
 class ReduceOp(enum.IntEnum):
+    """Horovod's reduction ops, with Horovod's values."""
     Average = 0
     Sum = 1
+    Adasum = 2
+    Min = 3
+    Max = 4
+    Product = 5
 
 
-Average, Sum = ReduceOp.Average, ReduceOp.Sum
+Average, Sum, Adasum, Min, Max, Product = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum, ReduceOp.Min,
+                                           ReduceOp.Max, ReduceOp.Product)
 
 
 @dataclass
@@ -197,3 +203,85 @@ def stats() -> dict:
     out["exchanges"] = w.bootstrap.exchanges
     out["provider"] = out["provider"] or boot.get("provider")
     return out
+
+
+# ------------------------------------------------ what Horovod scripts ask of the build
+def mpi_built() -> bool:
+    """No MPI inside: rdmatensor moves tensors itself (rdmatensor-run, or any launcher's environment)."""
+    return False
+
+
+def mpi_enabled() -> bool:
+    return False
+
+
+def mpi_threads_supported() -> bool:
+    return False
+
+
+def gloo_built() -> bool:
+    return False
+
+
+def gloo_enabled() -> bool:
+    return False
+
+
+def nccl_built() -> int:
+    return 0
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def cuda_built() -> bool:
+    return False
+
+
+def rocm_built() -> bool:
+    return False
+
+
+def is_homogeneous() -> bool:
+    """Every host runs as many ranks as this one (as Horovod reports it)."""
+    counts = allgather_object(local_size(), name="homogeneous")
+    return len(set(counts)) == 1
+
+
+# ------------------------------------------------------------------ process sets
+@dataclass(frozen=True)
+class ProcessSet:
+    """Horovod's process set. Only the global one (every rank) is supported."""
+    ranks: tuple | None = None
+    process_set_id: int = 0
+
+    def size(self) -> int:
+        return len(self.ranks) if self.ranks is not None else size()
+
+    def rank(self) -> int:
+        return rank() if self.ranks is None else self.ranks.index(rank())
+
+    def included(self) -> bool:
+        return self.ranks is None or rank() in self.ranks
+
+
+global_process_set = ProcessSet()
+
+
+def add_process_set(process_set) -> ProcessSet:
+    ranks = tuple(process_set.ranks if isinstance(process_set, ProcessSet) else process_set)
+    if sorted(ranks) == list(range(size())):
+        return global_process_set
+    raise NotImplementedError(f"process set {list(ranks)}: only the global process set (every rank) is "
+                              f"supported yet")
+
+
+def remove_process_set(process_set) -> bool:
+    if process_set is global_process_set:
+        raise ValueError("the global process set cannot be removed")
+    return False
