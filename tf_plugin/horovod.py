@@ -114,8 +114,10 @@ def _through_numpy(fn, tensors: list, shapes: list, name: str) -> list:
             outs = fn([np.asarray(t) for t in tensors])   # CPU tensors: aliases, no copy
         tally = world().collectives.meter.tally
         return [ingest.borrow(o, tally) for o in outs]
-    outs = numpy_function(lambda *arrays: fn(list(arrays)), tensors, [t.dtype for t in tensors], name,
-                          lambda arrays: [np.zeros(0, a.dtype) for a in arrays])
+    with overlap.in_program_order() as done:
+        outs = numpy_function(lambda *arrays: fn(list(arrays)), tensors, [t.dtype for t in tensors], name,
+                              lambda arrays: [np.zeros(0, a.dtype) for a in arrays])
+        done(outs[0].op)
     for o, shape in zip(outs, shapes, strict=True):
         o.set_shape(shape)
     return list(outs)
@@ -457,7 +459,7 @@ def alltoall(tensor, splits=None, name: str | None = None, ignore_name_scope: bo
     if tensor.shape.rank == 0:
         raise InvalidArgument("alltoall: a scalar has no first dimension to split")
     given = splits is not None
-    split_t = tf.cast(tf.convert_to_tensor(splits if given else [], tf.int64), tf.int32)
+    split_t = tf.cast(tf.convert_to_tensor(splits), tf.int32) if given else tf.constant([], tf.int32)
     base = name or "alltoall"
 
     def exchange(x, s, label):
@@ -499,16 +501,26 @@ def grouped_reducescatter(tensors, device_dense: str = "", compression=Compressi
     for t in tensors:
         if t.shape.rank == 0:
             raise InvalidArgument("reducescatter: a scalar has no first dimension to scatter")
-    reduced = grouped_allreduce(tensors, None, device_dense, "", compression, op, prescale_factor,
-                                postscale_factor, process_set, name=name or "reducescatter")
+    _global_only(process_set)
+    op, base = ReduceOp(op), name or "reducescatter"
     n, r = world().size, world().rank
-    out = []
-    for t in reduced:
-        rows = tf.shape(t)[0]
-        lo = r * (rows // n) + tf.minimum(r, rows % n)
-        count = rows // n + tf.cast(r < rows % n, rows.dtype)
-        out.append(t[lo:lo + count])
-    return out
+
+    def forward(*xs):
+        reduced = grouped_allreduce(list(xs), None, device_dense, "", compression, op, prescale_factor,
+                                    postscale_factor, name=base)
+        out = []
+        for t in reduced:            # this rank's rows: the first rows % size ranks get one more
+            rows = tf.shape(t)[0]
+            lo = r * (rows // n) + tf.minimum(r, rows % n)
+            out.append(t[lo:lo + rows // n + tf.cast(r < rows % n, rows.dtype)])
+        return out
+
+    def backward(upstream, inputs, outputs):     # as Horovod: every rank's gradient rows, gathered
+        factor = (n if op == Sum else 1) * prescale_factor * postscale_factor
+        grads = [tf.convert_to_tensor(g) * tf.cast(factor, g.dtype) for g in upstream]
+        return _allgather_many(grads, [f"{base}/grad/{j}" for j in range(len(grads))])
+
+    return list(_with_gradient(forward, backward)(*tensors))
 
 
 def join() -> int:

@@ -15,12 +15,15 @@ a wait blocks one of TensorFlow's inter-op threads, and it must never hold
 one that a launch, or the backprop feeding it, still needs. The launches are
 chained in bucket order, so every rank hands its buckets over in the plan's
 order (the communication thread runs them in that order anyway), and the
-first launch of an all-reduce waits for the last wait of the previous one in
-the same graph: two all-reduces of one tensor set never mix their buckets,
-whether or not TensorFlow's automatic control dependencies order them.
+first launch of an all-reduce waits for the last op of the previous
+collective built in the same graph (in_program_order): two all-reduces of
+one tensor set never mix their buckets, and every rank runs a graph's
+collectives in the order the script built them, whether or not
+TensorFlow's automatic control dependencies order them.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import numpy as np
@@ -28,7 +31,34 @@ import tensorflow as tf
 
 from .tf_errors import numpy_function
 
-_last_wait = weakref.WeakKeyDictionary()     # graph -> the last wait op of its latest all-reduce
+_last = weakref.WeakKeyDictionary()     # graph -> the last op of the latest collective built in it
+
+
+@contextlib.contextmanager
+def in_program_order():
+    """Build a collective's ops to run after the previous collective built in the
+    same function graph: every rank then runs a tf.function's collectives in the
+    order the script wrote them (TensorFlow alone may run independent ops in any
+    order, and ranks would call different collectives). Yields done(op), to call
+    with the collective's last op.
+
+    Only in functions, where every op runs at every call. In a TF1 graph a
+    control dependency would make every later session.run run the earlier
+    collectives again, so there independent collectives fetched by one run keep
+    TensorFlow's order: put a control dependency between them (if the ranks'
+    orders differ, every rank fails with FailedPreconditionError, never a
+    wrong value)."""
+    graph = tf.compat.v1.get_default_graph()
+    if not graph.building_function:
+        yield lambda op: None
+        return
+    previous = _last.get(graph)
+
+    def done(op) -> None:
+        _last[graph] = op
+
+    with tf.control_dependencies([previous] if previous is not None else []):
+        yield done
 
 
 def static(tensors) -> bool:
@@ -41,15 +71,15 @@ def bucketed(tensors: list, members: list[list[int]], launch, collect, name: str
     `tensors` of bucket j's members, in order; `launch(j, arrays)` hands bucket
     j over, `collect(j)` returns its members' results. A tensor in no bucket
     (zero elements) comes back as zeros."""
-    graph = tf.compat.v1.get_default_graph()
-    tokens, previous = [], [_last_wait[graph]] if graph in _last_wait else []
-    for j, positions in enumerate(members):
-        with tf.control_dependencies(previous):
-            token = numpy_function(_launcher(launch, j), [tensors[p] for p in positions], tf.int64,
-                                   f"{name}_launch", lambda arrays: np.int64(-1))
-        tokens.append(token)
-        previous = [token]
-    out = [None] * len(tensors)
+    tokens, out = [], [None] * len(tensors)
+    with in_program_order() as done:
+        previous = []
+        for j, positions in enumerate(members):
+            with tf.control_dependencies(previous):
+                token = numpy_function(_launcher(launch, j), [tensors[p] for p in positions], tf.int64,
+                                       f"{name}_launch", lambda arrays: np.int64(-1))
+            tokens.append(token)
+            previous = [token]
     with tf.control_dependencies(tokens):
         for j, positions in enumerate(members):
             dtypes = [tensors[p].dtype for p in positions]
@@ -58,7 +88,7 @@ def bucketed(tensors: list, members: list[list[int]], launch, collect, name: str
             for p, r in zip(positions, results, strict=True):
                 r.set_shape(tensors[p].shape)
                 out[p] = r
-            _last_wait[graph] = results[0].op
+            done(results[0].op)
     return [t if t is not None else tf.zeros_like(tensors[p]) for p, t in enumerate(out)]
 
 
