@@ -208,6 +208,7 @@ class Collectives:
         self.generations = 0
         self.calls = 0                             # collective calls begun: the next one's number
         self.resets: list[Reset] = []
+        self.seen: str | None = None               # why the watchdog ended this generation (checks.py), if it did
         self._active: dict[int, tuple[int, int, list]] = {}   # tag -> (call number, set index, entries)
         self._sets: dict[tuple, TensorSet] = {}
         self._order: list[TensorSet] = []
@@ -303,11 +304,12 @@ class Collectives:
         proposal = [entries_of(k, op, names, arrays) for _, (k, op, names, arrays) in missing]
         hints = [[int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize for a in arrays]
                  for _, (_, _, _, arrays) in missing]
+        proposing, seen, self.seen = failed is None, self.seen, None
         reservation = PortReservation(self.hosts[self.rank])
         reset = None
         try:
             payload = json.dumps({"sets": proposal, "hints": hints, "port": reservation.port, "call": number,
-                                  "failed": failed, "cause": cause}).encode()
+                                  "failed": failed or seen, "cause": cause or seen is not None}).encode()
             try:
                 got = [json.loads(raw) for raw in self.bootstrap.allgather("plan", payload)]
             except RdmaTensorError as exc:   # no value moved: nothing to reset, and no rank to reset with
@@ -320,7 +322,7 @@ class Collectives:
                 call, _, who, why = min(failures)     # the earliest call; the rank that saw its cause
                 reset = Reset(call, who, why)
                 missing = []
-                if failed is None:          # this rank proposed; the others reset under it
+                if proposing:               # the others reset under this rank's proposal
                     self._abandon(PlanMismatch(f"rank {reset.rank}: {reset.why}", peer=reset.rank))
             else:
                 problem = first_difference([[e for s in g["sets"] for e in s] for g in got])

@@ -13,15 +13,20 @@ from __future__ import annotations
 
 from .. import horovod as _tf
 from ..horovod import Compression, broadcast_variables
-from ..world import (Average, ReduceOp, Sum, allgather_object, broadcast_object, init, is_initialized, local_rank,
-                     local_size, rank, shutdown, size, stats)
+from ..world import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, allgather_object, broadcast_object,
+                     ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, init, is_initialized, local_rank,
+                     local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built,
+                     shutdown, size, stats)
 from . import callbacks
-from .optimizer import DistributedOptimizer
+from .optimizer import DistributedOptimizer, PartialDistributedOptimizer
 from .saving import load_model
 
-__all__ = ["DistributedOptimizer", "load_model", "callbacks", "Compression", "allreduce", "allgather", "broadcast",
-           "broadcast_variables", "broadcast_object", "allgather_object", "init", "shutdown", "is_initialized",
-           "rank", "size", "local_rank", "local_size", "stats", "Average", "Sum", "ReduceOp"]
+__all__ = ["DistributedOptimizer", "PartialDistributedOptimizer", "load_model", "callbacks", "Compression",
+           "allreduce", "allgather", "broadcast", "reducescatter", "broadcast_variables", "broadcast_global_variables",
+           "broadcast_object", "allgather_object", "init", "shutdown", "is_initialized", "rank", "size", "local_rank",
+           "local_size", "stats", "Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp", "mpi_built",
+           "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built", "ddl_built",
+           "ccl_built", "cuda_built", "rocm_built"]
 
 
 def allreduce(value, name: str | None = None, average=None, prescale_factor: float = 1.0,
@@ -39,3 +44,13 @@ def allgather(value, name: str | None = None):
 def broadcast(value, root_rank: int, name: str | None = None):
     """root_rank's `value` on every rank."""
     return _tf.broadcast(value, root_rank, name=name)
+
+
+def reducescatter(value, name: str | None = None, op=Average):
+    """`value` combined over the ranks by `op`, this rank's rows of it."""
+    return _tf.reducescatter(value, name=name, op=op)
+
+
+def broadcast_global_variables(root_rank: int):
+    """TF1 graphs only (RuntimeError eagerly, as Horovod): see tf_plugin.broadcast_global_variables."""
+    return _tf.broadcast_global_variables(root_rank)

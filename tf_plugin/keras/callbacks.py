@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from .. import horovod
 from ..world import rank, size
@@ -14,11 +15,18 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     that initialized differently start alike. The optimizer is built first where
     Keras would only build it in the first step (its slots must be broadcast
     too); a model still unbuilt when training begins is broadcast after its first
-    batch."""
+    batch. `local_variables` keep this rank's values."""
 
-    def __init__(self, root_rank: int, device: str = ""):
+    def __init__(self, root_rank: int, device: str = "", local_variables=None):
         super().__init__()
+        if local_variables is None:
+            local_variables = []
+        elif isinstance(local_variables, (tf.Variable, keras.Variable)):
+            local_variables = [local_variables]
+        elif not all(isinstance(v, (tf.Variable, keras.Variable)) for v in local_variables):
+            raise ValueError("All local variables must be of tf.Variable type.")
         self.root_rank = root_rank
+        self.local_variables = {id(v) for v in local_variables}     # kept as this rank has them
         self.broadcast_done = False
 
     def _broadcast(self):
@@ -28,6 +36,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         if optimizer is not None and not optimizer.built:
             optimizer.build(self.model.trainable_variables)
         variables = list(self.model.variables) + list(getattr(optimizer, "variables", None) or [])
+        variables = [v for v in variables if id(v) not in self.local_variables]
         horovod.broadcast_variables(variables, root_rank=self.root_rank)
         self.broadcast_done = True
 
@@ -51,6 +60,65 @@ class MetricAverageCallback(keras.callbacks.Callback):
         averaged = np.asarray(horovod.allreduce(values, name="metrics/" + ",".join(names)))
         for k, v in zip(names, averaged, strict=True):
             logs[k] = float(v)
+
+
+class LearningRateScheduleCallback(keras.callbacks.Callback):
+    """Set the learning rate to initial_lr * multiplier(epoch) between start_epoch
+    and end_epoch (end excluded): at each epoch's first batch (staircase), or at
+    every batch with fractional epochs. A number as `multiplier` decays
+    exponentially: multiplier ** (epoch - start_epoch). Momentum correction as
+    in LearningRateWarmupCallback."""
+
+    def __init__(self, initial_lr: float, multiplier, start_epoch: int = 0, end_epoch: int | None = None,
+                 staircase: bool = True, momentum_correction: bool = True, steps_per_epoch: int | None = None):
+        super().__init__()
+        if initial_lr is None:
+            raise ValueError("Parameter `initial_lr` is required")
+        self.initial_lr, self.start_epoch, self.end_epoch = float(initial_lr), start_epoch, end_epoch
+        self.staircase, self.momentum_correction, self.steps_per_epoch = staircase, momentum_correction, \
+            steps_per_epoch
+        self.multiplier = multiplier if callable(multiplier) else \
+            (lambda epoch: multiplier ** (epoch - start_epoch))
+        self.current_epoch = 0
+        self._restore_momentum = None
+
+    def on_train_begin(self, logs=None):
+        if not self.staircase and not self.steps_per_epoch:
+            self.steps_per_epoch = self.params.get("steps")
+            if not self.steps_per_epoch:
+                raise ValueError("Could not autodetect the number of steps per epoch: pass steps_per_epoch to "
+                                 f"{type(self).__name__}()")
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current_epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.current_epoch < self.start_epoch or (self.end_epoch is not None and
+                                                     self.current_epoch >= self.end_epoch):
+            return
+        if self.staircase and batch == 0:
+            self._adjust(self.current_epoch)
+        elif not self.staircase:
+            self._adjust(self.current_epoch + batch / self.steps_per_epoch)
+
+    def _adjust(self, epoch: float) -> None:
+        optimizer = self.model.optimizer
+        old = float(optimizer.learning_rate)
+        new = self.initial_lr * self.multiplier(epoch)
+        optimizer.learning_rate = new
+        momentum = getattr(optimizer, "momentum", None)
+        if self.momentum_correction and hasattr(momentum, "assign") and old > 0:
+            self._restore_momentum = float(momentum)
+            momentum.assign(self._restore_momentum * new / old)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._restore_momentum is not None:
+            self.model.optimizer.momentum.assign(self._restore_momentum)
+            self._restore_momentum = None
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs["lr"] = float(self.model.optimizer.learning_rate)
 
 
 class LearningRateWarmupCallback(keras.callbacks.Callback):

@@ -11,14 +11,17 @@ saved model or checkpoint loads as the plain optimizer.
 With `backward_passes_per_step` k > 1, gradients are summed locally in
 optimizer variables for k calls (averaged when `average_aggregated_gradients`)
 and combined over the ranks and applied on the k-th only: k times fewer
-collectives, and `iterations` counts applied updates.
+collectives. As in Horovod, `iterations` counts every backward pass.
 """
 from __future__ import annotations
 
+import types
+
+import keras
 import tensorflow as tf
 
 from ..horovod import Compression, reduce_gradients
-from ..world import Average
+from ..world import Average, Sum, size
 
 
 class _DistributedOptimizer:
@@ -26,11 +29,64 @@ class _DistributedOptimizer:
     defaults of an optimizer made by deserialization (load_model)."""
     _hvd_compression, _hvd_sparse_as_dense, _hvd_op = Compression.none, False, Average
     _hvd_passes, _hvd_average_aggregated = 1, False
+    _hvd_predivide, _hvd_scale_local = 1.0, True
+    _hvd_reduced = False          # set by _compute_gradients: apply() must not combine the gradients again
+
+    @property
+    def _hvd_local(self) -> set:
+        if "_hvd_local_ids" not in self.__dict__:
+            self.__dict__["_hvd_local_ids"] = set()
+        return self.__dict__["_hvd_local_ids"]
+
+    def register_local_var(self, var) -> None:
+        """Keep this variable's gradient local: it is not combined over the ranks
+        (divided by the number of ranks, with scale_local_gradients)."""
+        self._hvd_local.add(id(var))
 
     def _hvd_reduce(self, grads, variables):
-        sources = list(variables) if variables is not None else [None] * len(grads)
-        return reduce_gradients(list(grads), sources, self._hvd_compression, self._hvd_sparse_as_dense,
-                                self._hvd_op)
+        grads = list(grads)
+        variables = list(variables) if variables is not None else [None] * len(grads)
+        shared = [j for j, v in enumerate(variables) if id(v) not in self._hvd_local]
+        op, pre, post = self._hvd_op, 1.0, 1.0
+        if self._hvd_predivide != 1.0:        # the average split around the sum, as Horovod
+            op, pre, post = Sum, 1.0 / self._hvd_predivide, self._hvd_predivide / size()
+        reduced = reduce_gradients([grads[j] for j in shared], [variables[j] for j in shared],
+                                   self._hvd_compression, self._hvd_sparse_as_dense, op, pre, post)
+        out = list(grads)
+        for j, g in zip(shared, reduced, strict=True):
+            out[j] = g
+        if self._hvd_scale_local:
+            for j, v in enumerate(variables):
+                if id(v) in self._hvd_local and out[j] is not None:
+                    out[j] = tf.convert_to_tensor(out[j]) / size()
+        return out
+
+    def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
+        """[(gradient, variable)] of `loss` (a tensor with `tape`, or a callable),
+        combined over the ranks when every backward pass is applied (Horovod's
+        and TF-Keras 2's method; Keras 3 optimizers have none)."""
+        var_list = list(var_list)
+        tape = tape if tape is not None else tf.GradientTape()
+        if callable(loss):
+            with tape:
+                for v in var_list:
+                    tape.watch(v)
+                loss = loss()
+        grads = tape.gradient(loss, var_list, grad_loss)
+        if self._hvd_passes == 1:
+            grads = self._hvd_reduce(grads, var_list)
+            self._hvd_reduced = True
+        return list(zip(grads, var_list, strict=True))
+
+    def apply_gradients(self, grads_and_vars, **kwargs):
+        """Keras 3's apply_gradients; TF-Keras 2's keyword arguments
+        (experimental_aggregate_gradients, name) are accepted and ignored."""
+        return super().apply_gradients(grads_and_vars)
+
+    @property
+    def _agg_helper(self):
+        """Horovod's view of local aggregation: `counter`, the backward passes since the last update."""
+        return types.SimpleNamespace(counter=self._hvd_count)
 
     def build(self, variables):
         if self.built:
@@ -42,8 +98,11 @@ class _DistributedOptimizer:
             self._hvd_count = self.add_variable((), initializer="zeros", dtype="int64", name="hvd_backward_passes")
 
     def apply(self, grads, trainable_variables=None):
+        reduced, self._hvd_reduced = self._hvd_reduced, False
         if self._hvd_passes == 1:
-            return super().apply(self._hvd_reduce(grads, trainable_variables), trainable_variables)
+            if not reduced:
+                grads = self._hvd_reduce(grads, trainable_variables)
+            return super().apply(grads, trainable_variables)
         if trainable_variables is None:
             raise ValueError("backward_passes_per_step > 1 needs the variables passed with the gradients")
         variables = list(trainable_variables)
@@ -62,9 +121,14 @@ class _DistributedOptimizer:
             apply(self._hvd_reduce(local, variables), variables)
             for total in sums:
                 total.assign(tf.zeros_like(total))
+            self._hvd_count.assign(0)
             return tf.constant(True)
 
-        return tf.cond(self._hvd_count % self._hvd_passes == 0, update, lambda: tf.constant(False))
+        def skip():            # as Horovod: every backward pass counts as an iteration
+            self.iterations.assign_add(1)
+            return tf.constant(False)
+
+        return tf.cond(self._hvd_count >= self._hvd_passes, update, skip)
 
 
 def distributed_class(base: type, **defaults) -> type:
@@ -75,12 +139,20 @@ def distributed_class(base: type, **defaults) -> type:
 
 
 def DistributedOptimizer(optimizer, name: str | None = None, device_dense: str = "", device_sparse: str = "",
-                         compression=Compression.none, sparse_as_dense: bool = False, op=Average,
-                         backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False):
+                         compression=Compression.none, sparse_as_dense: bool = False,
+                         gradient_predivide_factor: float = 1.0, op=Average, backward_passes_per_step: int = 1,
+                         average_aggregated_gradients: bool = False, num_groups: int = 0, groups=None,
+                         process_set=None, scale_local_gradients: bool = True):
     """A new optimizer of `optimizer`'s class and config whose updates use the
-    gradients combined over the ranks (op Average: their mean)."""
+    gradients combined over the ranks (op Average: their mean). Horovod's
+    signature; `groups` and `num_groups` are accepted (rdmatensor fuses by its
+    own threshold), process sets other than the global one are not."""
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, not {backward_passes_per_step}")
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
+        raise NotImplementedError("process sets other than the global one are not supported yet")
     cls = distributed_class(type(optimizer))
     config = optimizer.get_config()
     if name:
@@ -90,4 +162,26 @@ def DistributedOptimizer(optimizer, name: str | None = None, device_dense: str =
         compression, sparse_as_dense, op
     distributed._hvd_passes = int(backward_passes_per_step)
     distributed._hvd_average_aggregated = bool(average_aggregated_gradients)
+    distributed._hvd_predivide, distributed._hvd_scale_local = gradient_predivide_factor, scale_local_gradients
+    return distributed
+
+
+def PartialDistributedOptimizer(optimizer, name: str | None = None, device_dense: str = "",
+                                device_sparse: str = "", compression=Compression.none,
+                                sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0, op=Average,
+                                backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
+                                groups=None, process_set=None, local_layers=None, scale_local_gradients: bool = True):
+    """A DistributedOptimizer whose `local_layers`' trainable variables keep their local gradients."""
+    if local_layers is None:
+        local_layers = []
+    elif isinstance(local_layers, keras.layers.Layer):
+        local_layers = [local_layers]
+    elif not all(isinstance(layer, keras.layers.Layer) for layer in local_layers):
+        raise ValueError("All local layers must be of tf.keras.layers.Layer type.")
+    distributed = DistributedOptimizer(optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
+                                       gradient_predivide_factor, op, backward_passes_per_step,
+                                       average_aggregated_gradients, 0, groups, process_set, scale_local_gradients)
+    for layer in local_layers:
+        for v in layer.trainable_weights:
+            distributed.register_local_var(v)
     return distributed
