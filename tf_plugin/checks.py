@@ -181,7 +181,7 @@ class CheckedCollectives(Collectives):
                 continue
             session = self.session
             if error is not None and session is not None and not session.closed:
-                self.seen = str(error)       # the reset's exchange tells every rank why
+                self.seen = (self.generations, str(error))     # the reset's exchange tells every rank why
                 session.abort(error)         # every call waiting on it raises `error` and resets
                 session.close()              # and every peer's wait on this rank ends
 

@@ -163,6 +163,11 @@ class Reset:
     call: int
     rank: int
     why: str
+    other: int | None = None       # the rank the cause names besides `rank`, if any
+
+    def peer_of(self, rank: int) -> int | None:
+        """The rank a failed call on `rank` blames."""
+        return self.other if self.rank == rank else self.rank
 
 
 class Settled(Exception):
@@ -208,7 +213,7 @@ class Collectives:
         self.generations = 0
         self.calls = 0                             # collective calls begun: the next one's number
         self.resets: list[Reset] = []
-        self.seen: str | None = None               # why the watchdog ended this generation (checks.py), if it did
+        self.seen: tuple | None = None            # (generation, why) the watchdog ended (checks.py), if it did
         self._active: dict[int, tuple[int, int, list]] = {}   # tag -> (call number, set index, entries)
         self._sets: dict[tuple, TensorSet] = {}
         self._order: list[TensorSet] = []
@@ -291,7 +296,7 @@ class Collectives:
                 return [self._sets[key] for key in keys]
             reset = self._next_generation(self.calls if number is None else number, list(missing.items()))
             if reset is not None:          # a rank's call failed meanwhile: this one fails with it
-                raise Settled(PlanMismatch(f"rank {reset.rank}: {reset.why}", peer=reset.rank,
+                raise Settled(PlanMismatch(f"rank {reset.rank}: {reset.why}", peer=reset.peer_of(self.rank),
                                            tensor=requests[0][2][0] if requests[0][2] else None))
             return [self._sets[key] for key in keys]
 
@@ -304,7 +309,8 @@ class Collectives:
         proposal = [entries_of(k, op, names, arrays) for _, (k, op, names, arrays) in missing]
         hints = [[int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize for a in arrays]
                  for _, (_, _, _, arrays) in missing]
-        proposing, seen, self.seen = failed is None, self.seen, None
+        seen = self.seen[1] if self.seen is not None and self.seen[0] == self.generations else None
+        proposing, self.seen = failed is None, None
         reservation = PortReservation(self.hosts[self.rank])
         reset = None
         try:
@@ -319,8 +325,15 @@ class Collectives:
             if failures or len(set(numbers)) > 1:
                 self.calls = max(numbers) + 1      # every rank numbers its next call alike again
             if failures:
-                call, _, who, why = min(failures)     # the earliest call; the rank that saw its cause
-                reset = Reset(call, who, why)
+                call, collateral, who, why = min(failures)   # the earliest call; the rank that saw its cause
+                proposers = [r for r, g in enumerate(got) if g["sets"] and not g.get("failed") and g["call"] == call]
+                other = None
+                if collateral and proposers:   # the cause: a rank proposed new sets where the others had a plan
+                    p = proposers[0]
+                    why = (f"calls {describe([e for x in got[p]['sets'] for e in x])}, new to the plan, while "
+                           f"rank {who}'s {why}")
+                    who, other = p, who
+                reset = Reset(call, who, why, other)
                 missing = []
                 if proposing:               # the others reset under this rank's proposal
                     self._abandon(PlanMismatch(f"rank {reset.rank}: {reset.why}", peer=reset.rank))
