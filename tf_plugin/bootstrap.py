@@ -8,8 +8,10 @@ can move: the tensor sets a new plan generation adds (compared on every
 rank), the control ports of that generation's session, broadcast_object and
 allgather_object payloads. Tensors never go this way on the fast path.
 
-Each message carries a tag saying what it is, so that ranks in different
-collectives fail with a message naming both instead of misreading bytes.
+Each message carries its exchange's number and a tag saying what it is:
+ranks in different collectives fail with a message naming both instead of
+misreading bytes, and a message left over from an exchange that failed on
+its receiver is dropped, never read by a later exchange.
 One slot per pair and one credit per slot keep every pair's messages in
 order. This module does not import TensorFlow.
 """
@@ -47,38 +49,51 @@ class Bootstrap:
                                timeout=timeout) if self.size > 1 else None
 
     def _send(self, dst: int, tag: str, data: bytes) -> None:
-        message = np.frombuffer(tag.encode() + b"\0" + data, np.uint8)
+        message = np.frombuffer(f"{self.exchanges}:{tag}".encode() + b"\0" + data, np.uint8)
         self.session.send(boot_name(self.rank, dst), message)
 
     def _recv(self, src: int, tag: str) -> bytes:
-        got, data = self.take(src)
-        if got != tag:
-            raise PlanMismatch(f"rank {src} is in {got!r} while rank {self.rank} "
-                               f"is in {tag!r}: the ranks called different collectives")
-        return data
+        """`src`'s message of this exchange. One left over from an exchange that
+        failed on this rank is dropped: a message is only read by its own exchange."""
+        while True:
+            seq, got, data = self.take(src)
+            if seq == self.exchanges and got == tag:
+                return data
+            if seq < self.exchanges:
+                continue
+            if seq > self.exchanges:
+                with self._reading:
+                    self._ahead[src] = (seq, got, data)     # the next exchange's, if this rank catches up
+            raise PlanMismatch(f"rank {src} is in {got!r} (exchange {seq}) while rank {self.rank} is in {tag!r} "
+                               f"(exchange {self.exchanges}): the ranks called different collectives")
 
-    def take(self, src: int, timeout: float | None = None) -> tuple[str, bytes]:
-        """The next message from `src`: (its tag, its data)."""
+    def take(self, src: int, timeout: float | None = None) -> tuple[int, str, bytes]:
+        """The next message from `src`: (its exchange number, its tag, its data)."""
         with self._reading:
             if src in self._ahead:
                 return self._ahead.pop(src)
             return self._read(src, timeout)
 
-    def _read(self, src: int, timeout: float | None) -> tuple[str, bytes]:
+    def _read(self, src: int, timeout: float | None) -> tuple[int, str, bytes]:
         with self.session.recv(boot_name(src, self.rank), timeout) as view:
             raw = view.tobytes()                 # out of the slot: it goes back to the sender now
-        got, _, data = raw.partition(b"\0")
-        return got.decode(errors="replace"), data
+        head, _, data = raw.partition(b"\0")
+        seq, _, tag = head.decode(errors="replace").partition(":")
+        return int(seq) if seq.isdigit() else -1, tag, data
 
     def peek(self, src: int) -> tuple[str, bytes] | None:
-        """`src`'s next message if it has arrived, left for the exchange that reads it;
-        None if there is none yet, or an exchange is reading right now."""
+        """`src`'s next message of this exchange or a later one, if it has arrived,
+        left for the exchange that reads it (tag, data); None if there is none yet,
+        or an exchange is reading right now."""
         if not self._reading.acquire(blocking=False):
             return None
         try:
-            if src not in self._ahead and src in self.unread():
-                self._ahead[src] = self._read(src, 0)
-            return self._ahead.get(src)
+            while src not in self._ahead and src in self.unread():
+                message = self._read(src, 0)
+                if message[0] >= self.exchanges:   # older ones belong to exchanges that failed here
+                    self._ahead[src] = message
+            message = self._ahead.get(src)
+            return message[1:] if message is not None else None
         finally:
             self._reading.release()
 
