@@ -37,21 +37,19 @@ _last = weakref.WeakKeyDictionary()     # graph -> the last op of the latest col
 @contextlib.contextmanager
 def in_program_order():
     """Build a collective's ops to run after the previous collective built in the
-    same function graph: every rank then runs a tf.function's collectives in the
-    order the script wrote them (TensorFlow alone may run independent ops in any
-    order, and ranks would call different collectives). Yields done(op), to call
-    with the collective's last op.
+    same graph: every rank then runs a graph's collectives in the order the
+    script built them (TensorFlow alone may run independent ops in any order,
+    and ranks would call different collectives), and when one fails, the later
+    ones of the same run do not start (a collective still queued on one rank
+    only would put the ranks out of step). Yields done(op), to call with the
+    collective's last op.
 
-    Only in functions, where every op runs at every call. In a TF1 graph a
-    control dependency would make every later session.run run the earlier
-    collectives again, so there independent collectives fetched by one run keep
-    TensorFlow's order: put a control dependency between them (if the ranks'
-    orders differ, every rank fails with FailedPreconditionError, never a
-    wrong value)."""
+    In a TF1 graph, a session.run that fetches a collective also runs the
+    collectives built before it in the same graph, as control dependencies:
+    build what runs once (a broadcast of the initial variables) after the
+    training step, as Horovod's BroadcastGlobalVariablesHook does, or in a
+    graph of its own."""
     graph = tf.compat.v1.get_default_graph()
-    if not graph.building_function:
-        yield lambda op: None
-        return
     previous = _last.get(graph)
 
     def done(op) -> None:
