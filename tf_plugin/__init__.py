@@ -10,10 +10,14 @@ One concept per module:
     cluster     TF_CONFIG -> Cluster (ranks: workers, then parameter servers)
     world       this process in the job: init, rank, size, local rank, objects, stats (no TensorFlow)
     bootstrap   small objects between the workers, before any tensor plan
-    collectives the plan grown from the tensor sets the job calls, and allreduce/broadcast/allgather
+    collectives the plan grown from the tensor sets the job calls; numbered, tagged calls and resets;
+                allreduce/broadcast/allgather/alltoall
     checks      what broken scripts get: divergence, NaN/Inf, errors naming the tensor and rank
     failure     a lost rank fails every collective of this rank, naming the rank lost first
     horovod     horovod.tensorflow's tensor API: DistributedGradientTape, broadcast_variables, ...
+    tf_errors   rdmatensor's errors as the TensorFlow types Horovod raises (eagerly and in graphs)
+    sync_batch_norm  SyncBatchNormalization for Keras 3
+    util        horovod.tensorflow.util's helpers scripts call
     keras       horovod.tensorflow.keras: DistributedOptimizer, callbacks, load_model
     models      demo models (mlp, cnn, embed), synthetic data, single-process reference
     step        the traced loss-and-gradients function the analyzer and trainers share
