@@ -202,7 +202,9 @@ case("partial_tape", partial_tape_case)
 # callback, local variables kept out of the broadcast, a partial optimizer.
 def lazy_fit_case():
     keras.utils.set_random_seed(r)           # different initial weights per rank
-    model = keras.Sequential([keras.layers.Dense(4, activation="relu"), keras.layers.Dense(2)])
+    # Dropout holds a variable (its seed state) before the model is built: Horovod's Keras MNIST example
+    model = keras.Sequential([keras.layers.Dense(4, activation="relu"), keras.layers.Dropout(0.25),
+                              keras.layers.Dense(2)])
     opt = hvd_keras.DistributedOptimizer(keras.optimizers.Adam(0.01), backward_passes_per_step=1,
                                          average_aggregated_gradients=True, gradient_predivide_factor=1.0,
                                          num_groups=0, groups=None, scale_local_gradients=True)

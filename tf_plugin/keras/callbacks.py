@@ -30,7 +30,10 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self.broadcast_done = False
 
     def _broadcast(self):
-        if self.broadcast_done or not self.model.variables:
+        # An unbuilt model may already hold variables (a Dropout layer's seed
+        # state), but not yet its weights: building the optimizer now would tie
+        # it to none of them.
+        if self.broadcast_done or not self.model.variables or not getattr(self.model, "built", True):
             return
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None and not optimizer.built:
