@@ -200,6 +200,30 @@ def reduce_gradients(grads, sources, compression=NoneCompressor, sparse_as_dense
     return tf.nest.pack_sequence_as(grads, out)
 
 
+def reduce_shared(grads: list, sources: list, local: set, compression, sparse_as_dense: bool, op,
+                  predivide: float = 1.0, scale_local: bool = True) -> list:
+    """Gradients combined over the ranks but those of the sources whose id() is in
+    `local`, which stay this rank's (divided by the number of ranks with
+    `scale_local`), as Horovod's tape and optimizer treat local sources. With
+    `predivide`, an average is split around the sum as Horovod does."""
+    shared = [j for j, s in enumerate(sources) if id(s) not in local]
+    pre, post = 1.0, 1.0
+    if predivide != 1.0:
+        op, pre, post = Sum, 1.0 / predivide, predivide / world().size
+    reduced = reduce_gradients([grads[j] for j in shared], [sources[j] for j in shared], compression,
+                               sparse_as_dense, op, pre, post)
+    out = list(grads)
+    for j, g in zip(shared, reduced, strict=True):
+        out[j] = g
+    if scale_local:
+        for j, s in enumerate(sources):
+            if id(s) in local and out[j] is not None:
+                g = out[j]
+                out[j] = (tf.IndexedSlices(g.values / world().size, g.indices, g.dense_shape)
+                          if isinstance(g, tf.IndexedSlices) else g / world().size)
+    return out
+
+
 def _scaled(tensor, factor: float):
     """tensor * factor as Horovod computes it on CPU: integers in float64, truncated
     back toward zero; float16 in float32; other floats in their own precision."""
@@ -274,22 +298,8 @@ class DistributedGradientTape:
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
         grads = self._tape.gradient(target, sources, output_gradients, unconnected_gradients)
-        flat_sources, flat_grads = tf.nest.flatten(sources), tf.nest.flatten(grads)
-        shared = [j for j, s in enumerate(flat_sources) if id(s) not in self._local_sources]
-        op, pre, post = self._op, 1.0, 1.0
-        if self._predivide != 1.0:          # as Horovod: the average split around the sum
-            op, pre, post = Sum, 1.0 / self._predivide, self._predivide / world().size
-        reduced = reduce_gradients([flat_grads[j] for j in shared], [flat_sources[j] for j in shared],
-                                   self._compression, self._sparse_as_dense, op, pre, post)
-        out = list(flat_grads)
-        for j, g in zip(shared, reduced, strict=True):
-            out[j] = g
-        if self._scale_local:
-            for j, s in enumerate(flat_sources):
-                if id(s) in self._local_sources and out[j] is not None:
-                    g = out[j]
-                    out[j] = (tf.IndexedSlices(g.values / world().size, g.indices, g.dense_shape)
-                              if isinstance(g, tf.IndexedSlices) else g / world().size)
+        out = reduce_shared(tf.nest.flatten(grads), tf.nest.flatten(sources), self._local_sources,
+                            self._compression, self._sparse_as_dense, self._op, self._predivide, self._scale_local)
         return tf.nest.pack_sequence_as(grads, out)
 
     def get_local_and_global_gradients(self, target, sources, output_gradients=None):
@@ -306,18 +316,22 @@ def PartialDistributedGradientTape(gradtape, device_dense: str = "", device_spar
                                    process_set=None, local_layers=None, scale_local_gradients: bool = True):
     """A DistributedGradientTape whose `local_layers`' trainable variables keep
     their local gradients (model parallel parts, per-rank heads)."""
+    tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
+                                   gradient_predivide_factor, num_groups, groups, process_set, scale_local_gradients)
+    for v in local_variables(local_layers):
+        tape.register_local_source(v)
+    return tape
+
+
+def local_variables(local_layers) -> list:
+    """The trainable variables of `local_layers` (a layer, a list of them, or None)."""
     if local_layers is None:
         local_layers = []
     elif isinstance(local_layers, keras.layers.Layer):
         local_layers = [local_layers]
     elif not all(isinstance(layer, keras.layers.Layer) for layer in local_layers):
         raise ValueError("All local layers must be of tf.keras.layers.Layer type.")
-    tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
-                                   gradient_predivide_factor, num_groups, groups, process_set, scale_local_gradients)
-    for layer in local_layers:
-        for v in layer.trainable_weights:
-            tape.register_local_source(v)
-    return tape
+    return [v for layer in local_layers for v in layer.trainable_weights]
 
 
 def allreduce(tensor, average=None, device_dense: str = "", device_sparse: str = "", compression=Compression.none,

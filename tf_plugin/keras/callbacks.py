@@ -124,7 +124,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
             logs["lr"] = float(self.model.optimizer.learning_rate)
 
 
-class LearningRateWarmupCallback(keras.callbacks.Callback):
+class LearningRateWarmupCallback(LearningRateScheduleCallback):
     """Ramp the learning rate from initial_lr / size() to initial_lr over the first
     warmup_epochs, batch by batch (Goyal et al., "Accurate, Large Minibatch SGD"):
     lr = initial_lr / size * (epoch * (size - 1) / warmup_epochs + 1), epoch
@@ -134,39 +134,17 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
 
     def __init__(self, initial_lr: float, warmup_epochs: float = 5, momentum_correction: bool = True,
                  steps_per_epoch: int | None = None, verbose: int = 0):
-        super().__init__()
-        self.initial_lr, self.warmup_epochs = float(initial_lr), warmup_epochs
-        self.momentum_correction, self.steps_per_epoch, self.verbose = momentum_correction, steps_per_epoch, verbose
-        self.current_epoch = 0
-        self._restore_momentum = None
+        super().__init__(initial_lr, self._warmup, start_epoch=0, end_epoch=warmup_epochs, staircase=False,
+                         momentum_correction=momentum_correction, steps_per_epoch=steps_per_epoch)
+        self.warmup_epochs, self.verbose = warmup_epochs, verbose
 
-    def multiplier(self, epoch: float) -> float:
+    def _warmup(self, epoch: float) -> float:
         epoch += 1.0 / self.steps_per_epoch       # the last batch of an epoch reaches a round number
         return 1.0 / size() * (epoch * (size() - 1) / self.warmup_epochs + 1)
 
     def on_train_begin(self, logs=None):
         if self.steps_per_epoch is None:
             self.steps_per_epoch = self.params.get("steps") or 1
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.current_epoch = epoch
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if self.current_epoch >= self.warmup_epochs:
-            return
-        optimizer = self.model.optimizer
-        old = float(optimizer.learning_rate)
-        new = self.initial_lr * self.multiplier(self.current_epoch + batch / self.steps_per_epoch)
-        optimizer.learning_rate = new
-        momentum = getattr(optimizer, "momentum", None)
-        if self.momentum_correction and hasattr(momentum, "assign") and old > 0:
-            self._restore_momentum = float(momentum)
-            momentum.assign(self._restore_momentum * new / old)
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self._restore_momentum is not None:
-            self.model.optimizer.momentum.assign(self._restore_momentum)
-            self._restore_momentum = None
 
     def on_epoch_end(self, epoch, logs=None):
         if epoch == int(np.ceil(self.warmup_epochs)) - 1 and self.verbose and rank() == 0:

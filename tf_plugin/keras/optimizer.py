@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import types
 
-import keras
 import tensorflow as tf
 
-from ..horovod import Compression, reduce_gradients
-from ..world import Average, Sum, size
+from ..horovod import Compression, local_variables, reduce_shared
+from ..world import Average
 
 
 class _DistributedOptimizer:
@@ -46,20 +45,8 @@ class _DistributedOptimizer:
     def _hvd_reduce(self, grads, variables):
         grads = list(grads)
         variables = list(variables) if variables is not None else [None] * len(grads)
-        shared = [j for j, v in enumerate(variables) if id(v) not in self._hvd_local]
-        op, pre, post = self._hvd_op, 1.0, 1.0
-        if self._hvd_predivide != 1.0:        # the average split around the sum, as Horovod
-            op, pre, post = Sum, 1.0 / self._hvd_predivide, self._hvd_predivide / size()
-        reduced = reduce_gradients([grads[j] for j in shared], [variables[j] for j in shared],
-                                   self._hvd_compression, self._hvd_sparse_as_dense, op, pre, post)
-        out = list(grads)
-        for j, g in zip(shared, reduced, strict=True):
-            out[j] = g
-        if self._hvd_scale_local:
-            for j, v in enumerate(variables):
-                if id(v) in self._hvd_local and out[j] is not None:
-                    out[j] = tf.convert_to_tensor(out[j]) / size()
-        return out
+        return reduce_shared(grads, variables, self._hvd_local, self._hvd_compression, self._hvd_sparse_as_dense,
+                             self._hvd_op, self._hvd_predivide, self._hvd_scale_local)
 
     def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
         """[(gradient, variable)] of `loss` (a tensor with `tape`, or a callable),
@@ -172,16 +159,10 @@ def PartialDistributedOptimizer(optimizer, name: str | None = None, device_dense
                                 backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
                                 groups=None, process_set=None, local_layers=None, scale_local_gradients: bool = True):
     """A DistributedOptimizer whose `local_layers`' trainable variables keep their local gradients."""
-    if local_layers is None:
-        local_layers = []
-    elif isinstance(local_layers, keras.layers.Layer):
-        local_layers = [local_layers]
-    elif not all(isinstance(layer, keras.layers.Layer) for layer in local_layers):
-        raise ValueError("All local layers must be of tf.keras.layers.Layer type.")
+    local = local_variables(local_layers)
     distributed = DistributedOptimizer(optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
                                        gradient_predivide_factor, op, backward_passes_per_step,
                                        average_aggregated_gradients, 0, groups, process_set, scale_local_gradients)
-    for layer in local_layers:
-        for v in layer.trainable_weights:
-            distributed.register_local_var(v)
+    for v in local:
+        distributed.register_local_var(v)
     return distributed
