@@ -14,9 +14,9 @@ setup:
 # the gRPC baseline (mlp: every instruction is emulated there).
 demo: setup
 	$(PY) -m rdmatensor devices
-	$(PY) -m tf_plugin.launch --model mobilenetv2 --workers 2 --batch 16 --steps 20 \
+	$(PY) -m tf_plugin.training.launch --model mobilenetv2 --workers 2 --batch 16 --steps 20 \
 	    --provider none,shm,tcp,grpc,tf-grpc
-	$(PY) -m tf_plugin.launch --mode allreduce --workers 2 --model mlp --steps 30 --threads \
+	$(PY) -m tf_plugin.training.launch --mode allreduce --workers 2 --model mlp --steps 30 --threads \
 	    --provider verbs,tcp,grpc --softroce-vm
 	@echo "In the VM, verbs is SoftRoCE: software RDMA in a kernel emulated instruction by instruction (qemu TCG)," \
 	    "so it cannot beat the kernel's loopback TCP there; on an RDMA NIC the writes leave the CPU."
@@ -29,7 +29,7 @@ BENCH_STEPS ?= 30
 bench-models: setup
 	mkdir -p docs/models
 	for m in $(BENCH_MODELS); do \
-	    $(PY) -m tf_plugin.launch --model $$m --workers 2 --batch 16 --steps $(BENCH_STEPS) \
+	    $(PY) -m tf_plugin.training.launch --model $$m --workers 2 --batch 16 --steps $(BENCH_STEPS) \
 	        --provider none,shm,tcp,grpc,tf-grpc --json docs/models/$$m.json || exit 1; \
 	done
 

@@ -25,7 +25,7 @@ APPLICATIONS = {"resnet50": "ResNet50", "vgg16": "VGG16", "densenet121": "DenseN
 def build(name: str, seed: int):
     import keras
 
-    from tf_plugin import models
+    from tf_plugin.training import models
     if name not in APPLICATIONS:
         return models.build(name, seed)
     keras.utils.set_random_seed(seed)
@@ -36,7 +36,7 @@ def batches(name: str, seed: int, batch: int, rank: int, size: int, steps: int):
     """batch k of this rank's shard, for k in range(steps)."""
     import numpy as np
 
-    from tf_plugin import models
+    from tf_plugin.training import models
     if name not in APPLICATIONS:
         data = models.dataset(name, seed)
         return [models.batch(data, k, batch, rank, size) for k in range(steps)]
@@ -52,7 +52,7 @@ def train(args) -> None:
     import tensorflow as tf
 
     import tf_plugin as hvd            # was: import horovod.tensorflow as hvd
-    from tf_plugin import models
+    from tf_plugin.training import models
 
     floor = args.provider == "none"    # the same ranks, each applying its own gradients
     hvd.init()
@@ -105,7 +105,7 @@ def train(args) -> None:
 def local(args) -> int:
     """Every worker as a process of this host, on free ports below the ephemeral range;
     one provider after the other, then a table against the floor when it ran."""
-    from tf_plugin.bootstrap import PortReservation
+    from tf_plugin.engine.bootstrap import PortReservation
     rows = []
     for provider in args.provider.split(","):
         held = [PortReservation("127.0.0.1") for _ in range(args.workers)]

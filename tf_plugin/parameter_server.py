@@ -55,11 +55,11 @@ def run(model, loss: Callable, optimizer, dataset: Iterable | None, steps: int, 
     """
     from rdmatensor import connect
 
-    from .analyzer import analyze
-    from .cluster import Cluster
-    from .failure import JobFailure
-    from .ps import ParameterServer, PSWorker
-    from .step import Step
+    from .engine.analyzer import analyze
+    from .launcher.cluster import Cluster
+    from .engine.failure import JobFailure
+    from .engine.ps import ParameterServer, PSWorker
+    from .engine.step import Step
 
     cluster = cluster or Cluster.from_env()
     if not cluster.num_ps:

@@ -15,7 +15,7 @@ RTOL = {"mlp": 1e-5, "cnn": 1e-3, "embed": 1e-5}
 @functools.lru_cache(maxsize=None)
 def reference(model: str, steps: int = STEPS, seed: int = 0) -> tuple:
     """Single-process losses on the global batch, one per step."""
-    from tf_plugin import models
+    from tf_plugin.training import models
     return tuple(models.train_local(model, steps, seed=seed))
 
 
@@ -32,8 +32,8 @@ def close_to_reference():
 
 def run_ranks(plan, provider, body, ranks=2, timeout=120.0):
     """body(session) on every rank of `plan`, each in a thread with its own session,
-    registered for tf_plugin.ops; returns {rank: result}, raising the first failure."""
-    from tf_plugin import ops
+    registered for tf_plugin.engine.ops; returns {rank: result}, raising the first failure."""
+    from tf_plugin.engine import ops
 
     from ..support.ranks import check
     from ..support.ranks import run_ranks as run

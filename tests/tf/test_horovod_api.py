@@ -53,7 +53,8 @@ def test_horovod_tape_script_on_two_processes(tmp_path):
         assert rep["allgather_grows"] >= 1
         # a plan that differs between ranks fails on every rank, naming the tensor
         # ... as rdmatensor's PlanMismatch that is also TensorFlow's FailedPreconditionError (as Horovod)
-        assert rep["mismatch"].startswith("tf_plugin.tf_errors.CollectiveMismatch") and "'differs'" in rep["mismatch"]
+        assert rep["mismatch"].startswith("tf_plugin.engine.tf_errors.CollectiveMismatch")
+        assert "'differs'" in rep["mismatch"]
         assert "shape: [2] vs [3]" in rep["mismatch"]
         s = rep["stats"]
         assert s["generations"] == s["tensor_sets"] and s["extensions"] == s["generations"] - 1
@@ -108,8 +109,8 @@ def test_package_import_is_cheap_and_names_resolve():
 
 
 def test_local_rank_from_the_launcher_or_from_tf_config(monkeypatch):
-    from tf_plugin.cluster import Cluster
-    from tf_plugin.world import local_of
+    from tf_plugin.launcher.cluster import Cluster
+    from tf_plugin.horovod.world import local_of
     cluster = Cluster(("a:1", "b:2", "a:3", "a:4"), task_index=2)
     monkeypatch.delenv("RDMATENSOR_LOCAL_RANK", raising=False)
     monkeypatch.delenv("RDMATENSOR_LOCAL_SIZE", raising=False)

@@ -1,4 +1,4 @@
-"""tf_plugin.job: the job description refuses what cannot run; summaries and the
+"""tf_plugin.training.job: the job description refuses what cannot run; summaries and the
 side-by-side comparison (floor efficiency, ratio to TensorFlow's own) come out of
 real runs, including the real models' smallest members."""
 import json
@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from tf_plugin.job import BACKENDS, JobConfig, JobError, RankResult, compare, summarize
+from tf_plugin.training.job import BACKENDS, JobConfig, JobError, RankResult, compare, summarize
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -60,7 +60,8 @@ def test_summary_and_comparison_arithmetic():
 def test_floor_beside_tcp_in_one_run(tmp_path, close_to_reference):
     """rdmatensor-train --provider none,tcp: the floor moves nothing, tcp learns the reference."""
     out = tmp_path / "cmp.json"
-    proc = subprocess.run([sys.executable, "-m", "tf_plugin.launch", "--workers", "2", "--provider", "none,tcp",
+    proc = subprocess.run([sys.executable, "-m", "tf_plugin.training.launch", "--workers", "2",
+                           "--provider", "none,tcp",
                            "--model", "mlp", "--steps", "20", "--json", str(out),
                            "--timeline", str(tmp_path / "trace.json")],
                           capture_output=True, text=True, timeout=300)
@@ -84,8 +85,8 @@ def test_floor_beside_tcp_in_one_run(tmp_path, close_to_reference):
 
 def buckets(model: str) -> int:
     """How many buckets the all-reduce cuts the model's gradients into (the fusion threshold)."""
-    from tf_plugin import models
-    from tf_plugin.analyzer import VarInfo, buckets_of
+    from tf_plugin.training import models
+    from tf_plugin.engine.analyzer import VarInfo, buckets_of
     variables = models.build(model).trainable_variables
     return len(buckets_of([VarInfo(str(j), tuple(v.shape), np.dtype(v.dtype), False, {})
                            for j, v in enumerate(variables)], fusion=True))
@@ -93,7 +94,8 @@ def buckets(model: str) -> int:
 
 def test_transformer_lm_two_workers_match_one_process_on_the_global_batch(monkeypatch):
     """The LM's sparse embedding gradient, all-reduced as dense, trains as one process does."""
-    from tf_plugin import models, runner
+    from tf_plugin.training import models
+    from tf_plugin.training import runner
     monkeypatch.setenv("RDMATENSOR_FUSION_THRESHOLD", str(4 << 20))      # several buckets
     config = JobConfig(model="lm", provider="tcp", steps=4, batch=8)
     s = summarize(config, runner.run_threads(config))
@@ -105,7 +107,7 @@ def test_transformer_lm_two_workers_match_one_process_on_the_global_batch(monkey
 
 def test_mobilenetv2_trains_over_shm():
     """The smallest keras.applications model, 32x32: its ~160 gradients go as a few fused buckets."""
-    from tf_plugin import runner
+    from tf_plugin.training import runner
     config = JobConfig(model="mobilenetv2", provider="shm", steps=2, batch=4)
     s = summarize(config, runner.run_threads(config))
     assert s.writes_per_step == 2 * 2 * buckets("mobilenetv2") and np.isfinite(s.final_loss)

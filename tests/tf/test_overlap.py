@@ -71,7 +71,7 @@ def test_fusion_threshold_from_init_or_the_environment(monkeypatch):
     from rdmatensor import PlanError
 
     import tf_plugin as hvd
-    from tf_plugin.world import world
+    from tf_plugin.horovod.world import world
     monkeypatch.delenv("TF_CONFIG", raising=False)
     monkeypatch.setenv("RDMATENSOR_FUSION_THRESHOLD", "1000")
     for argument, want in ((None, 1000), (50, 50)):

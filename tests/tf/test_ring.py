@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from rdmatensor import Plan
-from tf_plugin.analyzer import Analysis, VarInfo, buckets_of, ring_specs
+from tf_plugin.engine.analyzer import Analysis, VarInfo, buckets_of, ring_specs
 
 from ..support.ranks import check, run_ranks
 
@@ -32,7 +32,7 @@ def values(rank: int, step: int) -> list[np.ndarray]:
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("average", [True, False])
 def test_ring_sums_and_averages_on_every_rank(n, average):
-    from tf_plugin.ring import RingAllReduce
+    from tf_plugin.engine.ring import RingAllReduce
     a = analysis(n)
     assert [[m[0] for m in b.members] for b in a.buckets] == [["count"], ["big"], ["b", "w"]]
     keys = [v.key for v in VARIABLES]

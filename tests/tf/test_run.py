@@ -13,11 +13,11 @@ import time
 
 import pytest
 
-from tf_plugin import run
+from tf_plugin.launcher import run
 
 from .processes import gone, lines_of
 
-LAUNCHER = [sys.executable, "-m", "tf_plugin.run"]
+LAUNCHER = [sys.executable, "-m", "tf_plugin.launcher.run"]
 
 
 def launcher(*args, timeout=60, **kw):

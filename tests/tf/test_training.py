@@ -11,7 +11,7 @@ from .conftest import STEPS
 def test_ps_two_workers_one_ps_processes_match_single_process(tmp_path, close_to_reference):
     """The launcher: one process per rank, TF_CONFIG each, results in JSON."""
     out = tmp_path / "ps.json"
-    proc = subprocess.run([sys.executable, "-m", "tf_plugin.launch", "--mode", "ps", "--workers", "2",
+    proc = subprocess.run([sys.executable, "-m", "tf_plugin.training.launch", "--mode", "ps", "--workers", "2",
                            "--ps", "1", "--provider", "tcp", "--model", "mlp", "--steps", str(STEPS),
                            "--json", str(out), "--seed", "0"],
                           capture_output=True, text=True, timeout=300)
@@ -31,8 +31,8 @@ def test_ps_two_workers_one_ps_processes_match_single_process(tmp_path, close_to
 
 
 def test_allreduce_two_workers_match_single_process(close_to_reference):
-    from tf_plugin import runner
-    from tf_plugin.job import JobConfig, summarize
+    from tf_plugin.training import runner
+    from tf_plugin.training.job import JobConfig, summarize
     config = JobConfig(mode="allreduce", model="mlp", provider="tcp", steps=STEPS)
     results = runner.run_threads(config)
     s = summarize(config, results)
@@ -49,8 +49,8 @@ def test_allreduce_two_workers_match_single_process(close_to_reference):
 
 def test_dynamic_sparse_gradients_train_with_fallback_counted(close_to_reference):
     """The embedding's gradient crosses as deduplicated rows: a dynamic first dimension."""
-    from tf_plugin import runner
-    from tf_plugin.job import JobConfig, summarize
+    from tf_plugin.training import runner
+    from tf_plugin.training.job import JobConfig, summarize
     steps = 10
     config = JobConfig(mode="ps", model="embed", provider="tcp", steps=steps, ps=1)
     results = runner.run_threads(config)
@@ -66,10 +66,10 @@ def test_horovod_like_tape_inside_tf_function(close_to_reference):
     import numpy as np
     import tensorflow as tf
     from rdmatensor import connect
-    from tf_plugin import models
-    from tf_plugin.ring import RingAllReduce, RingGradientTape
-    from tf_plugin.analyzer import analyze
-    from tf_plugin.cluster import Cluster
+    from tf_plugin.training import models
+    from tf_plugin.engine.ring import RingAllReduce, RingGradientTape
+    from tf_plugin.engine.analyzer import analyze
+    from tf_plugin.launcher.cluster import Cluster
 
     steps, cluster = 5, Cluster.local(2)
     results = {}
@@ -114,7 +114,7 @@ def test_tensorflow_own_strategy_trains_the_same_model(tmp_path, mode, close_to_
     """The tf-grpc baseline (MultiWorkerMirroredStrategy) learns exactly what the plugin does,
     and the launcher reports the two as a ratio."""
     out = tmp_path / "cmp.json"
-    proc = subprocess.run([sys.executable, "-m", "tf_plugin.launch", "--mode", mode, "--workers", "2",
+    proc = subprocess.run([sys.executable, "-m", "tf_plugin.training.launch", "--mode", mode, "--workers", "2",
                            "--provider", "tcp,tf-grpc", "--model", "mlp", "--steps", str(STEPS),
                            "--threads", "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -10,8 +10,8 @@ STEPS = 8        # every instruction is emulated in the VM: a few steps show the
 
 @pytest.mark.parametrize("mode", ["ps", "allreduce"])
 def test_training_over_verbs_matches_single_process(rdma_port, mode, close_to_reference):
-    from tf_plugin import runner
-    from tf_plugin.job import JobConfig, summarize
+    from tf_plugin.training import runner
+    from tf_plugin.training.job import JobConfig, summarize
     config = JobConfig(mode=mode, model="mlp", provider="verbs", steps=STEPS, ps=1 if mode == "ps" else 0)
     s = summarize(config, runner.run_threads(config))
     assert s.provider_used == "verbs"
@@ -23,8 +23,9 @@ def test_training_over_verbs_matches_single_process(rdma_port, mode, close_to_re
 
 def test_pipeline_over_verbs(rdma_port):
     import tensorflow as tf
-    from tf_plugin import models, ops
-    from tf_plugin.analyzer import analyze_pipeline
+    from tf_plugin.training import models
+    from tf_plugin.engine import ops
+    from tf_plugin.engine.analyzer import analyze_pipeline
     from .conftest import run_ranks
     model = models.build("mlp")
     hidden, logits = model.get_layer("hidden"), model.get_layer("logits")

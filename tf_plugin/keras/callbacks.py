@@ -5,8 +5,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from .. import horovod
-from ..world import rank, size
+from ..horovod import tensors as horovod
+from ..horovod.world import rank, size
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):

@@ -19,8 +19,8 @@ import types
 
 import tensorflow as tf
 
-from ..horovod import Compression, local_variables, reduce_shared
-from ..world import Average
+from ..horovod.tensors import Compression, local_variables, reduce_shared
+from ..horovod.world import Average
 
 
 class _DistributedOptimizer:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from .horovod import allreduce
+from .tensors import allreduce
 from .world import Sum, size
 
 

@@ -14,7 +14,7 @@ plan costs no control call, whatever the step.
 
 What each set becomes in the plan:
 
-- allreduce: the ring of tf_plugin.ring over fused buckets
+- allreduce: the ring of tf_plugin.engine.ring over fused buckets
   (analyzer.buckets_of: in the order backprop produces the gradients, up to
   the fusion threshold each), its chunks laid out by analyzer.ring_specs.
   Every bucket's ring runs on the communication thread (background.py): a

@@ -400,14 +400,14 @@ def run_in_vm(argv: Sequence[str], timeout: float | None) -> int:
     inner = [a for a in argv if a != "--softroce-vm"]
     vm_timeout = (timeout or 3600.0) + 300.0                 # the launcher's own timeout, plus boot
     cmd = [sys.executable, "-m", "rdmatensor", "softroce", "vm", "--timeout", f"{vm_timeout:g}", "--",
-           "env", f"{IN_VM}=1", sys.executable, "-m", "tf_plugin.run", *inner]
+           "env", f"{IN_VM}=1", sys.executable, "-m", "tf_plugin.launcher.run", *inner]
     print("+ " + shlex.join(cmd), file=sys.stderr, flush=True)
     return subprocess.run(cmd).returncode
 
 
 # ----------------------------------------------------------------- CLI
 def parser() -> argparse.ArgumentParser:
-    from .job import BACKENDS
+    from rdmatensor.providers import REGISTRY
     p = argparse.ArgumentParser(prog="rdmatensor-run", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
@@ -415,7 +415,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-H", "--hosts", help="host1:slots,host2:slots (default: this machine, one slot per rank)")
     p.add_argument("--ps", type=int, default=0,
                    help="parameter-server tasks added to TF_CONFIG (ranks after the workers)")
-    p.add_argument("--provider", choices=[b for b, v in BACKENDS.items() if v.kind == "rdmatensor"],
+    p.add_argument("--provider", choices=["auto", *REGISTRY],
                    help="sets RDMATENSOR_PROVIDER for every rank")
     p.add_argument("--softroce-vm", action="store_true", help="run every rank inside one SoftRoCE VM (verbs)")
     p.add_argument("--timeout", type=float, help="seconds for the whole job; exit 124 past it")

@@ -34,7 +34,7 @@ numpy_function's output).
 
 Eagerly, every bucket's ring advances in lockstep on the calling thread
 (allreduce). Inside tf.function (RingGradientTape) each bucket is handed to
-the communication thread as soon as its gradients exist (tf_plugin.overlap)
+the communication thread as soon as its gradients exist (tf_plugin.engine.overlap)
 and its ring (reduce_bucket) runs while backprop goes on.
 """
 from __future__ import annotations
@@ -42,7 +42,8 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from . import ingest, overlap
+from . import ingest
+from . import overlap
 from .analyzer import Analysis, bcast_name, ring_bounds, ring_chunk, ring_name, var_key
 from .background import CommThread
 from .meter import Meter
@@ -223,8 +224,8 @@ class RingGradientTape:
     workers of an analyzed ring. Eager: the ring runs right there. Inside
     tf.function: one launch op per bucket as soon as its gradients exist, the
     rings on the communication thread while backprop goes on, one wait op per
-    bucket (tf_plugin.overlap). For a plan grown from the step instead, see
-    tf_plugin.horovod.DistributedGradientTape."""
+    bucket (tf_plugin.engine.overlap). For a plan grown from the step instead, see
+    tf_plugin.horovod.tensors.DistributedGradientTape."""
 
     def __init__(self, tape: tf.GradientTape, ring: RingAllReduce):
         self._tape, self._ring = tape, ring

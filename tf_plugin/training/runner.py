@@ -28,9 +28,9 @@ from .job import BACKENDS, JobConfig, RankResult
 def run_rank(cluster, config: JobConfig, token: str | None = None) -> RankResult:
     from rdmatensor import Plan, connect
     from . import models
-    from .failure import JobFailure
-    from .meter import Meter
-    from .step import Step
+    from ..engine.failure import JobFailure
+    from ..engine.meter import Meter
+    from ..engine.step import Step
 
     cfg, name, mode = config, config.model, config.mode
     floor = cfg.provider == "none"
@@ -48,7 +48,7 @@ def run_rank(cluster, config: JobConfig, token: str | None = None) -> RankResult
     if floor:
         plan, analysis = Plan([]), None
     else:
-        from .analyzer import analyze
+        from ..engine.analyzer import analyze
         analysis = analyze(step, mode, cluster.num_workers, cluster.num_ps if mode == "ps" else 0,
                            fusion=cfg.fusion)
         plan = analysis.plan
@@ -84,16 +84,16 @@ def _loop(cfg: JobConfig, cluster, session, analysis, step, model, signature, me
     if cfg.mode == "ps" and not cluster.is_worker:
         if cfg.provider == "none":
             return lambda k: None                                         # a floor without servers
-        from .ps import ParameterServer
+        from ..engine.ps import ParameterServer
         server = ParameterServer(session, analysis, step.variables, models.optimizer(cfg.lr), meter)
         return lambda k: server.train_step()
     if cfg.mode == "ps" and cfg.provider != "none":
-        from .ps import PSWorker
+        from ..engine.ps import PSWorker
         worker = PSWorker(session, analysis, step, meter)
         return lambda k: losses.append(worker.train_step(*shard(k)))
     ring = None
     if cfg.provider != "none":
-        from .ring import RingAllReduce
+        from ..engine.ring import RingAllReduce
         ring = RingAllReduce(session, analysis, meter)
     opt = models.optimizer(cfg.lr)
     opt.build(step.variables)
@@ -123,7 +123,7 @@ def in_graph_step(model, opt, ring, loss_fn, signature):
     TensorFlow's inter-op threads, and ranks sharing a process (and its pool of
     as many threads as cores) can starve each other."""
     import tensorflow as tf
-    from .ring import RingGradientTape
+    from ..engine.ring import RingGradientTape
 
     @tf.function(input_signature=signature)
     def train_step(x, y):
@@ -139,7 +139,7 @@ def in_graph_step(model, opt, ring, loss_fn, signature):
 
 def run_threads(config: JobConfig, join_timeout: float = 600.0) -> list[RankResult]:
     """Every rank of a local cluster as a thread of this process; results in rank order."""
-    from .cluster import Cluster
+    from ..launcher.cluster import Cluster
     if not config.backend.threads:
         raise ValueError(f"provider {config.provider!r} runs its ranks in separate processes only")
     cluster = Cluster.local(config.workers, config.ps)
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     import logging
     from pathlib import Path
 
-    from .cluster import Cluster
+    from ..launcher.cluster import Cluster
     parser = argparse.ArgumentParser(description="one rank of a tf_plugin training job")
     parser.add_argument("--config", required=True, help="the JobConfig as JSON")
     parser.add_argument("--out", required=True, help="directory to write this rank's result to")

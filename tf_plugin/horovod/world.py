@@ -4,7 +4,7 @@ counters. This module does not import TensorFlow.
 
 Where the job comes from:
 
-- the workers of TF_CONFIG (tf_plugin/cluster.py) are the ranks, in order;
+- the workers of TF_CONFIG (tf_plugin/launcher/cluster.py) are the ranks, in order;
   without TF_CONFIG the process is a job of one (as Horovod without a launcher);
 - RDMATENSOR_TOKEN: the job's shared secret (required with more than one rank);
 - RDMATENSOR_LOCAL_RANK / RDMATENSOR_LOCAL_SIZE: set by the launcher; without
@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 from rdmatensor import UsageError
 
-from .bootstrap import Bootstrap
-from .checks import CheckedCollectives, finite_check_from_env
-from .cluster import Cluster
-from .failure import JobFailure
+from ..engine.bootstrap import Bootstrap
+from ..engine.checks import CheckedCollectives, finite_check_from_env
+from ..launcher.cluster import Cluster
+from ..engine.failure import JobFailure
 
 
 class ReduceOp(enum.IntEnum):
@@ -97,7 +97,7 @@ def init(model=None, provider: str | None = None, cluster: Cluster | None = None
         cluster = cluster or Cluster(("127.0.0.1:0",))
         if not cluster.is_worker:
             raise UsageError(f"task {cluster.task_type}:{cluster.task_index} is not a worker: only workers "
-                             f"join the collectives (parameter servers run tf_plugin.ps)")
+                             f"join the collectives (parameter servers run tf_plugin.engine.ps)")
         size, rank = cluster.num_workers, cluster.rank
         token = token or os.environ.get("RDMATENSOR_TOKEN")
         if size > 1 and not token:
@@ -122,7 +122,7 @@ def init(model=None, provider: str | None = None, cluster: Cluster | None = None
         _world = World(rank, size, *local_of(cluster), boot, collectives)
         _at_exit(shutdown)                 # peers hear a goodbye, not a silence, when a script just ends
     if model is not None:
-        from .horovod import plan_ahead
+        from .tensors import plan_ahead
         plan_ahead(model)
 
 

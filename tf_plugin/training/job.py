@@ -46,14 +46,14 @@ class Backend:
 
 def _backends() -> dict[str, Backend]:
     table = {"auto": Backend("auto", "rdmatensor", "rdmatensor, the provider chosen by auto", MODES,
-                             "tf_plugin.runner:run_rank")}
+                             "tf_plugin.training.runner:run_rank")}
     for name, provider in REGISTRY.items():
         table[name] = Backend(name, "rdmatensor", f"rdmatensor over {name}: {provider.description}", MODES,
-                              "tf_plugin.runner:run_rank")
+                              "tf_plugin.training.runner:run_rank")
     table["tf-grpc"] = Backend("tf-grpc", "tensorflow", "TensorFlow's own MultiWorkerMirroredStrategy (gRPC ring)",
-                               ("allreduce",), "tf_plugin.tf_baseline:run_rank", threads=False)
+                               ("allreduce",), "tf_plugin.training.tf_baseline:run_rank", threads=False)
     table["none"] = Backend("none", "none", "no communication: the compute floor", MODES,
-                            "tf_plugin.runner:run_rank")
+                            "tf_plugin.training.runner:run_rank")
     return table
 
 

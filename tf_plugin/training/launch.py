@@ -114,7 +114,7 @@ def _run_in_vm(argv: list[str], args) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         cmd += ["--share", str(out.parent)]
         inner = _replace_json(inner, str(out))
-    cmd += ["--", "env", f"{IN_VM}=1", sys.executable, "-m", "tf_plugin.launch", *inner]
+    cmd += ["--", "env", f"{IN_VM}=1", sys.executable, "-m", "tf_plugin.training.launch", *inner]
     print("+ " + shlex.join(cmd), file=sys.stderr, flush=True)
     return subprocess.run(cmd).returncode
 
@@ -138,9 +138,10 @@ def _replace_json(argv: list[str], path: str) -> list[str]:
 def run_processes(config: JobConfig, timeout: float) -> list[RankResult]:
     """One process per rank, started by rdmatensor-run's launcher; results in rank order.
     The ranks' output (each line prefixed with its rank) goes to a log, shown when the job fails."""
-    from .run import launch
+    from ..launcher.run import launch
     with tempfile.TemporaryDirectory(prefix="tf_plugin-") as tmp:
-        command = [sys.executable, "-m", "tf_plugin.runner", "--config", json.dumps(config.to_dict()), "--out", tmp]
+        command = [sys.executable, "-m", "tf_plugin.training.runner", "--config", json.dumps(config.to_dict()),
+                   "--out", tmp]
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         log = Path(tmp, "ranks.log")
         with open(log, "wb") as f:

@@ -5,8 +5,8 @@ eagerly it runs right there on numpy aliases of the tensors; in a graph it
 is one stateful tf.numpy_function, so it runs in program order and blocks
 one of TensorFlow's inter-op threads while it waits; an all-reduce of tensors
 with static shapes is one launch op and one wait op per bucket instead, its
-rings overlapping backprop (tf_plugin.overlap). What moves and where it lands
-is tf_plugin.collectives' business: the first call of a tensor set extends
+rings overlapping backprop (tf_plugin.engine.overlap). What moves and where it lands
+is tf_plugin.engine.collectives' business: the first call of a tensor set extends
 the plan once, later calls cost no control call.
 
 Outputs reach TensorFlow with no copy where they are 64-byte aligned (the
@@ -23,10 +23,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from . import ingest, overlap
-from .analyzer import var_key
-from .collectives import allreduce_op
-from .tf_errors import InvalidArgument, as_horovod_errors, numpy_function
+from ..engine import ingest
+from ..engine import overlap
+from ..engine.analyzer import var_key
+from ..engine.collectives import allreduce_op
+from ..engine.tf_errors import InvalidArgument, as_horovod_errors, numpy_function
 from .world import Adasum, Average, Max, Min, Product, ReduceOp, Sum, allgather_object, world
 
 __all__ = ["Compression", "DistributedGradientTape", "PartialDistributedGradientTape", "allreduce",
@@ -126,7 +127,7 @@ def _through_numpy(fn, tensors: list, shapes: list, name: str) -> list:
 def _allreduce_many(tensors, names, op: str, compression) -> list:
     """Eagerly: every bucket handed to the communication thread, then collected.
     In a graph, with static shapes: one launch op per bucket, fed only by that
-    bucket's tensors, and one wait op per bucket (tf_plugin.overlap), so rings run
+    bucket's tensors, and one wait op per bucket (tf_plugin.engine.overlap), so rings run
     while backprop still computes later buckets; otherwise one numpy_function.
     `op`: a reduction of collectives.REDUCTIONS."""
     packed = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]

@@ -1,0 +1,8 @@
+"""horovod.tensorflow's API over the engine (`import tf_plugin as hvd` loads it name by name):
+
+    world            this process in the job: init, rank, size, local rank, objects, process sets
+    tensors          allreduce, allgather, broadcast, alltoall, reducescatter, grouped_*, join,
+                     DistributedGradientTape, broadcast_variables, Compression, their gradients
+    sync_batch_norm  SyncBatchNormalization for Keras 3
+    util             horovod.tensorflow.util's helpers scripts call
+"""

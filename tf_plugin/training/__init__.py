@@ -1,0 +1,9 @@
+"""rdmatensor-train, the training benchmark: the same model trained over every backend, side by side.
+
+    models       demo and Keras application models, synthetic data, single-process reference
+    job          what to run (JobConfig), what each rank measured, the summary, the backends
+    runner       one rank (run_rank), or all ranks as threads (run_threads)
+    tf_baseline  TensorFlow's MultiWorkerMirroredStrategy on the same model, for comparison
+    launch       the rdmatensor-train command (python -m tf_plugin.training.launch)
+    explain      a demo model's plan, printed (python -m tf_plugin.training.explain)
+"""
