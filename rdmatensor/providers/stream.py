@@ -26,6 +26,7 @@ from .base import WRITE_MAGIC, Channel
 AUTH_BYTES = 32
 HANDSHAKE_TIMEOUT = 5.0     # seconds a dialer has to present the key
 MAX_PENDING = 64           # handshakes in progress at once; the oldest goes first
+CLOSE_LINGER = 5.0         # seconds a closing side waits for the peer's end before it resets
 
 
 class StreamChannel(Channel):
@@ -247,6 +248,21 @@ class StreamChannel(Channel):
     def peer_said_bye(self) -> None:
         pass  # the connection's end follows everything the peer sent
 
+    def _half_close(self) -> None:
+        """End the sending side, then keep taking in until the peer's end. A
+        socket closed with unread data sends a reset instead, and the reset
+        throws away what is still in flight to the peer: the last megabytes of a
+        sender that closes right after sending them (or an shm doorbell). The
+        peer answers the end once it has read everything before it."""
+        sock, reader = self._sock, self._reader
+        if sock is None or reader is None or self._lost or reader is threading.current_thread():
+            return
+        try:
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            return
+        reader.join(CLOSE_LINGER)
+
     def lost(self, error: Exception) -> None:
         """Report the loss and tear the connection down, so that no sender stays
         blocked in sendall() to a peer that stopped reading (the session's
@@ -262,6 +278,7 @@ class StreamChannel(Channel):
     def close(self) -> None:
         if self._closing:
             return
+        self._half_close()
         self._closing = True
         for s in (self._sock, self._listener):
             if s is not None:
