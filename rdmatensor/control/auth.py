@@ -3,7 +3,7 @@
 The job token only says "a member of this job". Which member is proven by a
 secret of the pair: the lower rank draws it and sends it with its Exchange
 (once per pair, ever), and every later per-rank call between the two (Grow,
-Barrier, Bye, Push) carries it. A token holder without it cannot act as
+Barrier, Bye, Ping, Push) carries it. A token holder without it cannot act as
 another rank.
 """
 from __future__ import annotations

@@ -59,6 +59,11 @@ class ControlServicer(pb_grpc.ControlServicer):
         return pb.ByeReply()
 
     def Ping(self, request, context):
+        # Only the peer that exchanged with this rank learns it is alive and who it is.
+        try:
+            self.credentials.check(request.rank, request.pair_secret)
+        except RdmaTensorError as exc:
+            abort(context, exc)
         return pb.PingReply(rank=self.rank)
 
 

@@ -123,8 +123,11 @@ class Liveness:
                     if self.is_lost(peer) or self._stop.is_set():
                         continue
                     try:
-                        client.call(client.control.Ping, pb.PingRequest(rank=ctx.rank),
-                                    timeout=min(self.peer_timeout, max(self.heartbeat, 2.0)))
+                        reply = client.call(client.control.Ping,
+                                            pb.PingRequest(rank=ctx.rank, pair_secret=ctx.credentials.secret(peer)),
+                                            timeout=min(self.peer_timeout, max(self.heartbeat, 2.0)))
+                        if reply.rank != peer:
+                            raise TransportError(f"rank {reply.rank} answered at rank {peer}'s address", peer=peer)
                         last_ok[peer], failures[peer] = time.monotonic(), 0
                     except RdmaTensorError as exc:
                         failures[peer] += 1

@@ -49,6 +49,7 @@ EXCHANGE = "/rdmatensor.control.Control/Exchange"
 GROW = "/rdmatensor.control.Control/Grow"
 BARRIER = "/rdmatensor.control.Control/Barrier"
 BYE = "/rdmatensor.control.Control/Bye"
+PING = "/rdmatensor.control.Control/Ping"
 PUSH = "/rdmatensor.control.Baseline/Push"
 
 # What a refused call may answer, per method, on a live tcp pair. UNKNOWN (a
@@ -59,6 +60,7 @@ REFUSED = {
     GROW: {"INVALID_ARGUMENT", "FAILED_PRECONDITION", "PERMISSION_DENIED"},
     BARRIER: {"PERMISSION_DENIED"},    # a barrier needs the caller's pair credential
     BYE: {"OK", "PERMISSION_DENIED"},   # refused without the pair secret; a stream channel ignores it anyway
+    PING: {"PERMISSION_DENIED"},   # a heartbeat needs the caller's pair credential too
     PUSH: {"PERMISSION_DENIED"},   # no grpc channel in a tcp session
 }
 ANY_METHOD = {"INVALID_ARGUMENT", "PERMISSION_DENIED", "FAILED_PRECONDITION", "OK",
@@ -438,7 +440,12 @@ def test_a_thousand_malformed_calls_with_the_token_are_refused_or_harmless():
                   "INVALID_ARGUMENT"),
                  (1, GROW, pb.GrowRequest(rank=0, slot=-1, nbytes=10, pair_secret=secret), "INVALID_ARGUMENT"),
                  (1, GROW, pb.GrowRequest(rank=0, slot=DYN_SLOT, nbytes=10), "PERMISSION_DENIED"),
-                 (0, GROW, pb.GrowRequest(rank=1, slot=0, nbytes=10), "PERMISSION_DENIED")]
+                 (0, GROW, pb.GrowRequest(rank=1, slot=0, nbytes=10), "PERMISSION_DENIED"),
+                 # a heartbeat answers only the peer holding the pair credential
+                 (1, PING, pb.PingRequest(rank=0, pair_secret=secret), "OK"),
+                 (1, PING, pb.PingRequest(rank=0), "PERMISSION_DENIED"),
+                 (1, PING, pb.PingRequest(rank=0, pair_secret="5e" * 16), "PERMISSION_DENIED"),
+                 (1, PING, pb.PingRequest(rank=3, pair_secret=secret), "PERMISSION_DENIED")]
         for target, method, msg, want in named:
             barrage.send(target, method, msg.SerializeToString(), {want})
         c.close()
