@@ -148,6 +148,9 @@ class ControlServer:
         return self._stopped.wait(timeout)
 
 
+ABORT_POLL = 0.2      # seconds between looks at a call's abort hook
+
+
 class ControlClient:
     """Stubs to one peer's control server, with the token attached to every call."""
 
@@ -165,10 +168,23 @@ class ControlClient:
         self.control = pb_grpc.ControlStub(self.channel)
         self.baseline = pb_grpc.BaselineStub(self.channel)
 
-    def call(self, method, request, timeout: float, wait_for_ready: bool = False):
+    def call(self, method, request, timeout: float, wait_for_ready: bool = False, abort=None):
+        """`abort()`, if given, is called every ABORT_POLL seconds while the
+        call waits; what it raises cancels the call and is raised."""
         self.calls += 1
         try:
-            return method(request, timeout=timeout, metadata=self.metadata, wait_for_ready=wait_for_ready)
+            if abort is None:
+                return method(request, timeout=timeout, metadata=self.metadata, wait_for_ready=wait_for_ready)
+            future = method.future(request, timeout=timeout, metadata=self.metadata, wait_for_ready=wait_for_ready)
+            while True:
+                try:
+                    return future.result(timeout=ABORT_POLL)
+                except grpc.FutureTimeoutError:
+                    try:
+                        abort()
+                    except BaseException:
+                        future.cancel()
+                        raise
         except grpc.RpcError as exc:
             raise rpc_error(exc, self.address, self.peer) from None
 

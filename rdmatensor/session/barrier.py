@@ -71,12 +71,18 @@ class Barriers:
             try:
                 while not self.everyone <= entry[0]:
                     remaining = deadline - time.monotonic()
+                    if rank == self.ctx.rank:
+                        try:
+                            self.ctx.check_abort()
+                        except BaseException:
+                            entry[0].discard(rank)
+                            raise
                     if remaining <= 0 or self.live.error or not active():
                         entry[0].discard(rank)
                         raise self.live.error or PeerLost(
                             f"barrier {key!r}: ranks {sorted(self.everyone - entry[0])} "
                             f"did not arrive within {timeout:.0f} s")
-                    self._cv.wait(min(remaining, 0.5))
+                    self._cv.wait(min(remaining, 0.2))
             finally:
                 entry[1] += 1
                 if entry[1] >= len(self.everyone) or not entry[0]:

@@ -4,7 +4,7 @@ and its counters."""
 from __future__ import annotations
 
 import threading
-from typing import Mapping
+from typing import Callable, Mapping
 
 from ..control.auth import PairCredentials
 from ..control.service import ControlClient, TlsConfig
@@ -50,6 +50,7 @@ class SessionContext:
         self.credentials = PairCredentials()
         self.counters = Counters()
         self.closed = False
+        self.abort: Callable[[], None] | None = None    # while setting up: raises to give it up (connect's abort)
         self._clients: dict[int, ControlClient] = {}
         self._clients_lock = threading.Lock()
 
@@ -79,7 +80,11 @@ class SessionContext:
         """Call `method` ("Exchange", "Grow", ...) on `peer`'s control server."""
         client = self.client(peer)
         return client.call(getattr(client.control, method), request, timeout=timeout,
-                           wait_for_ready=wait_for_ready)
+                           wait_for_ready=wait_for_ready, abort=self.abort)
+
+    def check_abort(self) -> None:
+        if self.abort is not None:
+            self.abort()
 
     def control_calls(self) -> int:
         with self._clients_lock:

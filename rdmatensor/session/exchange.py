@@ -111,7 +111,10 @@ class Exchange:
                 ch.attach(region_dict(region))
             ch.connect(params_dict(reply.channel), initiator=True, timeout=max(1.0, deadline - time.monotonic()))
         for peer in sorted(self._events):
-            if not self._events[peer].wait(max(0.0, deadline - time.monotonic())):
+            while not self._events[peer].wait(min(max(0.0, deadline - time.monotonic()), 0.2)):
+                ctx.check_abort()
+                if time.monotonic() < deadline:
+                    continue
                 raise PeerLost(f"rank {peer} never set up its side with rank {ctx.rank} "
                                f"within {ctx.timeout:.0f} s", peer=peer)
             self.live.check()

@@ -31,7 +31,7 @@ class Session:
 
     def __init__(self, rank: int, peers: Mapping[int, str], plan: Plan, provider: str = "auto",
                  token: str | None = None, tls: TlsConfig | None = None, timeout: float = 60.0,
-                 heartbeat: float = 1.0, peer_timeout: float = 10.0):
+                 heartbeat: float = 1.0, peer_timeout: float = 10.0, abort: Callable[[], None] | None = None):
         if not isinstance(plan, Plan):
             raise UsageError(f"plan must be a Plan, not {type(plan).__name__}")
         if isinstance(peers, Sequence) and not isinstance(peers, str):
@@ -54,6 +54,7 @@ class Session:
         self.provider = self.provider_class.name
         ctx = self._ctx = SessionContext(rank, peers, plan, self.provider_class, token, tls, timeout)
         self.peers = ctx.peers
+        ctx.abort = abort
         self._live = Liveness(ctx, heartbeat, peer_timeout)
         self._credits = Credits(ctx, self._live)
         self._exchange = Exchange(ctx, self._credits, self._live)
@@ -70,6 +71,7 @@ class Session:
             self._start_server()
             self._exchange.run(peer_ranks)
             self.barrier(SETUP_BARRIER)
+            ctx.abort = None
             self._live.start(peer_ranks)
         except BaseException:
             self.close()
@@ -223,7 +225,7 @@ class Session:
 
 def connect(rank: int, peers: Mapping[int, str] | Sequence[str], plan: Plan, provider: str = "auto",
             token: str | None = None, tls: TlsConfig | None = None, timeout: float = 60.0,
-            heartbeat: float = 1.0, peer_timeout: float = 10.0) -> Session:
+            heartbeat: float = 1.0, peer_timeout: float = 10.0, abort: Callable[[], None] | None = None) -> Session:
     """Set up this rank's end: arenas registered, descriptors exchanged, barrier passed.
 
     `peers` maps every rank of the plan to its control address "host:port"
@@ -233,6 +235,8 @@ def connect(rank: int, peers: Mapping[int, str] | Sequence[str], plan: Plan, pro
     control plane. `timeout` bounds setup and is the default for send/recv
     waits. Every `heartbeat` seconds each peer is pinged; one that misses two
     pings, or `peer_timeout` seconds of them, is reported as PeerLost to
-    every call that involves it."""
+    every call that involves it. `abort`, if given, is called a few times a
+    second while setup waits for peers; what it raises ends the setup (a job
+    that learns from elsewhere that a peer is gone need not wait `timeout`)."""
     return Session(rank, peers, plan, provider=provider, token=token, tls=tls, timeout=timeout,
-                   heartbeat=heartbeat, peer_timeout=peer_timeout)
+                   heartbeat=heartbeat, peer_timeout=peer_timeout, abort=abort)

@@ -105,3 +105,25 @@ def test_auto_logs_its_choice(caplog):
     if expected == "shm":
         # a peer that is not on this host (TEST-NET-2) rules shm out
         assert choose("auto", ["198.51.100.7"]).name == "tcp"
+
+
+@pytest.mark.parametrize("rank", [0, 1])      # 0 calls the missing peer's server; 1 waits for its call
+def test_setup_gives_up_when_its_abort_hook_raises_not_at_the_timeout(rank):
+    """A job that learns elsewhere that a peer is gone (its other sessions'
+    heartbeats) must not wait out the setup timeout for it."""
+    import time
+
+    from rdmatensor import connect
+
+    from ..support.ranks import TOKEN, free_ports
+    plan = Plan([TensorSpec("a", (4,), np.float32, 0, 1)])
+    peers = {r: f"127.0.0.1:{p}" for r, p in enumerate(free_ports(2))}     # the other rank never starts
+    t0 = time.monotonic()
+
+    def abort():
+        if time.monotonic() - t0 > 0.5:
+            raise PeerLost("the job lost the other rank", peer=1 - rank)
+
+    with pytest.raises(PeerLost, match="the job lost the other rank"):
+        connect(rank, peers, plan, provider="tcp", token=TOKEN, timeout=60.0, abort=abort)
+    assert time.monotonic() - t0 < 3.0

@@ -359,7 +359,8 @@ class Collectives:
             reservation.close()            # the new session's control server binds it now
         if reset is None:
             self.comm.drain()              # no ring still runs on the session being replaced
-        session = connect(self.rank, peers, plan, provider=self.provider, token=self.token, timeout=self.timeout)
+        session = connect(self.rank, peers, plan, provider=self.provider, token=self.token, timeout=self.timeout,
+                          abort=self._stop_if_job_failed)
         self.watch(session)
         for key, ts in new:
             self._sets[key] = ts
@@ -372,6 +373,13 @@ class Collectives:
         if reset is not None:
             self.resets.append(reset)
         return reset
+
+    def _stop_if_job_failed(self) -> None:
+        """A new generation's setup gives up as soon as the job lost a rank (the
+        bootstrap session sees it within the peer timeout), not at the setup timeout."""
+        lost = self.job_failure()
+        if lost is not None:
+            raise lost
 
     def _lay_out(self, ts: TensorSet, room: list[int]) -> None:
         """The TensorSpecs of a new set (and, for an allreduce, its ring's analysis)."""
