@@ -36,12 +36,12 @@ _HOROVOD = ("DistributedGradientTape", "PartialDistributedGradientTape", "broadc
             "local_rank_op", "size_op", "local_size_op", "Compression")
 _API = {**dict.fromkeys(_WORLD, "horovod.world"), **dict.fromkeys(_HOROVOD, "horovod.tensors"),
         "_executing_eagerly": "horovod.util", "SyncBatchNormalization": "horovod.sync_batch_norm"}
-__all__ = list(_API)
+__all__ = list(_API) + ["elastic", "util"]
 
 
 def __getattr__(name: str):
-    if name == "util":
-        return importlib.import_module(".horovod.util", __name__)
+    if name in ("util", "elastic"):
+        return importlib.import_module(f".horovod.{name}", __name__)
     module = _API.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,7 +14,6 @@ ring's outputs are): see ingest.borrow.
 """
 from __future__ import annotations
 
-import functools
 import time
 import types
 
@@ -140,8 +139,9 @@ def _allreduce_many(tensors, names, op: str, compression) -> list:
         group = collectives.allreduce_group(names, [tuple(t.shape) for t in sent],
                                             [t.dtype.as_numpy_dtype for t in sent], op)
         members = [[int(key) for key, _, _ in b.members] for b in group.buckets]
-        reduced = overlap.bucketed(sent, members, functools.partial(collectives.launch, group),
-                                   functools.partial(collectives.collect, group), "rdmatensor_allreduce")
+        # world() looked up at run time: an elastic reset replaces the collectives under a traced graph
+        reduced = overlap.bucketed(sent, members, lambda *a: world().collectives.launch(group, *a),
+                                   lambda *a: world().collectives.collect(group, *a), "rdmatensor_allreduce")
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, packed, strict=True)]
 
 

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 
 from rdmatensor import UsageError
 
-from ..engine.bootstrap import Bootstrap
+from ..engine.bootstrap import Bootstrap, PortReservation
 from ..engine.checks import CheckedCollectives, finite_check_from_env
+from ..launcher import rendezvous
 from ..launcher.cluster import Cluster
 from ..engine.failure import JobFailure
 
@@ -53,9 +54,12 @@ class World:
     local_size: int
     bootstrap: Bootstrap
     collectives: CheckedCollectives
+    failure: JobFailure | None = None
+    round: int = -1                # the elastic round this world is (-1: not an elastic job)
 
 
 _world: World | None = None
+_last_round = -1                   # the elastic round this process last joined
 
 
 def _host(address: str) -> str:
@@ -90,9 +94,12 @@ def init(model=None, provider: str | None = None, cluster: Cluster | None = None
     all-reduce bucket (default RDMATENSOR_FUSION_THRESHOLD, else 64 MiB, as Horovod).
     `check_finite` (default RDMATENSOR_CHECK_FINITE): allreduce raises
     NonFiniteValue, naming the tensor, when a floating value holds a NaN or Inf."""
-    global _world
+    global _world, _last_round
     if _world is None:
-        if cluster is None and os.environ.get("TF_CONFIG"):
+        reservation, joined = None, None
+        if cluster is None and rendezvous.configured():
+            reservation, cluster, joined = _join_round()
+        elif cluster is None and os.environ.get("TF_CONFIG"):
             cluster = Cluster.from_tf_config()
         cluster = cluster or Cluster(("127.0.0.1:0",))
         if not cluster.is_worker:
@@ -105,6 +112,8 @@ def init(model=None, provider: str | None = None, cluster: Cluster | None = None
         provider = provider or os.environ.get("RDMATENSOR_PROVIDER", "auto")
         timeout = float(timeout or os.environ.get("RDMATENSOR_TIMEOUT", 120.0))
         peers = {r: a for r, a in enumerate(cluster.workers)}
+        if reservation is not None:
+            reservation.close()            # the bootstrap session's control server binds it now
         boot = Bootstrap(rank, peers, provider, token, timeout)
         failure = JobFailure(rank)           # a lost rank fails every collective of this one
         if boot.session is not None:
@@ -119,11 +128,28 @@ def init(model=None, provider: str | None = None, cluster: Cluster | None = None
         except BaseException:
             boot.close()
             raise
-        _world = World(rank, size, *local_of(cluster), boot, collectives)
+        local = (joined["local_rank"], joined["local_size"]) if joined else local_of(cluster)
+        _world = World(rank, size, *local, boot, collectives, failure, joined["round"] if joined else -1)
+        if joined:
+            _last_round = joined["round"]
         _at_exit(shutdown)                 # peers hear a goodbye, not a silence, when a script just ends
     if model is not None:
         from .tensors import plan_ahead
         plan_ahead(model)
+
+
+def _join_round():
+    """An elastic job's worker: a port for its control server, then its place in
+    the next round (rank, peers) from the launcher's rendezvous."""
+    host = os.environ.get("RDMATENSOR_HOST", "127.0.0.1")
+    timeout = float(os.environ.get("RDMATENSOR_ELASTIC_TIMEOUT", 600.0)) + 60.0   # the launcher's, then ours
+    reservation = PortReservation(host)
+    try:
+        joined = rendezvous.join(host, reservation.port, _last_round, timeout)
+    except BaseException:
+        reservation.close()
+        raise
+    return reservation, Cluster(tuple(joined["workers"]), task_index=joined["rank"]), joined
 
 
 def _at_exit(fn) -> None:

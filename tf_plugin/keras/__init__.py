@@ -17,11 +17,11 @@ from ..horovod.world import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, 
                      ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, init, is_initialized, local_rank,
                      local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built,
                      shutdown, size, stats)
-from . import callbacks
+from . import callbacks, elastic
 from .optimizer import DistributedOptimizer, PartialDistributedOptimizer
 from .saving import load_model
 
-__all__ = ["DistributedOptimizer", "PartialDistributedOptimizer", "load_model", "callbacks", "Compression",
+__all__ = ["elastic", "DistributedOptimizer", "PartialDistributedOptimizer", "load_model", "callbacks", "Compression",
            "allreduce", "allgather", "broadcast", "reducescatter", "broadcast_variables", "broadcast_global_variables",
            "broadcast_object", "allgather_object", "init", "shutdown", "is_initialized", "rank", "size", "local_rank",
            "local_size", "stats", "Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp", "mpi_built",

@@ -2,6 +2,8 @@
 
     rdmatensor-run -np N [-H host1:slots,host2:slots] [--ps M] [--provider P]
                    [--softroce-vm] [--timeout S] [--failure-wait S] CMD [ARGS ...]
+    rdmatensor-run [-np N] --min-np MIN --max-np MAX --host-discovery-script SCRIPT
+                   [--elastic-timeout S] [--provider P] CMD [ARGS ...]      (elastic.py)
 
 Every rank runs CMD with, in its environment:
 
@@ -36,6 +38,7 @@ or 143).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import os
 import secrets
@@ -381,6 +384,13 @@ def launch(command: Sequence[str], np: int, hosts: Sequence[tuple[str, int]] | N
     SIGINT and SIGTERM stop every rank (when called from the main thread)."""
     placements = place(np, hosts or [("localhost", np + ps)], ps)
     job = Job(placements, command, provider, grace, stdout, stderr, forward, ssh_port, failure_wait=failure_wait)
+    with stop_on_signals(job):
+        return job.wait(timeout) if job.start() else START_FAILED
+
+
+@contextlib.contextmanager
+def stop_on_signals(job: Job):
+    """SIGINT, SIGTERM and SIGHUP ask `job` to stop (from the main thread only)."""
     previous = {}
     if threading.current_thread() is threading.main_thread():
         for sig, status in ((signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)):
@@ -388,7 +398,7 @@ def launch(command: Sequence[str], np: int, hosts: Sequence[tuple[str, int]] | N
                 job.stop_request = (f"got {signal.Signals(signum).name}", status)
             previous[sig] = signal.signal(sig, handler)
     try:
-        return job.wait(timeout) if job.start() else START_FAILED
+        yield
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
@@ -411,7 +421,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rdmatensor-run", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
-    p.add_argument("-np", "--num-proc", dest="np", type=int, required=True, help="number of workers")
+    p.add_argument("-np", "--num-proc", dest="np", type=int,
+                   help="number of workers (elastic: at first; default what the discovery script offers)")
     p.add_argument("-H", "--hosts", help="host1:slots,host2:slots (default: this machine, one slot per rank)")
     p.add_argument("--ps", type=int, default=0,
                    help="parameter-server tasks added to TF_CONFIG (ranks after the workers)")
@@ -426,6 +437,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-x", dest="forward", action="append", default=[], metavar="VAR",
                    help="forward this environment variable to remote ranks (local ranks get all)")
     p.add_argument("-p", "--ssh-port", type=int, help="ssh port of the remote hosts")
+    elastic = p.add_argument_group("elastic jobs (as horovodrun's; see tf_plugin.launcher.elastic)")
+    elastic.add_argument("--host-discovery-script", metavar="SCRIPT",
+                         help="prints the hosts that may run workers now, one host:slots per line")
+    elastic.add_argument("--min-np", type=int, help="fewest workers the job trains with")
+    elastic.add_argument("--max-np", type=int, help="most workers the job trains with")
+    elastic.add_argument("--elastic-timeout", type=float, default=600.0,
+                         help="seconds the job waits for --min-np workers before it fails (default 600)")
+    elastic.add_argument("--discovery-interval", type=float, default=1.0,
+                         help="seconds between runs of the discovery script (default 1)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="CMD [ARGS ...]")
     return p
 
@@ -441,6 +461,10 @@ def main(argv=None) -> int:
         p.error(f"--timeout {args.timeout:g}: must be positive")
     if args.failure_wait < 0:
         p.error(f"--failure-wait {args.failure_wait:g}: must be 0 or more")
+    if args.host_discovery_script or args.min_np is not None or args.max_np is not None:
+        return main_elastic(p, args, command)
+    if args.np is None:
+        p.error("-np is required (or --host-discovery-script with --min-np/--max-np for an elastic job)")
     try:
         hosts = parse_hosts(args.hosts) if args.hosts else None
         placements = place(args.np, hosts or [("localhost", args.np + args.ps)], args.ps,
@@ -453,6 +477,25 @@ def main(argv=None) -> int:
         return run_in_vm(argv, args.timeout)
     return launch(command, args.np, hosts, args.ps, args.provider, args.timeout, args.grace,
                   forward=args.forward, ssh_port=args.ssh_port, failure_wait=args.failure_wait)
+
+
+def main_elastic(p: argparse.ArgumentParser, args, command: list[str]) -> int:
+    from .elastic import launch_elastic
+    if not args.host_discovery_script:
+        p.error("--min-np/--max-np need --host-discovery-script (which hosts may run workers)")
+    if args.ps or args.hosts or args.softroce_vm:
+        p.error("an elastic job takes its hosts from --host-discovery-script: no -H, --ps or --softroce-vm")
+    min_np = args.min_np if args.min_np is not None else (args.np or 1)
+    max_np = args.max_np if args.max_np is not None else max(min_np, args.np or min_np)
+    if not 1 <= min_np <= max_np or (args.np is not None and not min_np <= args.np <= max_np):
+        p.error(f"--min-np {min_np}, -np {args.np}, --max-np {max_np}: need 1 <= min-np <= np <= max-np")
+    if args.elastic_timeout <= 0 or args.discovery_interval <= 0:
+        p.error("--elastic-timeout and --discovery-interval must be positive")
+    if not os.access(args.host_discovery_script, os.X_OK):
+        p.error(f"--host-discovery-script {args.host_discovery_script}: not an executable file")
+    return launch_elastic(command, os.path.abspath(args.host_discovery_script), min_np, max_np, args.np,
+                          args.provider, args.timeout, args.elastic_timeout, args.discovery_interval,
+                          grace=args.grace, forward=args.forward, ssh_port=args.ssh_port)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,102 @@
+"""Elastic training (rdmatensor-run --min-np/--max-np --host-discovery-script,
+hvd.elastic): a 3-rank job one of whose ranks is SIGKILLed mid-epoch goes on
+with 2, from its last commit, and every rank ends with the same weights; when
+the discovery script offers the slot again, a new worker joins at the next
+commit and the job finishes with 3; below --min-np the job fails, saying why
+in one line. elastic_script.py is the job (tape, or Keras fit)."""
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .processes import ROOT, lines_of
+
+SCRIPT = Path(__file__).parent / "elastic_script.py"
+PEER_TIMEOUT = 10.0
+COMMIT = 4                                          # elastic_script.py's steps per commit
+
+
+def elastic_job(tmp_path: Path, provider: str, mode: str, steps: int, kill_at: int, add_at: int,
+                min_np: int = 2, elastic_timeout: float = 60.0) -> subprocess.CompletedProcess:
+    (tmp_path / "hosts").write_text("localhost:3\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {tmp_path / 'hosts'}\n")
+    discover.chmod(0o755)
+    cmd = [sys.executable, "-m", "tf_plugin.launcher.run", "--min-np", str(min_np), "--max-np", "3",
+           "--host-discovery-script", str(discover), "--provider", provider, "--timeout", "200",
+           "--elastic-timeout", f"{elastic_timeout:g}",
+           sys.executable, str(SCRIPT), str(tmp_path), mode, str(steps), str(kill_at), str(add_at)]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(ROOT)})
+
+
+def steps_of(out: str, worker: int) -> list[tuple[int, int, float, str]]:
+    """(step, size, loss, weights digest) for every step the worker completed."""
+    return [(int(m[1]), int(m[2]), float(m[3]), m[4]) for line in lines_of(out, worker)
+            if (m := re.match(r"step (\d+) size (\d+) loss (\S+) weights (\S+)", line))]
+
+
+def check_lost_rank_recovered(out: str, kill_at: int, survivors: list[int]) -> dict:
+    """The survivors resumed from their last commit within the peer timeout, with the loss where
+    it was, every step they report agrees on every rank, and they end with the same weights."""
+    assert "worker 1 on localhost was killed by signal 9 (SIGKILL); 2 worker(s) go on" in out, out[-3000:]
+    first = steps_of(out, 0)
+    before = {s: loss for s, n, loss, _ in first if n == 3}
+    after = [(s, loss) for s, n, loss, _ in first if n == 2]
+    resume_step, resume_loss = after[0]
+    assert kill_at - COMMIT < resume_step <= kill_at and resume_step % COMMIT == 0, (resume_step, kill_at)
+    # the same weights as at that commit: the loss is the one training had reached, not the start's
+    assert resume_loss < 0.6 * before[0] and resume_loss < 3 * before[resume_step], (before, after[:3])
+    resumed = [float(line.split()[1]) for w in survivors for line in lines_of(out, w) if line.startswith("resumed")]
+    assert resumed and max(resumed[:len(survivors)]) < PEER_TIMEOUT, resumed
+    by_step = {}
+    for w in survivors + [1]:
+        for s, n, loss, digest in steps_of(out, w):
+            by_step.setdefault((s, n), set()).add((loss, digest))
+    assert all(len(v) == 1 for v in by_step.values()), "ranks reported different losses or weights for a step"
+    print(f"resumed {max(resumed[:len(survivors)]):.2f} s after the kill, at step {resume_step} "
+          f"({kill_at - resume_step} step(s) since the last commit lost); loss {before[resume_step]:.4f} "
+          f"(3 ranks) -> {resume_loss:.4f} (2 ranks)")
+    return {"resume_step": resume_step}
+
+
+def test_tape_job_loses_a_rank_goes_on_with_two_and_takes_a_new_worker_back(tmp_path):
+    kill_at = 10
+    proc = elastic_job(tmp_path, "tcp", "tape", steps=24, kill_at=kill_at, add_at=4)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    check_lost_rank_recovered(out, kill_at, survivors=[0, 2])
+    sizes = [n for _, n, _, _ in steps_of(out, 0)]
+    assert sizes[0] == 3 and 2 in sizes and sizes[-1] == 3, sizes       # 3, then 2, then 3 again
+    joined = steps_of(out, 3)                                          # the new worker (id 3)
+    assert joined and all(n == 3 for _, n, _, _ in joined), joined
+    finals = {w: [line for line in lines_of(out, w) if line.startswith("final")] for w in (0, 2, 3)}
+    assert all(len(f) == 1 for f in finals.values()) and len({f[0] for f in finals.values()}) == 1, finals
+
+
+def test_keras_fit_loses_a_rank_mid_epoch_and_finishes_with_two(tmp_path):
+    kill_at = 10                                                       # mid-epoch: epochs are 4 steps
+    proc = elastic_job(tmp_path, "shm", "fit", steps=16, kill_at=kill_at, add_at=-1)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    check_lost_rank_recovered(out, kill_at, survivors=[0, 2])
+    assert [s for s, n, _, _ in steps_of(out, 0) if n == 2][-1] == 15    # every epoch done, none twice
+    finals = {w: [line for line in lines_of(out, w) if line.startswith("final")] for w in (0, 2)}
+    assert len({f[0] for f in finals.values()}) == 1, finals
+
+
+def test_below_min_np_the_job_fails_in_one_line(tmp_path):
+    t0 = time.monotonic()
+    proc = elastic_job(tmp_path, "tcp", "tape", steps=40, kill_at=6, add_at=-1, min_np=3, elastic_timeout=3.0)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines()
+             if line.startswith("rdmatensor-run:") and "fewer than --min-np 3" in line]
+    assert lines and lines[0].startswith("rdmatensor-run: 2 worker(s) left, fewer than --min-np 3"), \
+        proc.stderr[-3000:]
+    assert not any(line.startswith("final") for w in range(3) for line in lines_of(proc.stdout, w))
+    print(f"{lines[0]} ({elapsed:.1f} s for the whole job)")

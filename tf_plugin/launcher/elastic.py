@@ -1,0 +1,220 @@
+"""rdmatensor-run's elastic mode: workers that come and go, a job that goes on.
+
+    rdmatensor-run [-np N] --min-np MIN --max-np MAX --host-discovery-script SCRIPT
+                   [--elastic-timeout S] [--discovery-interval S] CMD [ARGS ...]
+
+As horovodrun's: SCRIPT prints the hosts that may run workers now, one
+`host:slots` per line (`host` alone is one slot). The launcher keeps as many
+workers running as the hosts offer slots, at most MAX, starting N (default:
+what the script offers) at first. A worker that dies is not the job's end:
+the others see the loss, roll back to their last commit and form the job
+again without it (tf_plugin.elastic.run); when the script offers slots that
+no worker uses, new workers start there and join at the next commit. Unlike
+horovodrun, a host whose worker failed is not blacklisted: a slot the script
+still offers gets a new worker.
+
+Every worker gets RDMATENSOR_RENDEZVOUS (this launcher's rendezvous server,
+see rendezvous.py) and RDMATENSOR_WORKER_ID, and no TF_CONFIG: its rank and
+its peers come from the round it joins. Its output lines are prefixed with its
+worker id ([id]), which is its first rank. The job succeeds when its workers
+finish with status 0. It fails, saying why in one line, when fewer than MIN
+workers are left for S seconds (--elastic-timeout, 600 by default as in
+horovodrun), or when every worker failed.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from collections import Counter
+from typing import Sequence
+
+from .rendezvous import Rounds, Server
+from .run import (TIMEOUT_STATUS, Job, LaunchError, Placement, _describe, _die_with_parent, _Prefixer, is_local,
+                  stop_on_signals)
+
+DISCOVERY_TIMEOUT = 30.0
+
+
+def parse_discovery(text: str) -> list[tuple[str, int]]:
+    """`host:slots` lines (blank lines and #-comments skipped) -> [(host, slots)]."""
+    hosts = []
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        host, _, slots = line.rpartition(":") if ":" in line else (line, "", "1")
+        try:
+            count = int(slots)
+        except ValueError:
+            raise LaunchError(f"host discovery: {line!r} is not host:slots") from None
+        if not host or count < 0:
+            raise LaunchError(f"host discovery: {line!r} is not host:slots")
+        hosts.append((host, count))
+    return hosts
+
+
+def discover(script: str) -> list[tuple[str, int]]:
+    proc = subprocess.run([script], capture_output=True, text=True, timeout=DISCOVERY_TIMEOUT)
+    if proc.returncode != 0:
+        raise LaunchError(f"host discovery script {script} exited with status {proc.returncode}: "
+                          f"{proc.stderr.strip()[-300:]}")
+    return parse_discovery(proc.stdout)
+
+
+class ElasticJob(Job):
+    """Workers started and lost over the job's life, one rendezvous for all."""
+
+    def __init__(self, command: Sequence[str], script: str, min_np: int, max_np: int, np: int | None = None,
+                 elastic_timeout: float = 600.0, discovery_interval: float = 1.0, **kwargs):
+        super().__init__([], command, **kwargs)
+        if not 1 <= min_np <= max_np:
+            raise LaunchError(f"--min-np {min_np} --max-np {max_np}: need 1 <= min-np <= max-np")
+        self.script, self.min_np, self.max_np, self.np = script, min_np, max_np, np
+        self.elastic_timeout, self.discovery_interval = elastic_timeout, discovery_interval
+        self.rounds = Rounds(self._alive_ids, min_np)
+        # the launcher gives up first, and says why in one line
+        self.server = Server(self.rounds, self.token, join_timeout=elastic_timeout + 30.0)
+        self.next_id = 0
+        self.finishing = False          # a worker ended with 0: training is over, start no other
+        self.short_since: float | None = None
+
+    def _alive_ids(self) -> list[int]:
+        return [p.rank for p, proc in self.started if proc.returncode is None and proc.poll() is None]
+
+    def _rendezvous_address(self, p: Placement) -> str:
+        return f"127.0.0.1:{self.server.port}" if p.local else f"{socket.gethostname()}:{self.server.port}"
+
+    def start_worker(self, host: str) -> None:
+        wid, self.next_id = self.next_id, self.next_id + 1
+        local = is_local(host)
+        p = Placement(wid, "worker", wid, host, "", 0, 1, local)
+        address_host = "127.0.0.1" if local else host
+        env = {"RDMATENSOR_TOKEN": self.token, "RDMATENSOR_JOB": self.job, "PYTHONUNBUFFERED": "1",
+               "RDMATENSOR_RENDEZVOUS": self._rendezvous_address(p), "RDMATENSOR_WORKER_ID": str(wid),
+               "RDMATENSOR_HOST": address_host, "RDMATENSOR_ELASTIC_TIMEOUT": f"{self.elastic_timeout:g}"}
+        if self.provider:
+            env["RDMATENSOR_PROVIDER"] = self.provider
+        if local:
+            argv, penv = list(self.command), {k: v for k, v in os.environ.items() if k != "TF_CONFIG"} | env
+        else:
+            from .run import ssh_command
+            env.update({k: os.environ[k] for k in self.forward if k in os.environ})
+            argv, penv = ssh_command(host, env, self.command, os.getcwd(), self.ssh_port, self.grace), None
+        proc = subprocess.Popen(argv, env=penv, stdin=subprocess.DEVNULL if local else subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                                preexec_fn=_die_with_parent)
+        self.started.append((p, proc))
+        prefix = f"[{wid}] ".encode()
+        readers = [_Prefixer(proc.stdout, self.stdout, prefix, self._locks[id(self.stdout)]),
+                   _Prefixer(proc.stderr, self.stderr, prefix, self._locks[id(self.stderr)])]
+        for r in readers:
+            r.start()
+        self.readers += readers
+        self.rounds.changed()
+
+    def _scale(self, offered: list[tuple[str, int]]) -> None:
+        """Start workers on slots the hosts offer and no live worker uses (at most max-np);
+        stop those on hosts no longer offered."""
+        slots = Counter()
+        for host, count in offered:
+            slots[host] += count
+        live = [(p, proc) for p, proc in self.started if proc.poll() is None]
+        for p, proc in live:
+            if slots[p.host] <= 0:
+                self.say(f"worker {p.rank} on {p.host}: the host is no longer offered, stopping it")
+                proc.terminate()
+            slots[p.host] -= 1
+        budget = 0 if self.finishing else self.max_np - len(live)
+        if not self.started and self.np is not None:
+            budget = min(budget, self.np)
+        for host, free in slots.items():
+            n = max(0, min(free, budget))
+            for _ in range(n):
+                self.start_worker(host)
+            budget -= n
+
+    def run(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        status, last_discovery, reported = 1, 0.0, set()
+        try:
+            while True:
+                now = time.monotonic()
+                if now - last_discovery >= self.discovery_interval and not self.finishing:
+                    last_discovery = now
+                    try:
+                        self._scale(discover(self.script))
+                    except (LaunchError, OSError, subprocess.TimeoutExpired) as exc:
+                        self.say(f"host discovery failed, keeping the workers as they are: {exc}")
+                ended = False
+                for p, proc in self.started:
+                    code = proc.poll()
+                    if code is not None and p.rank not in reported:
+                        reported.add(p.rank)
+                        ended = True
+                        if code == 0:
+                            self.finishing = True
+                        else:
+                            left = len(self._alive_ids())
+                            self.say(f"worker {p.rank} on {p.host} {_describe(code)}; "
+                                     f"{left} worker(s) go on" + ("" if self.finishing else
+                                                                  ", the job forms again without it"))
+                if ended:
+                    self.rounds.changed()
+                alive = self._alive_ids()
+                members = self._last_members()
+                if self.finishing and alive and not members & set(alive):
+                    why = "the job finished"
+                    self.rounds.close(why)
+                    self.stop(f"{why}: workers {sorted(alive)} never joined it")   # started too late
+                    continue
+                if not alive and self.started:
+                    status = 0 if self.finishing and self._finished_cleanly() else 1
+                    break
+                if not self.finishing and len(alive) < self.min_np:
+                    self.short_since = self.short_since or now
+                    if now - self.short_since > self.elastic_timeout:
+                        why = (f"{len(alive)} worker(s) left, fewer than --min-np {self.min_np}, for "
+                               f"{self.elastic_timeout:g} s (--elastic-timeout): the job cannot go on")
+                        self.rounds.close(why)
+                        self.stop(why)
+                        status = 1
+                        break
+                else:
+                    self.short_since = None
+                if self.stop_request:
+                    why, status = self.stop_request
+                    self.rounds.close(why)
+                    self.stop(why)
+                    break
+                if deadline is not None and now > deadline:
+                    status = TIMEOUT_STATUS
+                    why = f"the job did not finish within its {timeout:g} s timeout (--timeout)"
+                    self.rounds.close(why)
+                    self.stop(why)
+                    break
+                time.sleep(0.05)
+        finally:
+            self.server.close()
+            self.cleanup()
+        return status
+
+    def _last_members(self) -> set[int]:
+        r = self.rounds.current
+        return set(r.members) if r else set()
+
+    def _finished_cleanly(self) -> bool:
+        """Every member of the last round ended with status 0."""
+        members = self._last_members()
+        return bool(members) and all(proc.returncode == 0 for p, proc in self.started if p.rank in members)
+
+
+def launch_elastic(command: Sequence[str], script: str, min_np: int, max_np: int, np: int | None = None,
+                   provider: str | None = None, timeout: float | None = None, elastic_timeout: float = 600.0,
+                   discovery_interval: float = 1.0, **kwargs) -> int:
+    """Run `command` as an elastic job; its exit status."""
+    job = ElasticJob(command, script, min_np, max_np, np, elastic_timeout, discovery_interval,
+                     provider=provider, **kwargs)
+    with stop_on_signals(job):
+        return job.run(timeout)
