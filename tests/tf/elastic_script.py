@@ -80,7 +80,7 @@ def train_step(x, y):
     with tf.GradientTape() as tape:
         loss = tf.reduce_mean(tf.square(model(x) - y))
     grads = hvd.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
-    opt.apply_gradients(zip(grads, model.trainable_variables))
+    opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
     return loss
 
 
