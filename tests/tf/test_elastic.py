@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-
 from .processes import ROOT, lines_of
 
 SCRIPT = Path(__file__).parent / "elastic_script.py"
