@@ -12,12 +12,14 @@ past STEPS until it has). Every rank prints, for
 each step it completed, `step K size N loss L weights DIGEST` (K the global
 step, L the loss averaged over the ranks), `resumed SECONDS` at its first step
 after a reset caused by the kill (seconds since it), and `final DIGEST` at the
-end; the victim writes when it died to OUT_DIR/killed.
+end; the victim writes when it died to OUT_DIR/killed. `early` (at step 2,
+3 ranks) and `final` also say how many fds and threads the worker has.
 """
 import hashlib
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -62,6 +64,10 @@ def die_in_this_step(step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def resources() -> str:
+    return f"fds {len(os.listdir('/proc/self/fd'))} threads {threading.active_count()}"
+
+
 def report(step: int, loss: float, state) -> None:
     if resumed[0]:
         since = killed_since()
@@ -69,6 +75,8 @@ def report(step: int, loss: float, state) -> None:
             print(f"resumed {since:.2f}", flush=True)
         resumed[0] = False
     print(f"step {step} size {hvd.size()} loss {loss:.6f} weights {digest()}", flush=True)
+    if step == 2 and hvd.size() == 3:
+        print(f"early {resources()}", flush=True)
     if hvd.rank() == 0 and add_at >= 0 and killed_since() is not None and hvd.size() == 2:
         state.after_kill = getattr(state, "after_kill", 0) + 1
         if state.after_kill == add_at:
@@ -133,4 +141,4 @@ else:
     state = hvd.elastic.TensorFlowKerasState(model, opt, step=0)
 state.register_reset_callbacks([lambda: resumed.__setitem__(0, True)])
 hvd.elastic.run(fit_training if mode == "fit" else tape_training)(state)
-print(f"final {digest()}", flush=True)
+print(f"final {digest()} {resources()}", flush=True)
