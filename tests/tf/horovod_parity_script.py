@@ -278,6 +278,57 @@ def aggregation_case():
 
 case("aggregation", aggregation_case)
 
+
+def elastic_state_case(make):
+    """sync() takes rank 0's values (variables, optimizer slots, keyword values), restore() goes
+    back to the last save, commit() saves (and, with no launcher waiting to add workers, goes on)."""
+    def check():
+        v = 1.0 if r == 0 else 2.0
+        state, variables, extra = make(v)
+        state.sync()
+        synced = [x.numpy().copy() for x in variables]
+        ok = extra() and all(np.array_equal(x, np.ones_like(x)) for x in synced[:2]) and (state.batch, state.epoch) == (20, 10)
+        for x in variables:
+            x.assign(np.full(x.shape, 5.0, x.numpy().dtype))
+        state.batch, state.epoch = 21, 11
+        state.restore()
+        ok = ok and all(np.array_equal(x.numpy(), s) for x, s in zip(variables, synced, strict=True))
+        ok = ok and (state.batch, state.epoch) == (20, 10)
+        for x in variables:
+            x.assign(np.full(x.shape, 3.0, x.numpy().dtype))
+        state.batch = 22
+        state.commit()
+        state.batch = 0
+        for x in variables:
+            x.assign(np.zeros(x.shape, x.numpy().dtype))
+        state.restore()
+        return ok and all((x.numpy() == 3.0).all() for x in variables) and state.batch == 22
+    return check
+
+
+def tensorflow_state(v):
+    variables = [tf.Variable(np.full((2, 2), v)), tf.Variable(np.full(2, v))]
+    return hvd.elastic.TensorFlowState(variables, batch=20 + r, epoch=10 + r), variables, lambda: True
+
+
+def keras_state(v):
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)])
+    model.set_weights([np.full((2, 2), v, np.float32), np.full(2, v, np.float32)])
+    opt = keras.optimizers.Adam(0.001)
+    if r == 0:            # rank 0 trained a step: its slots exist and are not zero; the other's are built by sync
+        opt.apply_gradients(zip([tf.ones((2, 2)), tf.ones(2)], model.trainable_variables, strict=True))
+        model.set_weights([np.ones((2, 2), np.float32), np.ones(2, np.float32)])
+    state = hvd_keras.elastic.KerasState(model, opt, batch=20 + r, epoch=10 + r)
+    variables = list(model.variables) + list(opt.variables)
+    rank0 = hvd.broadcast_object([x.numpy() for x in opt.variables], 0)
+    return state, variables, lambda: all(np.array_equal(a, b) for a, b in zip(rank0, state._saved_values[2:],
+                                                                              strict=True))
+
+
+case("elastic_tensorflow_state", elastic_state_case(tensorflow_state))
+case("elastic_keras_state", elastic_state_case(keras_state))
+case("elastic_object_state", lambda: (lambda s: (s.sync(), s.lr)[1] == 0.5)(hvd.elastic.ObjectState(lr=0.5 * (r + 1))))
+
 with open(f"{out_dir}/rank{r}.json", "w") as f:
     json.dump(report, f)
 hvd.shutdown()

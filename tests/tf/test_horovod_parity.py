@@ -2,7 +2,8 @@
 process per rank): reductions, alltoall, reducescatter, grouped collectives, the
 gradient Horovod defines for each collective, the error types it raises, the order
 of a tf.function's collectives, SyncBatchNormalization, partial tapes and
-optimizers, the Keras callbacks' arguments, and fit with a lazily built model."""
+optimizers, the Keras callbacks' arguments, fit with a lazily built model, and the
+elastic states' sync, restore and commit."""
 import json
 from pathlib import Path
 
@@ -16,7 +17,8 @@ CASES = ["min", "max", "product", "grouped_min", "adasum_refused", "sparse_min_r
          "grad_allgather", "grad_broadcast", "grad_reducescatter_sum", "grad_alltoall", "ops", "join", "built",
          "executing_eagerly", "global_variables_eager", "process_set", "broadcast_inplace", "mismatch_types",
          "graph_order", "sync_batch_norm", "partial_tape", "lazy_fit", "broadcast_local_variables",
-         "partial_optimizer", "aggregation"]
+         "partial_optimizer", "aggregation", "elastic_tensorflow_state", "elastic_keras_state",
+         "elastic_object_state"]
 
 
 @pytest.mark.parametrize("provider,size", [("shm", 2), ("tcp", 3)])
