@@ -287,7 +287,8 @@ def elastic_state_case(make):
         state, variables, extra = make(v)
         state.sync()
         synced = [x.numpy().copy() for x in variables]
-        ok = extra() and all(np.array_equal(x, np.ones_like(x)) for x in synced[:2]) and (state.batch, state.epoch) == (20, 10)
+        ok = extra() and all(np.array_equal(x, np.ones_like(x)) for x in synced[:2])
+        ok = ok and (state.batch, state.epoch) == (20, 10)
         for x in variables:
             x.assign(np.full(x.shape, 5.0, x.numpy().dtype))
         state.batch, state.epoch = 21, 11
