@@ -24,6 +24,7 @@ from .recv import Received, Receiver
 from .send import Sender
 
 SETUP_BARRIER = "rdmatensor-setup"
+GOODBYE_WAIT = 0.5          # seconds a closing session waits for its peers' goodbyes before its server stops
 
 
 class Session:
@@ -196,6 +197,8 @@ class Session:
         self._live.fail(UsageError(f"session of rank {self.rank} is closed"))
         self._live.stop()
         self._live.say_goodbye()
+        ctx.close_clients()                  # ours, before a peer's server stops under them
+        self._live.wait_goodbyes(GOODBYE_WAIT)   # theirs, before ours stops
         if self._server is not None:
             self._server.stop(grace=0.5).wait()
         for ch in ctx.channels.values():

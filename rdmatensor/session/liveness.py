@@ -34,6 +34,7 @@ class Liveness:
         self.error: RdmaTensorError | None = None           # sticky, session-wide
         self.peer_errors: dict[int, RdmaTensorError] = {}   # sticky, per peer
         self._said_bye: set[int] = set()
+        self._byes = threading.Condition(self._lock)
         self._bye_causes: dict[int, PeerLost] = {}           # peer -> the loss it left because of
         self.first_failure: PeerLost | None = None           # the first rank lost other than in order
         self._on_peer_lost: list[Callable[[int], None]] = []
@@ -146,7 +147,9 @@ class Liveness:
         if lost_rank is not None and lost_rank not in (peer, self.ctx.rank):
             self._bye_causes[peer] = PeerLost(f"rank {lost_rank} was lost (rank {peer} left because of it: "
                                               f"{reason})", peer=lost_rank)
-        self._said_bye.add(peer)
+        with self._lock:
+            self._said_bye.add(peer)
+            self._byes.notify_all()
         ch = self.ctx.channels.get(peer)
         if ch is not None:
             ch.peer_said_bye()
@@ -155,6 +158,18 @@ class Liveness:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+
+    def wait_goodbyes(self, timeout: float) -> None:
+        """Until every peer still here said goodbye too (or `timeout`): a control
+        server stopped under a peer's open connection makes gRPC log a GOAWAY
+        there, on every rank of a job that ends cleanly."""
+        deadline = time.monotonic() + timeout
+        with self._byes:
+            while any(p not in self._said_bye and p not in self.peer_errors for p in self.ctx.channels):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                self._byes.wait(min(remaining, 0.05))
 
     def say_goodbye(self) -> None:
         """Tell every peer this rank reached, and has not lost, that it closes

@@ -247,10 +247,37 @@ def test_every_rank_succeeding_exits_zero_and_a_missing_command_is_named(tmp_pat
     (["-np", "2", "--timeout", "0", "true"], "--timeout 0: must be positive"),
     (["-np", "2", "--provider", "carrier-pigeon", "true"], "invalid choice: 'carrier-pigeon'"),
     (["-np", "2", "-H", "elsewhere:2", "--softroce-vm", "true"], "-H must name only this host"),
+    (["true"], "-np is required (or --host-discovery-script"),
+    (["--min-np", "2", "true"], "--min-np/--max-np need --host-discovery-script"),
+    (["--min-np", "3", "--max-np", "2", "--host-discovery-script", "/bin/true", "true"],
+     "need 1 <= min-np <= np <= max-np"),
+    (["--min-np", "1", "--host-discovery-script", "/nonexistent", "true"], "not an executable file"),
+    (["--min-np", "1", "-H", "a:2", "--host-discovery-script", "/bin/true", "true"], "no -H, --ps or --softroce-vm"),
 ])
 def test_bad_arguments_are_refused_saying_what_is_wrong(args, message):
     proc, _ = launcher(*args)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_eight_ranks_that_end_cleanly_print_only_what_the_script_prints(tmp_path):
+    """gRPC logs a GOAWAY on a connection whose server stops under it: ranks
+    now close their control clients, and wait for their peers' goodbyes,
+    before their own server stops. TensorFlow's log level left as users have it."""
+    body = script(tmp_path, "clean.py", """
+        import tensorflow as tf
+        import tf_plugin as hvd
+        hvd.init()
+        print("sum", int(hvd.allreduce(tf.constant([hvd.rank()]), op=hvd.Sum, name="r")[0]))
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "GRPC_VERBOSITY")}
+    proc, _ = launcher("-np", "8", "--provider", "shm", sys.executable, body, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tensorflow_startup = ("oneDNN custom operations", "cpu_feature_guard", "To enable the following instructions",
+                          "absl::InitializeLog", "computation placer", "Unable to register")
+    for r in range(8):
+        assert lines_of(proc.stdout, r) == ["sum 28"], proc.stdout
+        noise = [line for line in lines_of(proc.stderr, r) if not any(s in line for s in tensorflow_startup)]
+        assert not noise, (r, noise)
 
 
 def test_hosts_fill_in_order_with_local_ranks_and_ssh_for_remote_hosts():
