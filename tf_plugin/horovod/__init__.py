@@ -3,6 +3,7 @@
     world            this process in the job: init, rank, size, local rank, objects, process sets
     tensors          allreduce, allgather, broadcast, alltoall, reducescatter, grouped_*, join,
                      DistributedGradientTape, broadcast_variables, Compression, their gradients
+    elastic          hvd.elastic: run, State, ObjectState, TensorFlowState, TensorFlowKerasState
     sync_batch_norm  SyncBatchNormalization for Keras 3
     util             horovod.tensorflow.util's helpers scripts call
 """
