@@ -96,11 +96,13 @@ def init(model=None, provider: str | None = None, cluster: Cluster | None = None
     NonFiniteValue, naming the tensor, when a floating value holds a NaN or Inf."""
     global _world, _last_round
     if _world is None:
-        reservation, joined = None, None
+        reservation, joined, found = None, None, None
         if cluster is None and rendezvous.configured():
             reservation, cluster, joined = _join_round()
         elif cluster is None and os.environ.get("TF_CONFIG"):
             cluster = Cluster.from_tf_config()
+        elif cluster is None and (found := rendezvous.LauncherEnv.detect()) is not None and found.size > 1:
+            reservation, cluster, joined = _join_launcher(found, token, timeout)
         cluster = cluster or Cluster(("127.0.0.1:0",))
         if not cluster.is_worker:
             raise UsageError(f"task {cluster.task_type}:{cluster.task_index} is not a worker: only workers "
@@ -149,6 +151,28 @@ def _join_round():
     except BaseException:
         reservation.close()
         raise
+    return reservation, Cluster(tuple(joined["workers"]), task_index=joined["rank"]), joined
+
+
+def _join_launcher(found: rendezvous.LauncherEnv, token: str | None, timeout: float | None):
+    """Started by torchrun, mpirun or srun: a port of its own, then every rank's
+    address through rank 0's rendezvous (rank, size and local rank are the launcher's)."""
+    token = token or os.environ.get("RDMATENSOR_TOKEN")
+    if not token:
+        raise UsageError(f"RDMATENSOR_TOKEN is not set: started by {found.launcher}, every rank needs the job's "
+                         f"shared token (e.g. export RDMATENSOR_TOKEN=$(openssl rand -hex 16) and pass it on, "
+                         f"mpirun -x RDMATENSOR_TOKEN)")
+    os.environ.setdefault("RDMATENSOR_TOKEN", token)
+    reservation = PortReservation(rendezvous.route_to(found.address))
+    try:
+        joined, server = rendezvous.join_launcher(found, reservation.port,
+                                                  float(timeout or os.environ.get("RDMATENSOR_TIMEOUT", 120.0)))
+    except BaseException:
+        reservation.close()
+        raise
+    if server is not None:
+        server.close()                 # the round formed: every rank has its answer
+    joined = dict(joined, round=-1, local_rank=found.local_rank, local_size=found.local_size)
     return reservation, Cluster(tuple(joined["workers"]), task_index=joined["rank"]), joined
 
 

@@ -1,10 +1,15 @@
-"""Rendezvous of an elastic job: which workers form the job now, and who is which rank.
+"""Rendezvous: which workers form the job, and every rank's control address,
+with no port known in advance.
 
-The launcher serves it (tf_plugin.launcher.elastic); a worker started under it
-has RDMATENSOR_RENDEZVOUS=host:port and RDMATENSOR_WORKER_ID in its
-environment, and hvd.init() joins a round through it instead of reading
-TF_CONFIG. One request per connection, one JSON line each way, every
-request carrying the job's token (compared in constant time):
+Two users. An elastic job's launcher serves it (tf_plugin.launcher.elastic); a
+worker started under it has RDMATENSOR_RENDEZVOUS=host:port and
+RDMATENSOR_WORKER_ID in its environment. A job started by another launcher
+(torchrun, Open MPI's mpirun, Slurm's srun: see LauncherEnv) gives each rank
+only its rank, the job's size and one address: rank 0 serves the rendezvous
+there, every rank joins with worker id = its rank. Either way hvd.init() joins
+a round instead of reading TF_CONFIG, with a port it bound itself. One request
+per connection, one JSON line each way, every request carrying the job's token
+(compared in constant time):
 
     join     {worker, host, port, after}  -> the first round after `after` that
              includes this worker, once every member joined: {round, rank, size,
@@ -119,7 +124,8 @@ class Rounds:
 class Server:
     """The rendezvous server: a thread per request, on an ephemeral port."""
 
-    def __init__(self, rounds: Rounds, token: str, host: str = "0.0.0.0", join_timeout: float = 600.0):
+    def __init__(self, rounds: Rounds, token: str, host: str = "0.0.0.0", join_timeout: float = 600.0,
+                 port: int = 0):
         self.rounds, self.token, self.join_timeout = rounds, token, join_timeout
         outer = self
 
@@ -134,7 +140,7 @@ class Server:
                 self.wfile.write(json.dumps(reply).encode() + b"\n")
 
         socketserver.ThreadingTCPServer.allow_reuse_address = True
-        self._server = socketserver.ThreadingTCPServer((host, 0), Handler)
+        self._server = socketserver.ThreadingTCPServer((host, port), Handler)
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
@@ -162,11 +168,23 @@ def configured() -> bool:
     return bool(os.environ.get("RDMATENSOR_RENDEZVOUS"))
 
 
-def _call(request: dict, timeout: float) -> dict:
-    host, port = os.environ["RDMATENSOR_RENDEZVOUS"].rsplit(":", 1)
+def _call(request: dict, timeout: float, address: str | None = None) -> dict:
+    host, port = (address or os.environ["RDMATENSOR_RENDEZVOUS"]).rsplit(":", 1)
     request = dict(request, token=os.environ.get("RDMATENSOR_TOKEN", ""))
+    deadline = time.monotonic() + timeout
+    while True:                           # rank 0's server may not be up yet
+        try:
+            return _once(host.strip("[]"), int(port), request, timeout)
+        except ConnectionRefusedError as exc:
+            if time.monotonic() > deadline:
+                raise PeerLost(f"the job's rendezvous at {host}:{port} refused every connection for "
+                               f"{timeout:g} s: {exc}") from exc
+            time.sleep(0.1)
+
+
+def _once(host: str, port: int, request: dict, timeout: float) -> dict:
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as sock:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
             sock.settimeout(timeout)
             sock.sendall(json.dumps(request).encode() + b"\n")
             line = sock.makefile("rb").readline(MAX_REQUEST)
@@ -181,10 +199,116 @@ def _call(request: dict, timeout: float) -> dict:
     return reply
 
 
-def join(host: str, port: int, after: int, timeout: float = 660.0) -> dict:
+def join(host: str, port: int, after: int, timeout: float = 660.0, worker: int | None = None,
+         address: str | None = None) -> dict:
     """This worker's place in the first round after `after` (-1: the first one)."""
-    return _call({"op": "join", "worker": int(os.environ["RDMATENSOR_WORKER_ID"]), "host": host,
-                  "port": port, "after": after}, timeout)
+    worker = int(os.environ["RDMATENSOR_WORKER_ID"]) if worker is None else worker
+    return _call({"op": "join", "worker": worker, "host": host, "port": port, "after": after}, timeout, address)
+
+
+# ------------------------------------------------------------- other launchers
+@dataclass(frozen=True)
+class LauncherEnv:
+    """What a launcher other than rdmatensor-run told this rank: who it is, how
+    many there are, and where rank 0 serves the rendezvous."""
+    launcher: str
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    address: str                       # host:port of rank 0's rendezvous
+
+    @classmethod
+    def detect(cls, env=None) -> "LauncherEnv | None":
+        """torchrun (and Kubernetes operators that set its variables), Open MPI's
+        mpirun, Slurm's srun; None outside them. The rendezvous address is
+        RDMATENSOR_RENDEZVOUS_ADDR (host:port), else MASTER_ADDR and MASTER_PORT,
+        else under Slurm the step's first node and RDMATENSOR_RENDEZVOUS_PORT
+        (default 29500 + SLURM_JOB_ID % 1000); under mpirun on one host, this
+        host and that port."""
+        env = os.environ if env is None else env
+        found = None
+        if env.get("RANK") and env.get("WORLD_SIZE"):
+            found = ("torchrun", env["RANK"], env["WORLD_SIZE"], env.get("LOCAL_RANK", "0"),
+                     env.get("LOCAL_WORLD_SIZE"))
+        elif env.get("OMPI_COMM_WORLD_RANK") and env.get("OMPI_COMM_WORLD_SIZE"):
+            found = ("mpirun", env["OMPI_COMM_WORLD_RANK"], env["OMPI_COMM_WORLD_SIZE"],
+                     env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"), env.get("OMPI_COMM_WORLD_LOCAL_SIZE"))
+        elif env.get("SLURM_PROCID") and env.get("SLURM_NTASKS"):
+            found = ("srun", env["SLURM_PROCID"], env["SLURM_NTASKS"], env.get("SLURM_LOCALID", "0"),
+                     _slurm_local_size(env))
+        if found is None:
+            return None
+        launcher, *numbers = found
+        try:
+            rank, size, local_rank = (int(x) for x in numbers[:3])
+            local_size = int(numbers[3]) if numbers[3] else size
+        except ValueError:
+            raise UsageError(f"{launcher}'s rank variables are not integers: {numbers}") from None
+        if not (0 <= rank < size and 0 <= local_rank < local_size):
+            raise UsageError(f"{launcher}: rank {rank} of {size}, local rank {local_rank} of {local_size}: "
+                             f"out of range")
+        return cls(launcher, rank, size, local_rank, local_size, _rendezvous_address(launcher, env))
+
+
+def _slurm_local_size(env) -> str | None:
+    from .cluster import expand_tasks_per_node
+    counts = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    node = env.get("SLURM_NODEID")
+    if not counts or node is None:
+        return None
+    return str(expand_tasks_per_node(counts)[int(node)])
+
+
+def _rendezvous_address(launcher: str, env) -> str:
+    if env.get("RDMATENSOR_RENDEZVOUS_ADDR"):
+        return env["RDMATENSOR_RENDEZVOUS_ADDR"]
+    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        return f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+    port = env.get("RDMATENSOR_RENDEZVOUS_PORT")
+    if launcher == "srun":
+        from .cluster import expand_hostlist
+        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        if nodes:
+            return f"{sorted(expand_hostlist(nodes))[0]}:{port or 29500 + int(env.get('SLURM_JOB_ID', 0)) % 1000}"
+    if launcher == "mpirun" and port and env.get("OMPI_COMM_WORLD_LOCAL_SIZE") == env.get("OMPI_COMM_WORLD_SIZE"):
+        return f"127.0.0.1:{port}"
+    raise UsageError(f"started by {launcher}, but no rendezvous address: set MASTER_ADDR and MASTER_PORT "
+                     f"(or RDMATENSOR_RENDEZVOUS_ADDR=host:port), the same for every rank; rank 0 serves there")
+
+
+def route_to(address: str) -> str:
+    """This host's address on the route to `address`'s host (what peers can reach)."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))             # no packet is sent: only the route is looked up
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def join_launcher(found: LauncherEnv, port: int, timeout: float) -> tuple[dict, Server | None]:
+    """Rank 0 serves the rendezvous at `found.address` (until the round formed);
+    every rank joins it with control port `port`."""
+    server = None
+    token = os.environ.get("RDMATENSOR_TOKEN", "")
+    if found.rank == 0:
+        bind_port = int(found.address.rsplit(":", 1)[1])
+        try:
+            server = Server(Rounds(lambda: range(found.size)), token, join_timeout=timeout, port=bind_port)
+        except OSError as exc:
+            raise UsageError(f"rank 0 cannot serve the rendezvous on port {bind_port} ({found.launcher}): "
+                             f"{exc}") from exc
+    try:
+        joined = join(route_to(found.address), port, -1, timeout + 30.0, worker=found.rank,
+                      address=found.address)
+    except BaseException:
+        if server is not None:
+            server.close()
+        raise
+    return joined, server
 
 
 def updated(number: int) -> bool:

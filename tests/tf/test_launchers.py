@@ -1,0 +1,105 @@
+"""Jobs started by the launchers users already have, with no port known in
+advance: each rank knows its rank, the job's size and one rendezvous address;
+rank 0 serves the rendezvous there, every rank binds a free port of its own
+and learns the others' through it, with the job's token. Open MPI's mpirun
+really runs (Debian's openmpi-bin); Slurm's srun and torchrun are their
+environments, set as they set them."""
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rdmatensor import UsageError
+from tf_plugin.launcher.cluster import free_ports
+from tf_plugin.launcher.rendezvous import LauncherEnv
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).parent / "launcher_script.py"
+BASE = {k: v for k, v in os.environ.items()
+        if not k.startswith(("TF_CONFIG", "RDMATENSOR_", "OMPI_", "SLURM_", "HOROVOD_", "PMIX_"))
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+BASE.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(ROOT), RDMATENSOR_PROVIDER="tcp")
+
+
+def check_ranks(outputs: list[str], n: int) -> None:
+    lines = sorted(line for out in outputs for line in out.splitlines() if line.startswith("rank "))
+    want = n * (n + 1) // 2
+    assert lines == [f"rank {r} of {n} local {r}/{n} sum {want}" for r in range(n)], outputs
+
+
+def by_hand(n: int, env_of) -> list[str]:
+    """Start n ranks as a launcher would, each with env_of(rank)."""
+    procs = [subprocess.Popen([sys.executable, str(SCRIPT)], env={**BASE, **env_of(r)}, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(n)]
+    outs = []
+    for p in procs:
+        out, _ = p.communicate(timeout=180)
+        assert p.returncode == 0, out[-3000:]
+        outs.append(out)
+    return outs
+
+
+def test_open_mpi_mpirun_on_one_host():
+    """mpirun -np 2 with only the token and a port: rank 0 serves on this host."""
+    assert shutil.which("mpirun"), "Open MPI's mpirun is missing: make setup installs it (openmpi-bin)"
+    port, token = free_ports(1)[0], secrets.token_hex(16)
+    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "RDMATENSOR_TOKEN",
+           "-x", "RDMATENSOR_RENDEZVOUS_PORT", "-x", "PYTHONPATH", "-x", "TF_CPP_MIN_LOG_LEVEL",
+           "-x", "RDMATENSOR_PROVIDER", sys.executable, str(SCRIPT)]
+    proc = subprocess.run(cmd, env={**BASE, "RDMATENSOR_TOKEN": token, "RDMATENSOR_RENDEZVOUS_PORT": str(port)},
+                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    check_ranks([proc.stdout], 2)
+
+
+def test_torchrun_environment_master_addr_and_port():
+    """What torchrun (and Kubernetes training operators) set: RANK, WORLD_SIZE,
+    LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT."""
+    port, token = free_ports(1)[0], secrets.token_hex(16)
+    outs = by_hand(3, lambda r: {"RANK": str(r), "WORLD_SIZE": "3", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "3",
+                                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RDMATENSOR_TOKEN": token})
+    check_ranks(outs, 3)
+
+
+def test_slurm_srun_environment_without_fixed_ports():
+    port, token = free_ports(1)[0], secrets.token_hex(16)
+    env = {"SLURM_NTASKS": "2", "SLURM_NODEID": "0", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_JOB_ID": "77",
+           "SLURM_STEP_NODELIST": "localhost", "RDMATENSOR_TOKEN": token, "RDMATENSOR_RENDEZVOUS_PORT": str(port)}
+    outs = by_hand(2, lambda r: {**env, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)})
+    check_ranks(outs, 2)
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"},
+     "no rendezvous address: set MASTER_ADDR and MASTER_PORT"),
+    ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1"}, "rank 2 of 2"),
+    ({"RANK": "x", "WORLD_SIZE": "2"}, "not integers"),
+])
+def test_a_launcher_environment_that_cannot_work_is_refused_saying_why(env, message):
+    with pytest.raises(UsageError, match=re.escape(message)):
+        LauncherEnv.detect(env)
+
+
+def test_each_launchers_variables_are_read_as_it_sets_them():
+    assert LauncherEnv.detect({}) is None
+    assert LauncherEnv.detect({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4",
+                               "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+                               "MASTER_ADDR": "node1", "MASTER_PORT": "29400"}) == \
+        LauncherEnv("mpirun", 1, 4, 1, 2, "node1:29400")
+    assert LauncherEnv.detect({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+                               "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_STEP_NODELIST": "gpu[02-03]",
+                               "SLURM_JOB_ID": "4242"}) == LauncherEnv("srun", 3, 4, 1, 2, "gpu02:29742")
+    assert LauncherEnv.detect({"RANK": "0", "WORLD_SIZE": "2", "RDMATENSOR_RENDEZVOUS_ADDR": "h:7"}).address == "h:7"
+
+
+def test_without_the_token_a_rank_is_told_how_to_pass_it():
+    proc = subprocess.run([sys.executable, str(SCRIPT)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**BASE, "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                               "MASTER_PORT": "1"})
+    assert proc.returncode != 0 and "RDMATENSOR_TOKEN is not set: started by torchrun" in proc.stderr, \
+        proc.stderr[-2000:]
