@@ -67,6 +67,7 @@ class Session:
         # below document them; these attributes save a Python call per tensor.
         self.send, self.recv = self._sender.send, self._receiver.recv
         self._server = None
+        self._ready = False                  # set up: every peer reached, the setup barrier passed
         try:
             self._exchange.prepare(peer_ranks)
             self._start_server()
@@ -74,6 +75,7 @@ class Session:
             self.barrier(SETUP_BARRIER)
             ctx.abort = None
             self._live.start(peer_ranks)
+            self._ready = True
         except BaseException:
             self.close()
             raise
@@ -198,7 +200,8 @@ class Session:
         self._live.stop()
         self._live.say_goodbye()
         ctx.close_clients()                  # ours, before a peer's server stops under them
-        self._live.wait_goodbyes(GOODBYE_WAIT)   # theirs, before ours stops
+        if self._ready:                      # theirs, before ours stops (a failed setup: no peer to wait for)
+            self._live.wait_goodbyes(GOODBYE_WAIT)
         if self._server is not None:
             self._server.stop(grace=0.5).wait()
         for ch in ctx.channels.values():

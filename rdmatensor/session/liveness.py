@@ -165,7 +165,8 @@ class Liveness:
         there, on every rank of a job that ends cleanly."""
         deadline = time.monotonic() + timeout
         with self._byes:
-            while any(p not in self._said_bye and p not in self.peer_errors for p in self.ctx.channels):
+            while any(p not in self._said_bye and p not in self.peer_errors for p in self.ctx.credentials.peers()
+                      if p in self.ctx.channels):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return
@@ -178,7 +179,8 @@ class Liveness:
         cause = self.first_failure
         extra = {"lost_rank": cause.peer, "reason": str(cause)[:500]} if cause is not None else {"reason": "close"}
         for peer in ctx.credentials.peers():
-            if self.is_lost(peer) or peer not in ctx.channels:
+            # a peer that said goodbye first waits for ours (wait_goodbyes) before its server stops
+            if (self.is_lost(peer) and peer not in self._said_bye) or peer not in ctx.channels:
                 continue
             try:
                 ctx.call(peer, "Bye", pb.ByeRequest(rank=ctx.rank, pair_secret=ctx.credentials.secret(peer),
