@@ -26,7 +26,7 @@ from .base import WRITE_MAGIC, Channel
 AUTH_BYTES = 32
 HANDSHAKE_TIMEOUT = 5.0     # seconds a dialer has to present the key
 MAX_PENDING = 64           # handshakes in progress at once; the oldest goes first
-CLOSE_LINGER = 5.0         # seconds a closing side waits for the peer's end before it resets
+CLOSE_LINGER = 1.0         # seconds a closing side waits for the peer's end before it resets
 
 
 class StreamChannel(Channel):
