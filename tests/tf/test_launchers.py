@@ -10,6 +10,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -33,9 +34,14 @@ def check_ranks(outputs: list[str], n: int) -> None:
 
 
 def by_hand(n: int, env_of) -> list[str]:
-    """Start n ranks as a launcher would, each with env_of(rank)."""
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT)], env={**BASE, **env_of(r)}, cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(n)]
+    """Start n ranks as a launcher would, each with env_of(rank): rank 0 last, 2 s after
+    the others, which must wait for its rendezvous to come up."""
+    def start(r):
+        return subprocess.Popen([sys.executable, str(SCRIPT)], env={**BASE, **env_of(r)}, cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    others = [start(r) for r in range(1, n)]
+    time.sleep(2.0)
+    procs = [start(0), *others]
     outs = []
     for p in procs:
         out, _ = p.communicate(timeout=180)

@@ -121,6 +121,11 @@ class Rounds:
                     or set(self.current.members) != set(self.alive()))
 
 
+class _TCPServer(socketserver.ThreadingTCPServer):
+    allow_reuse_address = True        # a fixed rendezvous port, reused by the next job at once
+    daemon_threads = True
+
+
 class Server:
     """The rendezvous server: a thread per request, on an ephemeral port."""
 
@@ -139,9 +144,7 @@ class Server:
                     reply = {"error": type(exc).__name__, "message": str(exc)}
                 self.wfile.write(json.dumps(reply).encode() + b"\n")
 
-        socketserver.ThreadingTCPServer.allow_reuse_address = True
-        self._server = socketserver.ThreadingTCPServer((host, port), Handler)
-        self._server.daemon_threads = True
+        self._server = _TCPServer((host, port), Handler)
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
                                         name="rdmatensor-rendezvous")
@@ -188,6 +191,8 @@ def _once(host: str, port: int, request: dict, timeout: float) -> dict:
             sock.settimeout(timeout)
             sock.sendall(json.dumps(request).encode() + b"\n")
             line = sock.makefile("rb").readline(MAX_REQUEST)
+    except ConnectionRefusedError:
+        raise                              # not up yet: the caller tries again
     except OSError as exc:
         raise PeerLost(f"the job's rendezvous at {host}:{port} cannot be reached: {exc}") from exc
     if not line:
