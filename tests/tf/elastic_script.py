@@ -4,7 +4,7 @@
     python elastic_script.py OUT_DIR MODE STEPS KILL_AT ADD_AT     # MODE: tape | fit
 
 A linear regression, its state committed every COMMIT steps. Worker 1 (the
-first rank 1) sets the hosts file to 2 slots and SIGKILLs itself in the middle
+first rank 1) sets the hosts file to one slot fewer and SIGKILLs itself in the middle
 of global step KILL_AT (-1: never). Once the job trained ADD_AT steps after
 the kill (-1: never), rank 0 sets the hosts file back to 3 slots: the launcher
 starts a new worker, which joins at the next commit (tape: training goes on
@@ -59,7 +59,7 @@ def killed_since() -> float | None:
 
 def die_in_this_step(step: int) -> None:
     if worker == 1 and step == kill_at and not (out_dir / "killed").exists():
-        (out_dir / "hosts").write_text("localhost:2\n")
+        (out_dir / "hosts").write_text(f"localhost:{hvd.size() - 1}\n")
         (out_dir / "killed").write_text(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
 

@@ -19,12 +19,12 @@ COMMIT = 4                                          # elastic_script.py's steps 
 
 
 def elastic_job(tmp_path: Path, provider: str, mode: str, steps: int, kill_at: int, add_at: int,
-                min_np: int = 2, elastic_timeout: float = 60.0) -> subprocess.CompletedProcess:
-    (tmp_path / "hosts").write_text("localhost:3\n")
+                min_np: int = 2, elastic_timeout: float = 60.0, slots: int = 3) -> subprocess.CompletedProcess:
+    (tmp_path / "hosts").write_text(f"localhost:{slots}\n")
     discover = tmp_path / "discover.sh"
     discover.write_text(f"#!/bin/sh\ncat {tmp_path / 'hosts'}\n")
     discover.chmod(0o755)
-    cmd = [sys.executable, "-m", "tf_plugin.launcher.run", "--min-np", str(min_np), "--max-np", "3",
+    cmd = [sys.executable, "-m", "tf_plugin.launcher.run", "--min-np", str(min_np), "--max-np", str(slots),
            "--host-discovery-script", str(discover), "--provider", provider, "--timeout", "200",
            "--elastic-timeout", f"{elastic_timeout:g}",
            sys.executable, str(SCRIPT), str(tmp_path), mode, str(steps), str(kill_at), str(add_at)]
@@ -96,12 +96,13 @@ def test_keras_fit_loses_a_rank_mid_epoch_and_finishes_with_two(tmp_path):
 
 def test_below_min_np_the_job_fails_in_one_line(tmp_path):
     t0 = time.monotonic()
-    proc = elastic_job(tmp_path, "tcp", "tape", steps=40, kill_at=6, add_at=-1, min_np=3, elastic_timeout=3.0)
+    proc = elastic_job(tmp_path, "tcp", "tape", steps=40, kill_at=6, add_at=-1, min_np=2, elastic_timeout=3.0,
+                       slots=2)
     elapsed = time.monotonic() - t0
     assert proc.returncode != 0, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines()
-             if line.startswith("rdmatensor-run:") and "fewer than --min-np 3" in line]
-    assert lines and lines[0].startswith("rdmatensor-run: 2 worker(s) left, fewer than --min-np 3"), \
+             if line.startswith("rdmatensor-run:") and "fewer than --min-np 2" in line]
+    assert lines and lines[0].startswith("rdmatensor-run: 1 worker(s) left, fewer than --min-np 2"), \
         proc.stderr[-3000:]
-    assert not any(line.startswith("final") for w in range(3) for line in lines_of(proc.stdout, w))
+    assert not any(line.startswith("final") for w in range(2) for line in lines_of(proc.stdout, w))
     print(f"{lines[0]} ({elapsed:.1f} s for the whole job)")
