@@ -8,7 +8,7 @@ first rank 1) sets the hosts file to one slot fewer and SIGKILLs itself in the m
 of global step KILL_AT (-1: never). Once the job trained ADD_AT steps after
 the kill (-1: never), rank 0 sets the hosts file back to 3 slots: the launcher
 starts a new worker, which joins at the next commit (tape: training goes on
-past STEPS until it has). Every rank prints, for
+past STEPS until it trained COMMIT steps with the others). Every rank prints, for
 each step it completed, `step K size N loss L weights DIGEST` (K the global
 step, L the loss averaged over the ranks), `resumed SECONDS` at its first step
 after a reset caused by the kill (seconds since it), and `final DIGEST` at the
@@ -70,9 +70,7 @@ def resources() -> str:
 
 def report(step: int, loss: float, state) -> None:
     if resumed[0]:
-        since = killed_since()
-        if since is not None:
-            print(f"resumed {since:.2f}", flush=True)
+        print(f"resumed {killed_since():.2f}", flush=True)
         resumed[0] = False
     print(f"step {step} size {hvd.size()} loss {loss:.6f} weights {digest()}", flush=True)
     if step == 2 and hvd.size() == 3:
@@ -93,8 +91,11 @@ def train_step(x, y):
 
 
 def tape_training(state):
-    # With ADD_AT, the job also goes on until the new worker joined (size alike on every rank)
-    while state.step < steps or (add_at >= 0 and hvd.size() < 3):
+    # With ADD_AT, the job also goes on until the new worker trained COMMIT steps with the others
+    # (decided alike on every rank: the size, and the state rank 0 synced)
+    while state.step < steps or (add_at >= 0 and (state.joined_at < 0 or state.step < state.joined_at + COMMIT)):
+        if add_at >= 0 and hvd.size() == 3 and state.joined_at < 0 and killed_since() is not None:
+            state.joined_at = state.step
         if hvd.size() < 3 and add_at >= 0:
             time.sleep(0.05)
         x, y = batch(state.step, hvd.rank())
@@ -138,7 +139,8 @@ if mode == "fit":
     model.compile(optimizer=hvd.DistributedOptimizer(opt), loss="mse")
     state = hvd.elastic.KerasState(model, step=0, epoch=0)         # the compiled (distributed) optimizer
 else:
-    state = hvd.elastic.TensorFlowKerasState(model, opt, step=0)
-state.register_reset_callbacks([lambda: resumed.__setitem__(0, True)])
+    state = hvd.elastic.TensorFlowKerasState(model, opt, step=0, joined_at=-1)
+# a reset after the kill (the callback runs once the job re-formed): its first step says when it came
+state.register_reset_callbacks([lambda: resumed.__setitem__(0, killed_since() is not None)])
 hvd.elastic.run(fit_training if mode == "fit" else tape_training)(state)
 print(f"final {digest()} {resources()}", flush=True)

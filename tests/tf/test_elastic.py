@@ -49,7 +49,9 @@ def check_lost_rank_recovered(out: str, kill_at: int, survivors: list[int]) -> d
     assert kill_at - COMMIT < resume_step <= kill_at and resume_step % COMMIT == 0, (resume_step, kill_at)
     # the same weights as at that commit: the loss is the one training had reached, not the start's
     assert resume_loss < 0.6 * before[0] and resume_loss < 3 * before[resume_step], (before, after[:3])
-    resumed = [next(float(ln.split()[1]) for ln in lines_of(out, w) if ln.startswith("resumed")) for w in survivors]
+    resumed = [next((float(ln.split()[1]) for ln in lines_of(out, w) if ln.startswith("resumed")), None)
+               for w in survivors]
+    assert None not in resumed, "\n".join(ln for ln in out.splitlines() if "step" not in ln)[-6000:]
     assert max(resumed) < PEER_TIMEOUT, resumed          # the first reset of each: the kill's
     by_step = {}
     for w in survivors + [1]:

@@ -116,13 +116,15 @@ class ElasticJob(Job):
 
     def _scale(self, offered: list[tuple[str, int]]) -> None:
         """Start workers on slots the hosts offer and no live worker uses (at most max-np);
-        stop those on hosts no longer offered."""
+        stop those on hosts no longer offered. A listed host offering fewer slots than it
+        runs workers keeps them (one may be dying already): it only gets no new one."""
         slots = Counter()
         for host, count in offered:
             slots[host] += count
+        hosts = {h for h, c in slots.items() if c > 0}
         live = [(p, proc) for p, proc in self.started if proc.poll() is None]
         for p, proc in live:
-            if slots[p.host] <= 0:
+            if p.host not in hosts:
                 self.say(f"worker {p.rank} on {p.host}: the host is no longer offered, stopping it")
                 proc.terminate()
             slots[p.host] -= 1
