@@ -11,7 +11,8 @@ the others see the loss, roll back to their last commit and form the job
 again without it (tf_plugin.elastic.run); when the script offers slots that
 no worker uses, new workers start there and join at the next commit. Unlike
 horovodrun, a host whose worker failed is not blacklisted: a slot the script
-still offers gets a new worker.
+still offers gets a new worker; a host no longer listed has its workers
+stopped, one listed with fewer slots keeps the workers it runs.
 
 Every worker gets RDMATENSOR_RENDEZVOUS (this launcher's rendezvous server,
 see rendezvous.py) and RDMATENSOR_WORKER_ID, and no TF_CONFIG: its rank and
