@@ -7,8 +7,7 @@ Each provider runs one job through rdmatensor-run: two workers train a small
 Keras model with the Horovod API (DistributedGradientTape inside
 tf.function, the all-reduce over rdmatensor) for --steps steps. Every
 --every steps each rank samples itself: RSS, open file descriptors, threads,
-rdmatensor shared-memory mappings, the job's named segments in /dev/shm and
-its control calls. After the warm-up (the first --warmup samples: tracing,
+rdmatensor shared-memory mappings and its control calls. After the warm-up (the first --warmup samples: tracing,
 the plan's extensions, allocator pools filling) every count must stay
 exactly flat and RSS within --rss-bound MiB; the report says so per
 provider, with the first and last figures.
@@ -16,7 +15,6 @@ provider, with the first and last figures.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import subprocess
@@ -24,18 +22,16 @@ import sys
 import time
 
 SAMPLE = "soak-sample "                # how a rank's sample line starts
-COUNTS = ("fds", "threads", "shm_maps", "shm_named", "control_calls")
+COUNTS = ("fds", "threads", "shm_maps", "control_calls")
 
 
-def sample(step: int, job: str, stats: dict) -> dict:
+def sample(step: int, stats: dict) -> dict:
     """This process's resources now."""
+    from rdmatensor.memory import mapped_segments
     with open("/proc/self/status") as f:
         rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-    with open("/proc/self/maps") as f:
-        maps = {line.split()[-1] for line in f if "/dev/shm/rdmatensor-" in line}
     return {"step": step, "rss_kib": rss, "fds": len(os.listdir("/proc/self/fd")),
-            "threads": len(os.listdir("/proc/self/task")), "shm_maps": len(maps),
-            "shm_named": len(glob.glob(f"/dev/shm/rdmatensor-{job}-*")) if job else 0,
+            "threads": len(os.listdir("/proc/self/task")), "shm_maps": len(mapped_segments()),
             "control_calls": stats["control_calls"], "time": time.monotonic()}
 
 
@@ -66,11 +62,10 @@ def worker(steps: int, every: int) -> None:
         return loss
 
     hvd.broadcast_variables(model.variables, root_rank=0)
-    job = os.environ.get("RDMATENSOR_JOB", "")
     for step in range(1, steps + 1):
         train_step(xs[step % 64], ys[step % 64])
         if step % every == 0:
-            print(SAMPLE + json.dumps({"rank": hvd.rank(), **sample(step, job, hvd.stats())}), flush=True)
+            print(SAMPLE + json.dumps({"rank": hvd.rank(), **sample(step, hvd.stats())}), flush=True)
     hvd.shutdown()
 
 
@@ -110,14 +105,14 @@ def verdict(samples: list[dict], warmup: int, rss_bound_mib: float) -> dict:
 
 def table(results: dict) -> str:
     lines = [f"{'provider':9} {'rank':>4} {'steps':>9} {'steps/s':>8} {'RSS MiB':>16} {'fds':>9} {'threads':>9} "
-             f"{'shm maps':>9} {'shm named':>9} {'ctl calls':>9}  flat"]
+             f"{'shm maps':>9} {'ctl calls':>9}  flat"]
     for provider, res in results.items():
         for rank, r in res["ranks"].items():
             f, la = r["first"], r["last"]
             pair = {k: f"{f[k]}->{la[k]}" for k in COUNTS}
             lines.append(f"{provider:9} {rank:>4} {la['step']:>9} {r['steps_per_s']:>8.0f} "
                          f"{f['rss_kib'] / 1024:>7.1f}->{la['rss_kib'] / 1024:<7.1f} {pair['fds']:>9} "
-                         f"{pair['threads']:>9} {pair['shm_maps']:>9} {pair['shm_named']:>9} "
+                         f"{pair['threads']:>9} {pair['shm_maps']:>9} "
                          f"{pair['control_calls']:>9}  {'yes' if r['flat'] else 'NO'}")
     return "\n".join(lines)
 

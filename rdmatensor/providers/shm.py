@@ -41,11 +41,11 @@ class ShmChannel(StreamChannel):
 
     @classmethod
     def viable(cls) -> tuple[bool, str]:
-        if not os.access("/dev/shm", os.W_OK):
-            return False, "/dev/shm is not writable"
+        if not hasattr(os, "memfd_create") or not os.access("/proc/self/fd", os.R_OK):
+            return False, "shared arenas need memfd_create and /proc"
         if not ORDERED_CPU:
             return False, "the shm completion ring relies on x86-64's store order"
-        return True, "peers on this host share /dev/shm"
+        return True, "peers on this host map each other's arenas"
 
     def __init__(self, *args, max_incoming: int = 128, **kwargs):
         self._path = f"\0rdmatensor-{secrets.token_hex(12)}"   # abstract: no file to clean up
@@ -250,7 +250,8 @@ _HOST_ID = None
 
 
 def host_id() -> str:
-    """Identifies this host (and IPC namespace) so shm is not tried across hosts."""
+    """Identifies this host and PID namespace (a peer's arenas are opened
+    through its /proc/<pid>), so shm is not tried across them."""
     global _HOST_ID
     if _HOST_ID is None:
         try:
@@ -258,8 +259,8 @@ def host_id() -> str:
         except OSError:
             boot = socket.gethostname()
         try:
-            ipc = os.readlink("/proc/self/ns/ipc")
+            pid_ns = os.readlink("/proc/self/ns/pid")
         except OSError:
-            ipc = ""
-        _HOST_ID = f"{boot}:{ipc}"
+            pid_ns = ""
+        _HOST_ID = f"{boot}:{pid_ns}"
     return _HOST_ID

@@ -3,7 +3,6 @@ attacks them, resource snapshots, and canary-filled memory."""
 from __future__ import annotations
 
 import gc
-import glob
 import os
 import queue
 import subprocess
@@ -108,8 +107,8 @@ def task_count() -> int:
 
 def shm_mappings() -> list[str]:
     """rdmatensor segments this process still has mapped."""
-    with open("/proc/self/maps") as f:
-        return sorted({line.split()[-1] for line in f if "/dev/shm/rdmatensor-" in line})
+    from rdmatensor.memory import mapped_segments
+    return mapped_segments()
 
 
 def snapshot() -> dict:
@@ -152,27 +151,6 @@ def settle(baseline: dict, within: float = 5.0) -> dict:
         if all(now[k] <= baseline[k] for k in baseline) or time.monotonic() > deadline:
             return now
         time.sleep(0.05)
-
-
-class SegmentTracker:
-    """Names of the shared-memory segments this process creates (patched into
-    rdmatensor.memory), so a leak check is not confused by other processes'."""
-
-    def __init__(self, monkeypatch):
-        import rdmatensor.memory as memory
-        self.created: list[str] = []
-        real = memory._map_shared
-
-        def tracking(name, size, create):
-            m = real(name, size, create)
-            if create:
-                self.created.append(name)
-            return m
-        monkeypatch.setattr(memory, "_map_shared", tracking)
-
-    def left_behind(self) -> list[str]:
-        present = {os.path.basename(p) for p in glob.glob("/dev/shm/rdmatensor-*")}
-        return sorted(set(self.created) & present)
 
 
 def canary_arena(arena) -> np.ndarray:

@@ -1,5 +1,5 @@
 """A rank in its own process that moves tensors both ways over shm until it is
-killed, for tests that look at /dev/shm afterwards.
+killed, for tests that look at what it leaves behind.
 
     python -m tests.reliability.shm_peer RANK PORT0 PORT1
 

@@ -702,14 +702,18 @@ def _hostile_replies(provider: str, tmp_path):
             ("NUL in host", pb.ExchangeReply(channel=ch(host="a\0b", port=9, key=good_key)), "PeerLost"),
             ("unreachable port", pb.ExchangeReply(channel=ch(host="127.0.0.1", port=1, key=good_key)), "PeerLost"),
         ]
-    # shm: the regions name segments for rank 0 to map.
+    # shm: the regions locate segments (name:pid:fd) for rank 0 to map.
+    import os
+    from rdmatensor.memory import Arena
     planted = tmp_path / "victim-file"
     planted.write_bytes(b"precious" * 512)
-    link = f"rdmatensor-test-link-{time.monotonic_ns()}"
-    fifo = f"rdmatensor-test-fifo-{time.monotonic_ns()}"
-    import os
-    os.symlink(planted, f"/dev/shm/{link}")
-    os.mkfifo(f"/dev/shm/{fifo}", 0o600)
+    os.mkfifo(tmp_path / "fifo", 0o600)
+    unsealed = os.memfd_create("rdmatensor-" + "1" * 24)
+    os.ftruncate(unsealed, 4096)
+    opened = [os.open(planted, os.O_RDWR), os.open(tmp_path / "fifo", os.O_RDWR | os.O_NONBLOCK), unsealed]
+    real = Arena(4096, shared=True)
+    me = os.getpid()
+    name = lambda fd: f"rdmatensor-{'0' * 24}:{me}:{fd}"  # noqa: E731
     ch = pb.ChannelParams(provider="shm", path=b"\0nobody".hex(), host_id=host_id(), key=good_key)
     region = lambda name, size=4096: pb.Region(region_id=0, size=size, key=1, shm_name=name)  # noqa: E731
     cases = [
@@ -717,14 +721,18 @@ def _hostile_replies(provider: str, tmp_path):
                                                                  key=good_key)), "TransportError"),
         ("path not hex", pb.ExchangeReply(channel=pb.ChannelParams(provider="shm", path="xyz", host_id=host_id(),
                                                                    key=good_key)), "TransportError"),
-        ("no such segment", pb.ExchangeReply(channel=ch, regions=[region("rdmatensor-" + "0" * 24)]),
+        ("no such process", pb.ExchangeReply(channel=ch, regions=[region(f"rdmatensor-{'0' * 24}:4000000000:3")]),
          "ForeignSegment"),
         ("path escape", pb.ExchangeReply(channel=ch, regions=[region("../../etc/passwd")]), "ForeignSegment"),
-        ("symlink to a file", pb.ExchangeReply(channel=ch, regions=[region(link)]), "ForeignSegment"),
-        ("fifo", pb.ExchangeReply(channel=ch, regions=[region(fifo)]), "ForeignSegment"),
-        ("size 0", pb.ExchangeReply(channel=ch, regions=[region(link, 0)]), "ForeignSegment"),
+        ("fd of a file", pb.ExchangeReply(channel=ch, regions=[region(name(opened[0]))]), "ForeignSegment"),
+        ("fd of a fifo", pb.ExchangeReply(channel=ch, regions=[region(name(opened[1]))]), "ForeignSegment"),
+        ("unsealed memfd", pb.ExchangeReply(channel=ch, regions=[region(f"rdmatensor-{'1' * 24}:{me}:{unsealed}")]),
+         "ForeignSegment"),
+        ("another segment's name", pb.ExchangeReply(channel=ch, regions=[region(name(real.name.split(":")[2]))]),
+         "ForeignSegment"),
+        ("size 0", pb.ExchangeReply(channel=ch, regions=[region(real.name, 0)]), "ForeignSegment"),
     ]
-    return cases, [link, fifo], planted
+    return cases, (opened, real), planted
 
 
 @pytest.mark.parametrize("provider", ["tcp", "shm"])
@@ -762,8 +770,10 @@ def test_hostile_exchange_replies_give_typed_errors_and_leave_nothing(provider, 
             assert planted.read_bytes() == b"precious" * 512
     finally:
         server.stop(0)
-        import os
-        for name in extra:
-            os.unlink(f"/dev/shm/{name}")
+        if extra:
+            import os
+            for fd in extra[0]:
+                os.close(fd)
+            extra[1].close()
     end = settle(base)
     assert all(end[k] <= base[k] for k in base), (base, end)

@@ -1,5 +1,6 @@
 """Ranks killed mid-transfer (SIGKILL: no close, no goodbye) leave no shared
-memory behind: a segment's name is unlinked as soon as the peer has mapped it."""
+memory behind: segments are memfds with no name in /dev/shm, even while a
+dynamic tensor's growth makes new ones."""
 from __future__ import annotations
 
 import glob
@@ -41,7 +42,10 @@ def test_ranks_killed_mid_transfer_leave_dev_shm_as_it_was(killed):
     procs = [_start(r, ports, job) for r in (0, 1)]
     try:
         assert [_line(p) for p in procs] == ["steady", "steady"]
-        assert not glob.glob(mine), "segments still have names while both ranks map them"
+        for p in procs:
+            with open(f"/proc/{p.pid}/maps") as f:
+                assert f"/memfd:rdmatensor-{job}-" in f.read(), "the ranks map no shm segment of the job"
+        assert not glob.glob(mine), "segments have names in /dev/shm"
         os.kill(procs[1].pid, signal.SIGKILL)
         if killed == "both":
             os.kill(procs[0].pid, signal.SIGKILL)

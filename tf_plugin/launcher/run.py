@@ -9,7 +9,7 @@ Every rank runs CMD with, in its environment:
 
     TF_CONFIG                  the cluster (workers, then --ps parameter servers) and this task
     RDMATENSOR_TOKEN           a fresh random token shared by the job's ranks
-    RDMATENSOR_JOB             the job's id: its shared-memory segments are named after it
+    RDMATENSOR_JOB             the job's id, in its shared-memory segments' names (/proc/*/maps)
     RDMATENSOR_PROVIDER        the provider, when --provider is given
     RDMATENSOR_RANK, RDMATENSOR_SIZE                   rank in the cluster, number of ranks
     RDMATENSOR_LOCAL_RANK, RDMATENSOR_LOCAL_SIZE       rank among its host's tasks of its type
@@ -29,8 +29,7 @@ launcher names it and its exit status or signal as the first to fail, gives
 the other ranks --failure-wait seconds to end by themselves (a rank blocked
 in a collective sees the loss as PeerLost within the peer timeout, and says
 so), names each as it ends, then sends SIGTERM to every rank's process
-group still running, SIGKILL after --grace seconds, removes this machine's
-shared-memory segments of the job, and exits with the first failed rank's
+group still running, SIGKILL after --grace seconds, and exits with the first failed rank's
 status (128 + signal when killed). --timeout bounds the whole job (exit
 124); SIGINT or SIGTERM to the launcher stops every rank at once (exit 130
 or 143).
@@ -39,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import glob
 import os
 import secrets
 import shlex
@@ -229,7 +227,7 @@ class Job:
         self.provider, self.forward, self.ssh_port = provider, list(forward), ssh_port
         self.failure_wait = failure_wait
         self.token = token or secrets.token_hex(16)
-        self.job = secrets.token_hex(6)        # names this job's shared-memory segments
+        self.job = secrets.token_hex(6)        # in this job's shared-memory segments' names
         self.stdout = stdout or sys.stdout.buffer
         self.stderr = stderr or sys.stderr.buffer
         self.started: list[tuple[Placement, subprocess.Popen]] = []
@@ -333,20 +331,13 @@ class Job:
                 proc.wait()
 
     def cleanup(self) -> None:
-        """No process a rank started outlives the job, nor a shared-memory segment
-        its local ranks made (a rank killed while setting up leaves its segments
-        named until then); its output is copied to the end."""
+        """No process a rank started outlives the job (shared arenas have no
+        name, so they go with the processes); its output is copied to the end."""
         for _, proc in self.started:
             _signal_group(proc.pid, signal.SIGKILL)     # leftovers in a finished rank's group
             proc.wait()
             if proc.stdin:
                 proc.stdin.close()
-        from rdmatensor.memory import SHM_DIR, segment_prefix
-        for path in glob.glob(os.path.join(SHM_DIR, glob.escape(segment_prefix(self.job)) + "*")):
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
         for r in self.readers:
             r.join(timeout=2.0)
 
