@@ -44,10 +44,15 @@ soak: setup
 	$(PY) -m bench.soak --providers $(SOAK_PROVIDERS) --steps $(SOAK_STEPS) --every $(SOAK_EVERY) \
 	    --json docs/soak.json
 
-# A Session over verbs between two SoftRoCE VMs: every dtype, 1 B to 64 MiB,
-# a growing dynamic tensor, checked byte for byte.
+# Two hosts for real: two SoftRoCE VMs, sshd in each (keys made for this boot).
+# From the first, rdmatensor-run starts one rank per host over ssh: Horovod's
+# tape example trains over verbs between the hosts and says whether the ranks
+# end bit-identical; then a Session checks every dtype, 1 B to 64 MiB.
+TWO_HOSTS := -np 2 -H 192.0.2.1:1,192.0.2.2:1 --provider verbs
 demo-two-hosts: setup
-	$(PY) -m rdmatensor softroce vm --hosts 2 -- $(PY) examples/two_ranks.py vm --provider verbs
+	$(PY) -m rdmatensor softroce vm --hosts 2 --ssh --timeout 1800 -- sh -c \
+	    '$(PY) -m tf_plugin.launcher.run $(TWO_HOSTS) $(PY) examples/horovod_tape.py --model mlp --steps 30 && \
+	     $(PY) -m tf_plugin.launcher.run $(TWO_HOSTS) $(PY) examples/two_ranks.py job'
 
 test: setup
 	$(PY) scripts/run_tests.py

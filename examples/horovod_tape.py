@@ -1,7 +1,8 @@
 """Horovod's TF2 tape example, with only the import changed, on the demo models or
 a keras.applications CNN (weights=None, 32x32 inputs, 10 classes, random data);
 rank 0 prints one JSON line: median step time, steps/s, bytes and control calls
-per step, how much of the all-reduce overlapped backprop.
+per step, how much of the all-reduce overlapped backprop, and whether every
+rank ended with bit-identical weights.
 
 Run it as every worker of a job (TF_CONFIG, RDMATENSOR_TOKEN and
 RDMATENSOR_PROVIDER set per process, as a launcher does), or all workers on
@@ -12,6 +13,7 @@ processes training with no communication at all, the floor):
     python examples/horovod_tape.py local --model resnet50 --batch 16 --steps 30 --provider none,shm,tcp
 """
 import argparse
+import hashlib
 import json
 import os
 import secrets
@@ -85,7 +87,8 @@ def train(args) -> None:
         loss = float(step(k))
         times.append(time.perf_counter() - t0)
     after = hvd.stats()
-    hvd.allgather_object(None)
+    weights = hashlib.sha256(b"".join(np.ascontiguousarray(v.numpy()).tobytes() for v in model.variables))
+    digests = hvd.allgather_object(weights.hexdigest())
     timed = args.steps - 2
     if hvd.rank() == 0:
         ring = after.get("ring_seconds", 0.0) - before.get("ring_seconds", 0.0)
@@ -93,7 +96,8 @@ def train(args) -> None:
         print(json.dumps({"provider": args.provider, "workers": hvd.size(), "model": args.model,
                           "batch_per_worker": args.batch // hvd.size(),
                           "median_step_ms": 1e3 * float(np.median(times)), "steps_per_s": timed / sum(times),
-                          "final_loss": loss,
+                          "final_loss": loss, "weights_sha256": digests[0],
+                          "ranks_bit_identical": len(set(digests)) == 1,
                           "comm_ms_per_step": 1e3 * (after["comm_seconds"] - before["comm_seconds"]) / timed,
                           "overlap": overlapped / ring if ring else None,
                           "bytes_sent_per_step": (after["bytes_sent"] - before["bytes_sent"]) / timed,

@@ -7,6 +7,8 @@ summary tensor. Each rank prints one JSON line.
     python examples/two_ranks.py --rank 0 --peers HOST0:PORT,HOST1:PORT [--provider P]
     python examples/two_ranks.py vm       # under `rdmatensor softroce vm --hosts 2`
     python examples/two_ranks.py local    # both ranks as two processes on this host
+    rdmatensor-run -H hostA:1,hostB:1 --provider verbs python examples/two_ranks.py job
+                                          # as a job's rank: TF_CONFIG, RDMATENSOR_TOKEN/_PROVIDER
 """
 import argparse
 import json
@@ -79,10 +81,10 @@ def run(rank: int, peers: dict, provider: str, token: str) -> dict:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", nargs="?", choices=("vm", "local"))
+    p.add_argument("mode", nargs="?", choices=("vm", "local", "job"))
     p.add_argument("--rank", type=int)
     p.add_argument("--peers", help="comma-separated control addresses, rank order")
-    p.add_argument("--provider", default="auto")
+    p.add_argument("--provider", default=os.environ.get("RDMATENSOR_PROVIDER", "auto"))
     p.add_argument("--port", type=int, default=47100)
     p.add_argument("--token", default=os.environ.get("RDMATENSOR_TOKEN", "example-token"))
     a = p.parse_args()
@@ -97,6 +99,10 @@ def main():
         res = run(0, dict(enumerate(peers.split(","))), a.provider, a.token)
         print(json.dumps(res), flush=True)
         sys.exit(0 if res["ok"] and other.wait(120) == 0 else 1)
+    elif a.mode == "job":
+        from tf_plugin.launcher.cluster import Cluster
+        cluster = Cluster.from_tf_config()
+        rank, peers = cluster.rank, cluster.peers()
     else:
         rank, peers = a.rank, dict(enumerate(a.peers.split(",")))
     res = run(rank, peers, a.provider, a.token)

@@ -49,7 +49,8 @@ def _softroce(args: argparse.Namespace) -> int:
                                   "`rdmatensor softroce vm -- ibv_devices`")
         try:
             return softroce.run(command, hosts=args.hosts, timeout=args.timeout, cpus=args.cpus,
-                                memory_mb=args.memory, mtu=args.mtu, shares=args.share).returncode
+                                memory_mb=args.memory, mtu=args.mtu, shares=args.share,
+                                ssh=args.ssh).returncode
         except VmTimeout as exc:
             print(f"rdmatensor: {exc}", file=sys.stderr)
             return 124
@@ -81,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="netdev MTU (default %(default)s, giving RoCE MTU 4096)")
     vm.add_argument("--share", action="append", default=[], metavar="DIR",
                     help="host directory to mount writable at the same path (repeatable)")
+    vm.add_argument("--ssh", action="store_true",
+                    help="run sshd in every VM (keys made for this boot) and CMD on host0 only, "
+                         "which reaches the VMs by `ssh ADDR`")
     vm.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
     return parser
 

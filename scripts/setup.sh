@@ -10,10 +10,12 @@ venv="${1:-.venv}"
 # rdma-core userspace, Debian's pyverbs (for /usr/bin/python3), perftest, what
 # the compiled verbs endpoint is built with (gcc, libibverbs-dev, python3-dev),
 # what the SoftRoCE VM needs: qemu, the stock kernel (with rdma_rxe), busybox; and
-# Open MPI's mpirun, one of the launchers a job can be started with (tests/tf/test_launchers.py).
+# Open MPI's mpirun, one of the launchers a job can be started with (tests/tf/test_launchers.py);
+# OpenSSH, which rdmatensor-run starts remote ranks with (the two-VM job runs sshd in each VM).
 packages=(rdma-core ibverbs-providers ibverbs-utils perftest python3-pyverbs
           python3-venv python3-dev gcc libc6-dev libibverbs-dev qemu-system-x86 linux-image-amd64
-          busybox-static iproute2 kmod cpio gzip procps openssl openmpi-bin)
+          busybox-static iproute2 kmod cpio gzip procps openssl openmpi-bin
+          openssh-client openssh-server)
 
 missing=()
 for p in "${packages[@]}"; do

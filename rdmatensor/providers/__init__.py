@@ -5,8 +5,10 @@
 Adding a provider means its own file, one entry here, and its channel
 parameters in control.proto.
 
-`auto` picks verbs where an ACTIVE RDMA port exists, else shm when every peer
-is on this host, else tcp.
+`auto` decides per peer, as NCCL does: shm with a peer on this host, verbs
+with a peer elsewhere where an ACTIVE RDMA port exists, else tcp. Each
+side decides the same way (a peer is on this host when its address can be
+bound here), and the Exchange checks that they agree.
 """
 from __future__ import annotations
 
@@ -74,22 +76,26 @@ def is_local_host(host: str) -> bool:
         return False
 
 
-def choose(name: str, peer_hosts: list[str]) -> type[Channel]:
-    """The provider class for `name` ("auto" decides), or ProviderUnavailable saying why."""
+def choose(name: str, peer_hosts: dict[int, str], rank: int = 0) -> dict[int, type[Channel]]:
+    """The provider class for each peer (rank -> host): `name` for all, or
+    per peer when "auto"; ProviderUnavailable saying why one cannot run."""
     if name != "auto":
         cls = provider_class(name)
         ok, why = cls.viable()
         if not ok:
             raise ProviderUnavailable(f"provider {name!r} is not viable here: {why}")
-        return cls
-    ok, why = REGISTRY["verbs"].viable()
-    if ok:
-        log.info("provider auto -> verbs: %s", why)
-        return provider_class("verbs")
-    if all(is_local_host(h) for h in peer_hosts):
-        ok_shm, _ = REGISTRY["shm"].viable()
-        if ok_shm:
-            log.info("provider auto -> shm: every peer is on this host (verbs: %s)", why)
-            return provider_class("shm")
-    log.info("provider auto -> tcp: verbs: %s; peers on other hosts or no shm", why)
-    return provider_class("tcp")
+        return dict.fromkeys(peer_hosts, cls)
+    verbs, why_verbs = REGISTRY["verbs"].viable()
+    shm, why_shm = REGISTRY["shm"].viable()
+    out = {}
+    for peer, host in sorted(peer_hosts.items()):
+        local = is_local_host(host)
+        if local and shm:
+            pick, why = "shm", "on this host"
+        elif verbs:
+            pick, why = "verbs", f"{'on this host, shm: ' + why_shm if local else 'on ' + host}; {why_verbs}"
+        else:
+            pick, why = "tcp", f"{'on this host, shm: ' + why_shm if local else 'on ' + host}; verbs: {why_verbs}"
+        log.info("provider auto: rank %d -> rank %d: %s (%s)", rank, peer, pick, why)
+        out[peer] = provider_class(pick)
+    return out

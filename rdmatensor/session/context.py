@@ -1,6 +1,6 @@
 """What every part of one rank's session shares: who it is, the plan, the
-provider, one channel and one control client per peer, the arenas it owns,
-and its counters."""
+provider of each pair, one channel and one control client per peer, the
+arenas it owns, and its counters."""
 from __future__ import annotations
 
 import threading
@@ -37,14 +37,12 @@ class Counters:
 
 
 class SessionContext:
-    def __init__(self, rank: int, peers: Mapping[int, str], plan: Plan, provider_class: type[Channel],
-                 token: str, tls: TlsConfig | None, timeout: float):
+    def __init__(self, rank: int, peers: Mapping[int, str], plan: Plan,
+                 provider_classes: Mapping[int, type[Channel]], token: str, tls: TlsConfig | None, timeout: float):
         self.rank, self.plan, self.timeout = rank, plan, timeout
         self.peers = dict(peers)                  # rank -> control address "host:port"
         self.token, self.tls = token, tls
-        self.provider_class = provider_class
-        self.provider = provider_class.name
-        self.capabilities = provider_class.capabilities
+        self.provider_classes = dict(provider_classes)    # peer -> the provider of that pair
         self.channels: dict[int, Channel] = {}
         self.arenas: list[Arena] = []
         self.credentials = PairCredentials()
@@ -56,6 +54,11 @@ class SessionContext:
 
     def host(self, rank: int) -> str:
         return self.peers[rank].rsplit(":", 1)[0].strip("[]")
+
+    def provider_name(self, peer: int) -> str:
+        """The provider of the pair with `peer` ("" for a peer this rank shares no tensor with)."""
+        cls = self.provider_classes.get(peer)
+        return cls.name if cls else ""
 
     def arena(self, size: int, shared: bool = False) -> Arena:
         """A new arena this session owns (closed with it)."""

@@ -69,14 +69,15 @@ class Exchange:
             incoming = ctx.plan.pairs.get((peer, ctx.rank))
             outgoing = ctx.plan.pairs.get((ctx.rank, peer))
             n_in, n_out = len(incoming.slots) if incoming else 0, len(outgoing.slots) if outgoing else 0
-            ch = ctx.provider_class(ctx.rank, peer, ctx.host(ctx.rank), on_imm=partial(self.credits.on_imm, peer),
+            cls = ctx.provider_classes[peer]
+            ch = cls(ctx.rank, peer, ctx.host(ctx.rank), on_imm=partial(self.credits.on_imm, peer),
                                     on_lost=partial(self.live.lost, peer), max_incoming=n_in + n_out)
             ch.configure(ControlPlane(ctx.peers[ctx.rank], ctx.token, ctx.tls,
                                       partial(ctx.credentials.secret, peer)))
             ctx.channels[peer] = ch
             receiving, sending = [], []
             if incoming:
-                arenas = [ctx.arena(size, ctx.capabilities.shared_arenas) for size in incoming.arena_sizes]
+                arenas = [ctx.arena(size, cls.capabilities.shared_arenas) for size in incoming.arena_sizes]
                 self.regions[peer] = [ch.expose(i, arena) for i, arena in enumerate(arenas)]
                 receiving = [RecvSlot(slot, peer, arenas[slot.arena].view(slot.offset, slot.size))
                              for slot in incoming.slots]
@@ -101,7 +102,8 @@ class Exchange:
             ch = ctx.channels.get(peer)
             params = ch.params() if ch else {}
             req = pb.ExchangeRequest(rank=ctx.rank, peer=peer, plan_digest=ctx.plan.digest, plan_specs=specs_json,
-                                     channel=params_msg(ctx.provider, params), regions=self._local_regions(peer),
+                                     channel=params_msg(ctx.provider_name(peer), params),
+                                     regions=self._local_regions(peer),
                                      pair_secret=ctx.credentials.draw(peer))
             reply = ctx.call(peer, "Exchange", req, timeout=max(1.0, deadline - time.monotonic()),
                              wait_for_ready=True)
@@ -141,9 +143,9 @@ class Exchange:
                                  f"{ctx.plan.first_difference(theirs)}", peer=peer)
             self.live.fail(error)
             raise error
-        if request.channel.provider != ctx.provider:
-            error = PlanMismatch(f"provider mismatch: rank {peer} uses {request.channel.provider!r}, "
-                                 f"rank {ctx.rank} uses {ctx.provider!r}", peer=peer)
+        if request.channel.provider != ctx.provider_name(peer):
+            error = PlanMismatch(f"provider mismatch: rank {peer} uses {request.channel.provider!r} with rank "
+                                 f"{ctx.rank}, rank {ctx.rank} uses {ctx.provider_name(peer)!r} with it", peer=peer)
             self.live.fail(error)
             raise error
         ch = ctx.channels.get(peer)
@@ -157,6 +159,7 @@ class Exchange:
             self.live.fail(exc)
             raise BadRequest(f"rank {peer}'s regions are unusable: {exc}", peer=peer) from exc
         self.exchanged[peer] = params_dict(request.channel)
-        reply = pb.ExchangeReply(channel=params_msg(ctx.provider, ch.params()), regions=self._local_regions(peer))
+        reply = pb.ExchangeReply(channel=params_msg(ctx.provider_name(peer), ch.params()),
+                                 regions=self._local_regions(peer))
         self._events[peer].set()
         return reply

@@ -50,10 +50,12 @@ class Session:
         self.rank, self.plan, self.timeout = rank, plan, timeout
         self.heartbeat, self.peer_timeout = heartbeat, peer_timeout
         peer_ranks = sorted(plan.peers_of(rank))
-        hosts = [peers[p].rsplit(":", 1)[0].strip("[]") for p in peer_ranks]
-        self.provider_class = choose(provider, hosts or ["127.0.0.1"])
-        self.provider = self.provider_class.name
-        ctx = self._ctx = SessionContext(rank, peers, plan, self.provider_class, token, tls, timeout)
+        hosts = {p: peers[p].rsplit(":", 1)[0].strip("[]") for p in peer_ranks}
+        classes = choose(provider, hosts or {rank: "127.0.0.1"}, rank)
+        self.providers = {p: classes[p].name for p in peer_ranks}    # the provider of each pair
+        self.provider = "+".join(sorted({c.name for c in classes.values()}))
+        ctx = self._ctx = SessionContext(rank, peers, plan, {p: classes[p] for p in peer_ranks},
+                                         token, tls, timeout)
         self.peers = ctx.peers
         ctx.abort = abort
         self._live = Liveness(ctx, heartbeat, peer_timeout)

@@ -55,8 +55,8 @@ class Growth:
         with self._lock:
             region_id = self._next_region
             self._next_region += 1
-        arena = ctx.arena(size, shared=ctx.capabilities.shared_arenas)
         ch = ctx.channels[peer]
+        arena = ctx.arena(size, shared=ch.capabilities.shared_arenas)
         desc = ch.expose(region_id, arena)
         try:
             old = st.regrow(region_id, arena)

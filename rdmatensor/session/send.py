@@ -210,7 +210,7 @@ class Sender:
         staging = st.staging[:array.nbytes]
         if array is st.view or array.ctypes.data == staging.ctypes.data:
             return staging                           # filled in place: no copy
-        if not self.ctx.capabilities.needs_registered_source and array.flags.c_contiguous:
+        if not self.ctx.channels[st.peer].capabilities.needs_registered_source and array.flags.c_contiguous:
             return array.reshape(-1).view(np.uint8)  # written straight from the user's array
         self.source_free(st)
         np.copyto(staging.view(array.dtype).reshape(array.shape), array)

@@ -29,13 +29,21 @@ until grep -q ACTIVE /sys/class/infiniband/rxe0/ports/1/state 2>/dev/null; do
 done
 ulimit -l unlimited
 say "rxe0 ACTIVE on $RDT_IFNAME $RDT_ADDR mtu $RDT_MTU"
+if [ -d "$job/ssh" ]; then
+  # The host's /etc is read-only here: the job's client configuration is bound over it.
+  mkdir -p /run/sshd
+  mount --bind "$job/ssh/ssh_config" /etc/ssh/ssh_config || fail "cannot bind the job's ssh_config"
+  "$(cat "$job/ssh/sshd_path")" -f "$job/ssh/sshd_config-$idx" -E "$job/sshd-$idx.log" || fail "sshd did not start"
+  say "sshd listening"
+fi
 : > "$job/ready-$idx"
 
 # The caller's environment and working directory, then the command itself.
 . "$job/cmd.env"
 . "$job/vm-$idx.env"
 cd "$RDT_CWD" 2>/dev/null || cd /
-sh "$job/cmd.sh" > "$job/out-$idx" 2> "$job/err-$idx" < /dev/null
+cmd="$job/cmd-$idx.sh"; [ -e "$cmd" ] || cmd="$job/cmd.sh"
+sh "$cmd" > "$job/out-$idx" 2> "$job/err-$idx" < /dev/null
 echo $? > "$job/rc-$idx"
 sync
 poweroff -f

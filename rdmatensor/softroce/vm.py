@@ -8,6 +8,10 @@ the same interpreter, virtualenv, pyverbs and project tree as the host.
 - hosts=1: one VM, one rxe device shared by every process in it (loopback).
 - hosts=2: two VMs whose NICs are joined by a qemu socket netdev on the
   host's loopback, one rxe device each: a two-host RDMA cluster.
+- ssh=True: each VM also runs Debian's sshd with host keys made for this
+  boot and one job key authorized; the command runs on host0 only and
+  reaches every VM by plain `ssh ADDR` (as a launcher does), while the other
+  VMs serve until it ends.
 
 The job directory (a host temp dir shared writable over 9p at the same path)
 carries the command, the environment, the output and the exit status.
@@ -139,17 +143,51 @@ def _tail_text(path: Path, lines: int = 25) -> str:
         return "(nothing)"
 
 
+def _make_ssh(job: Path, hosts: int) -> None:
+    """Keys and configuration for sshd in each VM and ssh between them, fresh
+    for this boot, in the job directory (0700): host keys (known to the
+    client in advance, so host keys are checked), and one job key that
+    every VM authorizes for root."""
+    sshd = shutil.which("sshd") or "/usr/sbin/sshd"
+    if not shutil.which("ssh-keygen") or not os.access(sshd, os.X_OK):
+        raise SoftRoceError("ssh in the VMs needs openssh-client and openssh-server (make setup installs them)")
+    d = job / "ssh"
+    d.mkdir(mode=0o700)
+
+    def keygen(name: str) -> str:
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", name, "-f", str(d / name)],
+                       check=True, stdin=subprocess.DEVNULL, capture_output=True)
+        return (d / f"{name}.pub").read_text().strip()
+
+    (d / "authorized_keys").write_text(keygen("job_key") + "\n")
+    known = []
+    for i in range(hosts):
+        known.append(f"{GUEST_ADDRS[i]},rdt-host{i} {keygen(f'host{i}_key')}")
+        (d / f"sshd_config-{i}").write_text(
+            f"ListenAddress 0.0.0.0\nHostKey {d}/host{i}_key\nAuthorizedKeysFile {d}/authorized_keys\n"
+            "PermitRootLogin prohibit-password\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
+            "UsePAM no\nStrictModes no\nPidFile /run/sshd.pid\n")
+    (d / "known_hosts").write_text("\n".join(known) + "\n")
+    (d / "ssh_config").write_text(
+        f"Host *\n  IdentityFile {d}/job_key\n  UserKnownHostsFile {d}/known_hosts\n"
+        "  GlobalKnownHostsFile /dev/null\n  StrictHostKeyChecking yes\n  BatchMode yes\n"
+        "  ConnectTimeout 10\n")
+    (d / "sshd_path").write_text(sshd)
+
+
 def run(command: Sequence[str], hosts: int = 1, timeout: float = DEFAULT_TIMEOUT,
         cpus: int | None = None, memory_mb: int | None = None, mtu: int = DEFAULT_MTU,
         env: dict[str, str] | None = None, cwd: str | None = None, shares: Sequence[str] = (),
         stdout: BinaryIO | None = None, stderr: BinaryIO | None = None,
-        log=None) -> VmResult:
+        log=None, ssh: bool = False) -> VmResult:
     """Run `command` in `hosts` SoftRoCE VMs; return its exit status(es).
 
     With two hosts the command runs on both; it learns its side from
     RDMATENSOR_VM_INDEX (0 or 1), RDMATENSOR_VM_ROLE (server on 0, client
     on 1), RDMATENSOR_VM_ADDR and RDMATENSOR_VM_PEER_ADDR. `shares` are host
     directories mounted writable at the same path, for results to come back.
+    With `ssh`, the command runs on host0 only and reaches the VMs by ssh
+    (RDMATENSOR_VM_ADDRS lists them); its status is the run's.
     """
     if hosts not in (1, 2):
         raise SoftRoceError(f"hosts must be 1 or 2, not {hosts!r}")
@@ -178,6 +216,14 @@ def run(command: Sequence[str], hosts: int = 1, timeout: float = DEFAULT_TIMEOUT
     started = time.monotonic()
     try:
         (job / "cmd.sh").write_text("exec " + shlex.join(command) + "\n")
+        if ssh:
+            _make_ssh(job, hosts)
+            q = shlex.quote(str(job))
+            # host0 starts once every sshd listens; the others serve until its command has ended
+            (job / "cmd-0.sh").write_text("".join(f"until [ -e {q}/ready-{i} ]; do sleep 0.2; done\n"
+                                                  for i in range(1, hosts)) + "exec " + shlex.join(command) + "\n")
+            for i in range(1, hosts):
+                (job / f"cmd-{i}.sh").write_text(f"until [ -e {q}/rc-0 ]; do sleep 0.2; done\n")
         _write_env(job / "cmd.env", cwd or os.getcwd(), env)
         port = _free_port()
         for i in range(hosts):

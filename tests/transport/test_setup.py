@@ -88,23 +88,23 @@ def test_tls_refuses_a_plaintext_peer(tmp_path):
 def test_explicit_provider_that_cannot_run_says_why():
     ok, why = provider_class("verbs").viable()
     if ok:
-        assert choose("verbs", ["127.0.0.1"]).name == "verbs"
+        assert choose("verbs", {1: "127.0.0.1"})[1].name == "verbs"
     else:
         with pytest.raises(ProviderUnavailable, match="verbs.*not viable"):
-            choose("verbs", ["127.0.0.1"])
+            choose("verbs", {1: "127.0.0.1"})
     with pytest.raises(ProviderUnavailable, match="unknown provider"):
-        choose("carrier-pigeon", ["127.0.0.1"])
+        choose("carrier-pigeon", {1: "127.0.0.1"})
 
 
-def test_auto_logs_its_choice(caplog):
+def test_auto_chooses_per_peer_and_logs_each_pair(caplog):
+    """shm with a peer on this host; verbs (where an RDMA port is ACTIVE), else
+    tcp, with a peer elsewhere (TEST-NET-2: not an address of this host)."""
     caplog.set_level(logging.INFO, logger="rdmatensor")
-    cls = choose("auto", ["127.0.0.1"])
-    expected = "verbs" if provider_class("verbs").viable()[0] else "shm"
-    assert cls.name == expected
-    assert f"provider auto -> {expected}" in caplog.text
-    if expected == "shm":
-        # a peer that is not on this host (TEST-NET-2) rules shm out
-        assert choose("auto", ["198.51.100.7"]).name == "tcp"
+    got = choose("auto", {1: "127.0.0.1", 2: "198.51.100.7", 3: "localhost"}, rank=0)
+    remote = "verbs" if provider_class("verbs").viable()[0] else "tcp"
+    assert {p: c.name for p, c in got.items()} == {1: "shm", 2: remote, 3: "shm"}
+    assert "provider auto: rank 0 -> rank 1: shm (on this host)" in caplog.text
+    assert f"provider auto: rank 0 -> rank 2: {remote} (on 198.51.100.7;" in caplog.text
 
 
 @pytest.mark.parametrize("rank", [0, 1])      # 0 calls the missing peer's server; 1 waits for its call

@@ -2,6 +2,7 @@
 back, a hung VM is killed at its timeout, and two VMs carry an RDMA write."""
 import json
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -18,23 +19,18 @@ def softroce_vm(*args, timeout=600):
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
-def test_vm_lists_rxe_and_returns_exit_status(vm_ready):
-    res = softroce_vm("--", "sh", "-c", "ibv_devices; echo oops >&2; exit 7")
+def test_vm_lists_rxe_runs_project_venv_in_same_directory_and_returns_exit_status(vm_ready):
+    res = softroce_vm("--", "sh", "-c", "ibv_devices; python -c 'import os, sys, pyverbs, rdmatensor; "
+                      "print(sys.executable); print(os.getcwd())'; echo oops >&2; exit 7")
     assert res.returncode == 7, res.stderr
     assert re.search(r"^\s+rxe0\s", res.stdout, re.M), res.stdout
     assert "oops" in res.stderr
+    exe, cwd = res.stdout.split()[-2:]
+    assert exe == sys.executable
+    assert cwd == str(ROOT)
     boot = re.search(r"host0 up, rxe0 ACTIVE, in ([\d.]+) s", res.stderr)
     assert boot, res.stderr
     print(f"VM boot to ACTIVE rxe0: {boot.group(1)} s")
-
-
-def test_vm_runs_project_venv_in_same_directory(vm_ready):
-    res = softroce_vm("--", "python", "-c",
-                      "import os, sys, pyverbs, rdmatensor; print(sys.executable); print(os.getcwd())")
-    assert res.returncode == 0, res.stderr
-    exe, cwd = res.stdout.split()
-    assert exe == sys.executable
-    assert cwd == str(ROOT)
 
 
 def test_hung_vm_is_killed_at_timeout(vm_ready):
@@ -58,14 +54,30 @@ def test_two_hosts_carry_an_rdma_write(vm_ready):
     print(f"two-VM RDMA write, 8 MiB: {client['MB_per_s']:.1f} MB/s")
 
 
-def test_two_hosts_run_a_session_over_verbs(vm_ready):
-    res = softroce_vm("--hosts", "2", "--", "python", "examples/two_ranks.py", "vm", "--provider", "verbs")
-    assert res.returncode == 0, res.stdout + res.stderr
-    lines = dict(re.findall(r"^\[(host\d)\] (\{.*\})$", res.stdout, re.M))
-    r0, r1 = json.loads(lines["host0"]), json.loads(lines["host1"])
-    for r in (r0, r1):
-        assert r["provider"] == "verbs" and r["ok"] and r["bad"] == 0, r
-    assert r1["checked"] == 17
-    assert r0["stats"]["grows"] >= 1 and r0["stats"]["dynamic"] == 4
-    print(f"two-VM session over verbs: 64 MiB at {r0['MB_per_s_64MiB_incl_copy']} MB/s, "
-          f"setup {r0['setup_s']} s")
+def test_two_hosts_over_ssh_pick_shm_or_verbs_per_pair_and_name_a_killed_remote_rank(vm_ready):
+    """rdmatensor-run in host0 starts two ranks in each VM over real ssh (sshd
+    in each, keys made for this boot, host keys checked). With auto, every
+    rank uses shm with the rank on its host and verbs with the two on the
+    other, and every tensor arrives intact. Then rank 3, on host1, is killed:
+    the launcher names it and how, and rank 0, which it then stops, leaves
+    no process behind."""
+    job = [sys.executable, "-m", "tf_plugin.launcher.run", "-np", "4", "-H", "192.0.2.1:2,192.0.2.2:2",
+           "--failure-wait", "1", "--grace", "1", sys.executable, "-m", "tests.vm.all_pairs", "--die", "3"]
+    # the remote side notices the closed connection and stops the rank: give it 10 s
+    # (only the ranks' own command lines: the shells around them name the module too)
+    script = (shlex.join(job) + "; echo status=$?; for i in $(seq 50); do "
+              "n=$(pgrep -f '^[^ ]*python[^ ]* -m tests[.]vm[.]all_pairs' | wc -l); [ $n = 0 ] && break; sleep 0.2; done; "
+              "echo left: $n after $i")
+    res = softroce_vm("--hosts", "2", "--ssh", "--", "sh", "-c", script)
+    out, err = res.stdout, res.stderr
+    assert res.returncode == 0, out + err
+    reports = {int(r): json.loads(line) for r, line in re.findall(r"^\[host0\] \[(\d)\] (\{.*\})$", out, re.M)}
+    assert sorted(reports) == [0, 1, 2, 3], out + err
+    same_host = {0: 1, 1: 0, 2: 3, 3: 2}
+    for rank, rep in reports.items():
+        assert rep["ok"], rep
+        assert rep["providers"] == {str(p): "shm" if p == same_host[rank] else "verbs"
+                                    for p in range(4) if p != rank}, rep
+    assert ("rank 3 (worker 3 on 192.0.2.2) was killed by signal 9 (SIGKILL) on its host: "
+            "the first rank to fail") in err, err
+    assert "status=137" in out and "left: 0" in out, out + err

@@ -160,7 +160,7 @@ class ElasticJob(Job):
                             self.finishing = True
                         else:
                             left = len(self._alive_ids())
-                            self.say(f"worker {p.rank} on {p.host} {_describe(code)}; "
+                            self.say(f"worker {p.rank} on {p.host} {_describe(code, not is_local(p.host))}; "
                                      f"{left} worker(s) go on" + ("" if self.finishing else
                                                                   ", the job forms again without it"))
                 if ended:

@@ -185,13 +185,22 @@ def ssh_command(host: str, env: dict[str, str], command: Sequence[str], cwd: str
 
 
 # ----------------------------------------------------------------- the job
-def _describe(status: int) -> str:
+SSH_FAILED = 255     # ssh's own status: no connection, refused, or the connection broke
+
+
+def _describe(status: int, remote: bool = False) -> str:
+    """How a rank ended. A remote rank's status is its ssh's: the remote shell's
+    128+N for a rank killed by signal N, ssh's 255 for a failed connection."""
+    if remote and status == SSH_FAILED:
+        return "lost its ssh connection (ssh exited with status 255)"
+    if remote and 128 < status <= 128 + 64:
+        status = 128 - status
     if status < 0:
         try:
             name = signal.Signals(-status).name
         except ValueError:
             name = "?"
-        return f"was killed by signal {-status} ({name})"
+        return f"was killed by signal {-status} ({name})" + (" on its host" if remote else "")
     return f"exited with status {status}"
 
 
@@ -304,7 +313,7 @@ class Job:
         """The first failure: say which rank and how, then give the others
         failure_wait seconds to end by themselves, naming each as it does."""
         running = [(p, proc) for p, proc in self.started if proc.poll() is None]
-        self.say(f"{first.label} {_describe(code)}: the first rank to fail" +
+        self.say(f"{first.label} {_describe(code, not first.local)}: the first rank to fail" +
                  (f"; the other {len(running)} rank(s) get {self.failure_wait:g} s to end"
                   if running and self.failure_wait > 0 else ""))
         deadline = time.monotonic() + self.failure_wait
@@ -312,7 +321,7 @@ class Job:
             time.sleep(0.05)
             for p, proc in list(running):
                 if proc.poll() is not None:
-                    self.say(f"{p.label} {_describe(proc.returncode)}")
+                    self.say(f"{p.label} {_describe(proc.returncode, not p.local)}")
                     running.remove((p, proc))
 
     def stop(self, why: str) -> None:

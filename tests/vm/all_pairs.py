@@ -1,0 +1,50 @@
+"""One rank of a job started by rdmatensor-run (TF_CONFIG, RDMATENSOR_TOKEN,
+RDMATENSOR_PROVIDER or auto) in which every rank sends one tensor to every
+other: prints the provider of each of its pairs and whether every tensor
+arrived intact.
+
+    python -m tests.vm.all_pairs [--die RANK]
+
+With --die, rank RANK then kills itself (SIGKILL) and rank 0 waits until the
+launcher stops it: a rank lost on a remote host, as the launcher sees it.
+"""
+import argparse
+import json
+import os
+import signal
+import time
+
+import numpy as np
+
+from rdmatensor import Plan, TensorSpec, connect
+from tf_plugin.launcher.cluster import Cluster
+
+N = 1 << 16
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--die", type=int)
+    args = p.parse_args()
+    cluster = Cluster.from_tf_config()
+    me, peers = cluster.rank, cluster.peers()
+    others = [r for r in peers if r != me]
+    plan = Plan([TensorSpec(f"t{s}-{d}", (N,), np.float32, s, d) for s in peers for d in peers if s != d])
+    ok = True
+    with connect(me, peers, plan, provider=os.environ.get("RDMATENSOR_PROVIDER", "auto"),
+                 token=os.environ["RDMATENSOR_TOKEN"], timeout=120) as s:
+        for d in others:
+            s.send(f"t{me}-{d}", np.full(N, me * 10 + d, np.float32))
+        for src in others:
+            with s.recv(f"t{src}-{me}") as v:
+                ok = ok and bool((v == src * 10 + me).all())
+        s.barrier("done")
+    print(json.dumps({"rank": me, "providers": s.providers, "ok": ok}), flush=True)
+    if args.die is not None and me == args.die:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if args.die is not None and me == 0:
+        time.sleep(77)
+
+
+if __name__ == "__main__":
+    main()
