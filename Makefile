@@ -48,9 +48,9 @@ soak: setup
 # From the first, rdmatensor-run starts one rank per host over ssh: Horovod's
 # tape example trains over verbs between the hosts and says whether the ranks
 # end bit-identical; then a Session checks every dtype, 1 B to 64 MiB.
-TWO_HOSTS := -np 2 -H 192.0.2.1:1,192.0.2.2:1 --provider verbs
+TWO_HOSTS := -np 2 -H 192.0.2.1:1,192.0.2.2:1 --provider verbs -x TF_CPP_MIN_LOG_LEVEL
 demo-two-hosts: setup
-	$(PY) -m rdmatensor softroce vm --hosts 2 --ssh --timeout 1800 -- sh -c \
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m rdmatensor softroce vm --hosts 2 --ssh --timeout 1800 -- sh -c \
 	    '$(PY) -m tf_plugin.launcher.run $(TWO_HOSTS) $(PY) examples/horovod_tape.py --model mlp --steps 30 && \
 	     $(PY) -m tf_plugin.launcher.run $(TWO_HOSTS) $(PY) examples/two_ranks.py job'
 

@@ -93,7 +93,8 @@ def train(args) -> None:
     if hvd.rank() == 0:
         ring = after.get("ring_seconds", 0.0) - before.get("ring_seconds", 0.0)
         overlapped = after.get("overlapped_seconds", 0.0) - before.get("overlapped_seconds", 0.0)
-        print(json.dumps({"provider": args.provider, "workers": hvd.size(), "model": args.model,
+        used = args.provider if floor else after.get("provider") or args.provider
+        print(json.dumps({"provider": used, "workers": hvd.size(), "model": args.model,
                           "batch_per_worker": args.batch // hvd.size(),
                           "median_step_ms": 1e3 * float(np.median(times)), "steps_per_s": timed / sum(times),
                           "final_loss": loss, "weights_sha256": digests[0],

@@ -30,9 +30,9 @@ done
 ulimit -l unlimited
 say "rxe0 ACTIVE on $RDT_IFNAME $RDT_ADDR mtu $RDT_MTU"
 if [ -d "$job/ssh" ]; then
-  # The host's /etc is read-only here: the job's client configuration is bound over it.
+  # The job's client configuration, in this VM's overlay only.
   mkdir -p /run/sshd
-  mount --bind "$job/ssh/ssh_config" /etc/ssh/ssh_config || fail "cannot bind the job's ssh_config"
+  cp "$job/ssh/ssh_config" /etc/ssh/ssh_config || fail "cannot install the job's ssh_config"
   "$(cat "$job/ssh/sshd_path")" -f "$job/ssh/sshd_config-$idx" -E "$job/sshd-$idx.log" || fail "sshd did not start"
   say "sshd listening"
 fi
