@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--send-many", choices=("off", "on", "both"), default="off",
                    help="step and bw modes: send a step's tensors (bw: a window's) with one send_many() "
                         "call (verbs: up to 32 writes per doorbell); `both` measures each point with and without")
-    p.add_argument("--json", metavar="FILE", help="write results as JSON (schema in the README)")
+    p.add_argument("--json", metavar="FILE", help="write results as JSON (schema in docs/results.md)")
     p.add_argument("--plot", metavar="FILE.png", help="bandwidth and latency against size")
     p.add_argument("--rank", type=int, choices=(0, 1), help="server/client mode: this side's rank")
     p.add_argument("--peers", help="server/client mode: HOST0:PORT,HOST1:PORT (point i uses PORT+i)")

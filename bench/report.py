@@ -1,4 +1,4 @@
-"""Output: a perftest-like table, JSON (schema in the README), a PNG plot."""
+"""Output: a perftest-like table, JSON (schema in docs/results.md), a PNG plot."""
 from __future__ import annotations
 
 import functools

@@ -6,7 +6,7 @@ intact, and an idle session sleeps.
 Debian's pyverbs 44 never frees a work request or SGE it built (`__dealloc`
 in its wr.pyx), so a data path that built one per write leaked 128 bytes per
 write and receive. The default here is short; RDMATENSOR_VERBS_SOAK=20000
-runs the long soak (figures in the README)."""
+runs the long soak (figures in docs/results.md)."""
 from __future__ import annotations
 
 import ctypes

@@ -65,9 +65,9 @@ def test_two_hosts_over_ssh_pick_shm_or_verbs_per_pair_and_name_a_killed_remote_
            "--failure-wait", "1", "--grace", "1", sys.executable, "-m", "tests.vm.all_pairs", "--die", "3"]
     # the remote side notices the closed connection and stops the rank: give it 10 s
     # (only the ranks' own command lines: the shells around them name the module too)
+    ranks = "'^[^ ]*python[^ ]* -m tests[.]vm[.]all_pairs'"
     script = (shlex.join(job) + "; echo status=$?; for i in $(seq 50); do "
-              "n=$(pgrep -f '^[^ ]*python[^ ]* -m tests[.]vm[.]all_pairs' | wc -l); [ $n = 0 ] && break; sleep 0.2; done; "
-              "echo left: $n after $i")
+              f"n=$(pgrep -f {ranks} | wc -l); [ $n = 0 ] && break; sleep 0.2; done; echo left: $n after $i")
     res = softroce_vm("--hosts", "2", "--ssh", "--", "sh", "-c", script)
     out, err = res.stdout, res.stderr
     assert res.returncode == 0, out + err
