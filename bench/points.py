@@ -1,9 +1,14 @@
 """One measurement point: a fresh two-rank session, one mode, one size.
 
-Both ranks run the same function. Rank 0 measures; rank 1 serves. Rank 0
-times a warm-up, picks the iteration count that fills the time budget and
-tells rank 1 through a small `ctl` tensor, so both sides agree without any
-out-of-band channel.
+Both ranks run the same function. Rank 0 measures; rank 1 serves. For
+bandwidth and steps, rank 0 times a warm-up, picks the iteration count that
+fills the time budget and tells rank 1 through a small `ctl` tensor, so both
+sides agree without any out-of-band channel. A latency point instead runs
+until both its time budget and MIN_LAT_ITERS round trips are done, after a
+warm-up of its own length (WARM_SHARE of the budget): its first round trips
+are the slowest (first touches, an emulator's first translations), and an
+estimate from them alone measured far too few. The last ping says it is
+the last.
 """
 from __future__ import annotations
 
@@ -18,6 +23,8 @@ from rdmatensor.providers.rc import ENDPOINT_ENV
 
 TOKEN = "rdmatensor-bench"
 SETUP_TIMEOUT = 120.0    # also bounds every wait: a peer that died is not waited on for long
+MIN_LAT_ITERS = 200      # round trips every latency point measures at least
+WARM_SHARE = 0.2         # of a latency point's time budget spent warming up first
 
 
 @dataclass
@@ -124,29 +131,35 @@ def _hear(s) -> int:
 def _lat(s, rank: int, p: Point) -> Result | None:
     if rank == 1:
         pong = s.buffer("pong")
-        for _ in range(p.warmup):
-            s.recv("ping").release()
-            s.send("pong", pong)
-        for _ in range(_hear(s)):
-            s.recv("ping").release()
+        more = True
+        while more:
+            with s.recv("ping") as v:
+                more = bool(v[0])          # rank 0 zeroes the last ping's first byte
             s.send("pong", pong)
         return None
     ping = s.buffer("ping")
     ping[:] = 1
-    t0 = time.perf_counter()
-    for _ in range(p.warmup):
-        s.send("ping", ping)
-        s.recv("pong").release()
-    iters = _iterations(p, time.perf_counter() - t0, p.warmup)
-    _tell(s, iters)
-    samples = []
     clock = time.perf_counter
-    for _ in range(iters):
-        t = clock()
+
+    def round_trip() -> None:
         s.send("ping", ping)
         s.recv("pong").release()
+
+    t0, n = clock(), 0
+    while n < p.warmup or clock() - t0 < WARM_SHARE * p.seconds:
+        round_trip()
+        n += 1
+    samples = []
+    end = clock() + p.seconds
+    while True:
+        t = clock()
+        if len(samples) + 1 >= p.max_iters or (len(samples) + 1 >= MIN_LAT_ITERS and t >= end):
+            ping[0] = 0
+        round_trip()
         samples.append((clock() - t) / 2)
-    return Result("lat", p.provider, p.size, iters, lat_us=_lat_stats(samples))
+        if not ping[0]:
+            break
+    return Result("lat", p.provider, p.size, len(samples), lat_us=_lat_stats(samples))
 
 
 def _bw(s, rank: int, p: Point) -> Result | None:

@@ -39,7 +39,7 @@ class Recorder:
 
 def rank1():
     """Rank 1 of PLAN: it receives "a" from rank 0 and sends "b" to it."""
-    ctx = SessionContext(1, {0: "127.0.0.1:1", 1: "127.0.0.1:2"}, PLAN, TcpChannel, "t", None, 1.0)
+    ctx = SessionContext(1, {0: "127.0.0.1:1", 1: "127.0.0.1:2"}, PLAN, {0: TcpChannel}, "t", None, 1.0)
     live = Liveness(ctx, heartbeat=1.0, peer_timeout=10.0)
     credits = Credits(ctx, live)
     ctx.channels[0] = Recorder()

@@ -1,5 +1,6 @@
-"""One rank of a job started by rdmatensor-run (TF_CONFIG, RDMATENSOR_TOKEN,
-RDMATENSOR_PROVIDER or auto) in which every rank sends one tensor to every
+"""One rank of a job started by rdmatensor-run (TF_CONFIG), or by mpirun,
+torchrun or srun (rank 0's rendezvous), with RDMATENSOR_TOKEN and
+RDMATENSOR_PROVIDER (or auto), in which every rank sends one tensor to every
 other: prints the provider of each of its pairs and whether every tensor
 arrived intact.
 
@@ -12,11 +13,13 @@ import argparse
 import json
 import os
 import signal
+import socket
 import time
 
 import numpy as np
 
 from rdmatensor import Plan, TensorSpec, connect
+from tf_plugin.launcher import rendezvous
 from tf_plugin.launcher.cluster import Cluster
 
 N = 1 << 16
@@ -26,8 +29,18 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--die", type=int)
     args = p.parse_args()
-    cluster = Cluster.from_tf_config()
-    me, peers = cluster.rank, cluster.peers()
+    if os.environ.get("TF_CONFIG"):        # first, as hvd.init() does: rdmatensor-run sets mpirun's variables too
+        cluster = Cluster.from_tf_config()
+        me, peers = cluster.rank, cluster.peers()
+    else:
+        found = rendezvous.LauncherEnv.detect()
+        with socket.socket() as probe:      # a free port for this rank's control server
+            probe.bind((rendezvous.route_to(found.address), 0))
+            port = probe.getsockname()[1]
+        joined, server = rendezvous.join_launcher(found, port, 120.0)
+        if server is not None:
+            server.close()
+        me, peers = joined["rank"], dict(enumerate(joined["workers"]))
     others = [r for r in peers if r != me]
     plan = Plan([TensorSpec(f"t{s}-{d}", (N,), np.float32, s, d) for s in peers for d in peers if s != d])
     ok = True
