@@ -47,12 +47,17 @@ soak: setup
 # Two hosts for real: two SoftRoCE VMs, sshd in each (keys made for this boot).
 # From the first, rdmatensor-run starts one rank per host over ssh: Horovod's
 # tape example trains over verbs between the hosts and says whether the ranks
-# end bit-identical; then a Session checks every dtype, 1 B to 64 MiB.
+# end bit-identical; then a Session checks every dtype, 1 B to 64 MiB; then
+# Open MPI's mpirun starts 2 ranks per host (rank 0's rendezvous, no fixed
+# ports), each using shm with the rank beside it and verbs across.
 TWO_HOSTS := -np 2 -H 192.0.2.1:1,192.0.2.2:1 --provider verbs -x TF_CPP_MIN_LOG_LEVEL
 demo-two-hosts: setup
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m rdmatensor softroce vm --hosts 2 --ssh --timeout 1800 -- sh -c \
 	    '$(PY) -m tf_plugin.launcher.run $(TWO_HOSTS) $(PY) examples/horovod_tape.py --model mlp --steps 30 && \
-	     $(PY) -m tf_plugin.launcher.run $(TWO_HOSTS) $(PY) examples/two_ranks.py job'
+	     $(PY) -m tf_plugin.launcher.run $(TWO_HOSTS) $(PY) examples/two_ranks.py job && \
+	     RDMATENSOR_TOKEN=$$(openssl rand -hex 16) mpirun --allow-run-as-root -np 4 -H 192.0.2.1:2,192.0.2.2:2 \
+	         --mca oob_tcp_if_include eth0 --mca btl_tcp_if_include eth0 -x RDMATENSOR_TOKEN \
+	         -x MASTER_ADDR=192.0.2.1 -x MASTER_PORT=29500 $(abspath $(PY)) examples/all_pairs.py'
 
 test: setup
 	$(PY) scripts/run_tests.py

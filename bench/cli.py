@@ -94,8 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lat-sizes", type=parse_sizes, help=f"lat sizes (default {DEFAULT_LAT_SIZES}; "
                                                           "--sizes sets both when only it is given)")
     p.add_argument("--seconds", type=float, default=0.5,
-                   help="time budget per point (default %(default)s); a latency point runs at least this long "
-                        "and 200 round trips, after a warm-up of a fifth of it")
+                   help="time budget per point (default %(default)s); a latency point measures at least this long, "
+                        "1 s and 200 round trips, after a warm-up of 0.5 s or a fifth of it")
     p.add_argument("--warmup", type=int, default=5, help="warm-up iterations per point")
     p.add_argument("--max-iters", type=int, default=100000)
     p.add_argument("--step-tensors", type=parse_step, default=parse_step(DEFAULT_STEP),

@@ -4,11 +4,11 @@ Both ranks run the same function. Rank 0 measures; rank 1 serves. For
 bandwidth and steps, rank 0 times a warm-up, picks the iteration count that
 fills the time budget and tells rank 1 through a small `ctl` tensor, so both
 sides agree without any out-of-band channel. A latency point instead runs
-until both its time budget and MIN_LAT_ITERS round trips are done, after a
-warm-up of its own length (WARM_SHARE of the budget): its first round trips
-are the slowest (first touches, an emulator's first translations), and an
-estimate from them alone measured far too few. The last ping says it is
-the last.
+until its time budget (at least MIN_LAT_SECONDS) and MIN_LAT_ITERS round
+trips are done, after a warm-up of its own (MIN_WARM_SECONDS, or a fifth of
+the budget): its first round trips are the slowest (first touches, an
+emulator's first translations), and an estimate from them alone measured
+far too few. The last ping says it is the last.
 """
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ from rdmatensor.providers.rc import ENDPOINT_ENV
 TOKEN = "rdmatensor-bench"
 SETUP_TIMEOUT = 120.0    # also bounds every wait: a peer that died is not waited on for long
 MIN_LAT_ITERS = 200      # round trips every latency point measures at least
-WARM_SHARE = 0.2         # of a latency point's time budget spent warming up first
+MIN_LAT_SECONDS = 1.0    # ... and for at least this long, whatever --seconds says
+MIN_WARM_SECONDS = 0.5   # a latency point warms up at least this long, or a fifth of its budget
 
 
 @dataclass
@@ -146,11 +147,11 @@ def _lat(s, rank: int, p: Point) -> Result | None:
         s.recv("pong").release()
 
     t0, n = clock(), 0
-    while n < p.warmup or clock() - t0 < WARM_SHARE * p.seconds:
+    while n < p.warmup or clock() - t0 < max(MIN_WARM_SECONDS, p.seconds / 5):
         round_trip()
         n += 1
     samples = []
-    end = clock() + p.seconds
+    end = clock() + max(MIN_LAT_SECONDS, p.seconds)
     while True:
         t = clock()
         if len(samples) + 1 >= p.max_iters or (len(samples) + 1 >= MIN_LAT_ITERS and t >= end):

@@ -23,7 +23,7 @@ from ..support.ranks import check, run_ranks
 from .helpers import rdma_resources, snapshot
 
 pytestmark = pytest.mark.rdma
-ROUND_TRIPS = int(os.environ.get("RDMATENSOR_VERBS_SOAK", "1500"))
+ROUND_TRIPS = int(os.environ.get("RDMATENSOR_VERBS_SOAK", "1000"))
 WARMUP = 300
 
 

@@ -54,10 +54,10 @@ def test_two_hosts_over_ssh_pick_shm_or_verbs_per_pair_and_name_a_killed_remote_
                  [py, "examples/rdma_write.py", "client", "192.0.2.1", "--size", size, "--seed", "42"])])
              + "; wait; ")
     job = [sys.executable, "-m", "tf_plugin.launcher.run", "-np", "4", "-H", "192.0.2.1:2,192.0.2.2:2",
-           "--failure-wait", "1", "--grace", "1", sys.executable, "-m", "tests.vm.all_pairs", "--die", "3"]
+           "--failure-wait", "1", "--grace", "1", sys.executable, "examples/all_pairs.py", "--die", "3"]
     # the remote side notices the closed connection and stops the rank: give it 10 s
-    # (only the ranks' own command lines: the shells around them name the module too)
-    ranks = "'^[^ ]*python[^ ]* -m tests[.]vm[.]all_pairs'"
+    # (only the ranks' own command lines: the shells around them name the script too)
+    ranks = "'^[^ ]*python[^ ]* examples/all_pairs[.]py'"
     script = (write + shlex.join(job) + "; echo status=$?; for i in $(seq 50); do "
               f"n=$(pgrep -f {ranks} | wc -l); [ $n = 0 ] && break; sleep 0.2; done; echo left: $n after $i; exit 7")
     res = softroce_vm("--hosts", "2", "--ssh", "--", "sh", "-c", script)

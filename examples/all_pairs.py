@@ -4,7 +4,10 @@ RDMATENSOR_PROVIDER (or auto), in which every rank sends one tensor to every
 other: prints the provider of each of its pairs and whether every tensor
 arrived intact.
 
-    python -m tests.vm.all_pairs [--die RANK]
+    rdmatensor-run -np 4 -H hostA:2,hostB:2 python examples/all_pairs.py
+    mpirun -np 4 -H hostA:2,hostB:2 -x RDMATENSOR_TOKEN -x MASTER_ADDR=hostA -x MASTER_PORT=29500 \
+        python examples/all_pairs.py
+    ... [--die RANK]
 
 With --die, rank RANK then kills itself (SIGKILL) and rank 0 waits until the
 launcher stops it: a rank lost on a remote host, as the launcher sees it.
