@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo demo-two-hosts test test-host test-rdma clean proto bench bench-models soak
+.PHONY: setup demo demo-two-hosts test test-host test-rdma clean proto bench bench-models soak horovod-reference
 
 setup:
 	@bash scripts/setup.sh $(VENV)
@@ -58,6 +58,11 @@ demo-two-hosts: setup
 	     RDMATENSOR_TOKEN=$$(openssl rand -hex 16) mpirun --allow-run-as-root -np 4 -H 192.0.2.1:2,192.0.2.2:2 \
 	         --mca oob_tcp_if_include eth0 --mca btl_tcp_if_include eth0 -x RDMATENSOR_TOKEN \
 	         -x MASTER_ADDR=192.0.2.1 -x MASTER_PORT=29500 $(abspath $(PY)) examples/all_pairs.py'
+
+# Real Horovod 0.28.1 (TensorFlow ops, gloo, CPU) built into .venv-horovod
+# against the project's TensorFlow, to measure beside (about 5-8 minutes).
+horovod-reference: setup
+	bash scripts/horovod_reference.sh .venv-horovod
 
 test: setup
 	$(PY) scripts/run_tests.py
