@@ -38,7 +38,7 @@ def main():
     else:
         found = rendezvous.LauncherEnv.detect()
         with socket.socket() as probe:      # a free port for this rank's control server
-            probe.bind((rendezvous.route_to(found.address), 0))
+            probe.bind((rendezvous.route_to(found.route), 0))
             port = probe.getsockname()[1]
         joined, server = rendezvous.join_launcher(found, port, 120.0)
         if server is not None:

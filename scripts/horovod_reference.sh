@@ -42,3 +42,9 @@ HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 HORO
   HOROVOD_WITHOUT_MPI=1 HOROVOD_CPU_OPERATIONS=gloo MAKEFLAGS="-j$(nproc)" \
   "$venv/bin/python" -m pip install -q --no-build-isolation --use-pep517 "$src/horovod-$version"
 "$venv/bin/horovodrun" --check-build
+# horovodrun as the launcher of an rdmatensor job: rank 0 publishes its
+# rendezvous in horovodrun's key-value store, and the two ranks all-reduce.
+echo "horovod-reference: horovodrun -np 2 --gloo starting rdmatensor's tests/tf/launcher_script.py"
+RDMATENSOR_TOKEN=$(openssl rand -hex 16) PYTHONPATH="$PWD" TF_CPP_MIN_LOG_LEVEL=2 \
+  "$venv/bin/horovodrun" -np 2 -H localhost:2 --gloo "$PWD/.venv/bin/python" tests/tf/launcher_script.py \
+  | grep -E "^\[[0-9]+\]<stdout>:rank " | sort

@@ -43,6 +43,15 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$venv/bin/python" -m pip install -q -e ".[tf,bench,dev]"
   echo "$want" > "$stamp"
 fi
+# Horovod's own key-value store, which horovodrun serves a job's rendezvous
+# through: its sources (pure Python, not built) for tests/tf/test_launchers.py.
+hvd="$venv/share/horovod-0.28.1"
+if [ ! -f "$hvd/horovod/runner/http/http_server.py" ]; then
+  tmp=$(mktemp -d)
+  "$venv/bin/python" -m pip download -q --no-deps --no-binary :all: horovod==0.28.1 -d "$tmp"
+  mkdir -p "$venv/share" && tar -xzf "$tmp/horovod-0.28.1.tar.gz" -C "$venv/share"
+  rm -rf "$tmp"
+fi
 # The verbs endpoint in C, rebuilt when its source changed.
 bash scripts/build_native.sh "$venv"
 "$venv/bin/python" -c "import pyverbs, numpy, grpc" \

@@ -2,8 +2,11 @@
 advance: each rank knows its rank, the job's size and one rendezvous address;
 rank 0 serves the rendezvous there, every rank binds a free port of its own
 and learns the others' through it, with the job's token. Open MPI's mpirun
-really runs (Debian's openmpi-bin); Slurm's srun and torchrun are their
-environments, set as they set them."""
+really runs (Debian's openmpi-bin); under horovodrun's environment, rank 0
+publishes its rendezvous in Horovod's own key-value store (Horovod's sources,
+which make setup fetches; `make horovod-reference` also runs real horovodrun);
+Slurm's srun and torchrun are their environments, set as they set them."""
+import json
 import os
 import re
 import secrets
@@ -11,11 +14,13 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
-from rdmatensor import UsageError
+from rdmatensor import AuthenticationError, PeerLost, UsageError
+from tf_plugin.launcher import rendezvous
 from tf_plugin.launcher.cluster import free_ports
 from tf_plugin.launcher.rendezvous import LauncherEnv
 
@@ -80,11 +85,57 @@ def test_slurm_srun_environment_without_fixed_ports():
     check_ranks(outs, 2)
 
 
+@pytest.fixture
+def horovod_store():
+    """Horovod's own HTTP key-value store, as horovodrun serves it: host:port."""
+    sources = Path(sys.prefix) / "share" / "horovod-0.28.1"
+    assert (sources / "horovod").is_dir(), f"Horovod's sources are missing in {sources}: make setup fetches them"
+    code = ("import sys\nfrom horovod.runner.http.http_server import RendezvousServer\n"
+            "s = RendezvousServer()\nprint(s.start(), flush=True)\nsys.stdin.read()\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], env={**BASE, "PYTHONPATH": str(sources)},
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        yield f"127.0.0.1:{int(proc.stdout.readline())}"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_horovodrun_environment_rank_0_publishes_its_rendezvous_in_horovods_store(horovod_store):
+    """What horovodrun --gloo sets: HOROVOD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE and its
+    store's HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT; no port of the job's is known in advance."""
+    token = secrets.token_hex(16)
+    addr, port = horovod_store.split(":")
+    outs = by_hand(2, lambda r: {"HOROVOD_RANK": str(r), "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": str(r),
+                                 "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_CONTROLLER": "gloo",
+                                 "HOROVOD_GLOO_RENDEZVOUS_ADDR": addr, "HOROVOD_GLOO_RENDEZVOUS_PORT": port,
+                                 "RDMATENSOR_TOKEN": token})
+    check_ranks(outs, 2)
+
+
+def test_a_rendezvous_in_horovods_store_not_signed_with_the_jobs_token_is_refused(horovod_store):
+    """The store has no authentication: what rank 0 publishes there is signed."""
+    with pytest.raises(PeerLost, match="did not publish its rendezvous"):
+        rendezvous._look_up(horovod_store, "a" * 32, 0.3)
+    rendezvous._publish(horovod_store, "127.0.0.1:1", "b" * 32, 5.0)
+    with pytest.raises(AuthenticationError, match="not signed with this job's token"):
+        rendezvous._look_up(horovod_store, "a" * 32, 5.0)
+    forged = json.dumps({"address": "127.0.0.1:2", "mac": rendezvous._signature("a" * 32, "127.0.0.1:1")})
+    urllib.request.urlopen(urllib.request.Request(f"http://{horovod_store}{rendezvous.STORE_KEY}",
+                                                  data=forged.encode(), method="PUT"), timeout=5).close()
+    with pytest.raises(AuthenticationError, match="not signed with this job's token"):
+        rendezvous._look_up(horovod_store, "a" * 32, 5.0)
+    rendezvous._publish(horovod_store, "127.0.0.1:3", "a" * 32, 5.0)
+    assert rendezvous._look_up(horovod_store, "a" * 32, 5.0) == "127.0.0.1:3"
+
+
 @pytest.mark.parametrize("env,message", [
     ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"},
      "no rendezvous address: set MASTER_ADDR and MASTER_PORT"),
     ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1"}, "rank 2 of 2"),
     ({"RANK": "x", "WORLD_SIZE": "2"}, "not integers"),
+    ({"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2", "HOROVOD_ELASTIC": "1", "HOROVOD_GLOO_RENDEZVOUS_ADDR": "h",
+      "HOROVOD_GLOO_RENDEZVOUS_PORT": "1"}, "horovodrun's elastic mode is not supported"),
 ])
 def test_a_launcher_environment_that_cannot_work_is_refused_saying_why(env, message):
     with pytest.raises(UsageError, match=re.escape(message)):
@@ -101,6 +152,10 @@ def test_each_launchers_variables_are_read_as_it_sets_them():
                                "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_STEP_NODELIST": "gpu[02-03]",
                                "SLURM_JOB_ID": "4242"}) == LauncherEnv("srun", 3, 4, 1, 2, "gpu02:29742")
     assert LauncherEnv.detect({"RANK": "0", "WORLD_SIZE": "2", "RDMATENSOR_RENDEZVOUS_ADDR": "h:7"}).address == "h:7"
+    assert LauncherEnv.detect({"HOROVOD_RANK": "1", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1",
+                               "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_GLOO_RENDEZVOUS_ADDR": "10.0.0.1",
+                               "HOROVOD_GLOO_RENDEZVOUS_PORT": "4567"}) == \
+        LauncherEnv("horovodrun", 1, 4, 1, 2, "", "10.0.0.1:4567")
 
 
 def test_without_the_token_a_rank_is_told_how_to_pass_it():

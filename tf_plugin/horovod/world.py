@@ -155,7 +155,7 @@ def _join_round():
 
 
 def _join_launcher(found: rendezvous.LauncherEnv, token: str | None, timeout: float | None):
-    """Started by torchrun, mpirun or srun: a port of its own, then every rank's
+    """Started by torchrun, mpirun, srun or horovodrun: a port of its own, then every rank's
     address through rank 0's rendezvous (rank, size and local rank are the launcher's)."""
     token = token or os.environ.get("RDMATENSOR_TOKEN")
     if not token:
@@ -163,7 +163,7 @@ def _join_launcher(found: rendezvous.LauncherEnv, token: str | None, timeout: fl
                          f"shared token (e.g. export RDMATENSOR_TOKEN=$(openssl rand -hex 16) and pass it on, "
                          f"mpirun -x RDMATENSOR_TOKEN)")
     os.environ.setdefault("RDMATENSOR_TOKEN", token)
-    reservation = PortReservation(rendezvous.route_to(found.address))
+    reservation = PortReservation(rendezvous.route_to(found.route))
     try:
         joined, server = rendezvous.join_launcher(found, reservation.port,
                                                   float(timeout or os.environ.get("RDMATENSOR_TIMEOUT", 120.0)))

@@ -4,9 +4,10 @@ with no port known in advance.
 Two users. An elastic job's launcher serves it (tf_plugin.launcher.elastic); a
 worker started under it has RDMATENSOR_RENDEZVOUS=host:port and
 RDMATENSOR_WORKER_ID in its environment. A job started by another launcher
-(torchrun, Open MPI's mpirun, Slurm's srun: see LauncherEnv) gives each rank
-only its rank, the job's size and one address: rank 0 serves the rendezvous
-there, every rank joins with worker id = its rank. Either way hvd.init() joins
+(torchrun, Open MPI's mpirun, Slurm's srun, horovodrun: see LauncherEnv) gives
+each rank only its rank, the job's size and one address: rank 0 serves the
+rendezvous there (under horovodrun, on a free port it publishes in horovodrun's
+own key-value store), every rank joins with worker id = its rank. Either way hvd.init() joins
 a round instead of reading TF_CONFIG, with a port it bound itself. One request
 per connection, one JSON line each way, every request carrying the job's token
 (compared in constant time):
@@ -25,6 +26,7 @@ not import TensorFlow.
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import os
@@ -32,6 +34,8 @@ import socket
 import socketserver
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 
 from rdmatensor import AuthenticationError, PeerLost, UsageError
@@ -221,19 +225,30 @@ class LauncherEnv:
     size: int
     local_rank: int
     local_size: int
-    address: str                       # host:port of rank 0's rendezvous
+    address: str                       # host:port of rank 0's rendezvous; "" when rank 0 publishes it in `store`
+    store: str = ""                    # host:port of horovodrun's key-value store
+
+    @property
+    def route(self) -> str:
+        """An address of the job's side of the network (for route_to)."""
+        return self.address or self.store
 
     @classmethod
     def detect(cls, env=None) -> "LauncherEnv | None":
-        """torchrun (and Kubernetes operators that set its variables), Open MPI's
-        mpirun, Slurm's srun; None outside them. The rendezvous address is
-        RDMATENSOR_RENDEZVOUS_ADDR (host:port), else MASTER_ADDR and MASTER_PORT,
-        else under Slurm the step's first node and RDMATENSOR_RENDEZVOUS_PORT
-        (default 29500 + SLURM_JOB_ID % 1000); under mpirun on one host, this
-        host and that port."""
+        """horovodrun (--gloo), torchrun (and Kubernetes operators that set its
+        variables), Open MPI's mpirun, Slurm's srun; None outside them. The
+        rendezvous address is RDMATENSOR_RENDEZVOUS_ADDR (host:port), else
+        MASTER_ADDR and MASTER_PORT, else under horovodrun a free port of rank 0
+        published in horovodrun's store (HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT), else
+        under Slurm the step's first node and RDMATENSOR_RENDEZVOUS_PORT (default
+        29500 + SLURM_JOB_ID % 1000); under mpirun on one host, this host and
+        that port."""
         env = os.environ if env is None else env
         found = None
-        if env.get("RANK") and env.get("WORLD_SIZE"):
+        if env.get("HOROVOD_RANK") and env.get("HOROVOD_SIZE"):
+            found = ("horovodrun", env["HOROVOD_RANK"], env["HOROVOD_SIZE"], env.get("HOROVOD_LOCAL_RANK", "0"),
+                     env.get("HOROVOD_LOCAL_SIZE"))
+        elif env.get("RANK") and env.get("WORLD_SIZE"):
             found = ("torchrun", env["RANK"], env["WORLD_SIZE"], env.get("LOCAL_RANK", "0"),
                      env.get("LOCAL_WORLD_SIZE"))
         elif env.get("OMPI_COMM_WORLD_RANK") and env.get("OMPI_COMM_WORLD_SIZE"):
@@ -253,7 +268,14 @@ class LauncherEnv:
         if not (0 <= rank < size and 0 <= local_rank < local_size):
             raise UsageError(f"{launcher}: rank {rank} of {size}, local rank {local_rank} of {local_size}: "
                              f"out of range")
-        return cls(launcher, rank, size, local_rank, local_size, _rendezvous_address(launcher, env))
+        if launcher == "horovodrun" and env.get("HOROVOD_ELASTIC") == "1":
+            raise UsageError("horovodrun's elastic mode is not supported: start an elastic job with rdmatensor-run "
+                             "--min-np/--max-np --host-discovery-script (horovodrun's flags)")
+        store = ""
+        if launcher == "horovodrun" and env.get("HOROVOD_GLOO_RENDEZVOUS_ADDR") and \
+                env.get("HOROVOD_GLOO_RENDEZVOUS_PORT"):
+            store = f"{env['HOROVOD_GLOO_RENDEZVOUS_ADDR']}:{env['HOROVOD_GLOO_RENDEZVOUS_PORT']}"
+        return cls(launcher, rank, size, local_rank, local_size, _rendezvous_address(launcher, env, store), store)
 
 
 def _slurm_local_size(env) -> str | None:
@@ -265,11 +287,13 @@ def _slurm_local_size(env) -> str | None:
     return str(expand_tasks_per_node(counts)[int(node)])
 
 
-def _rendezvous_address(launcher: str, env) -> str:
+def _rendezvous_address(launcher: str, env, store: str) -> str:
     if env.get("RDMATENSOR_RENDEZVOUS_ADDR"):
         return env["RDMATENSOR_RENDEZVOUS_ADDR"]
     if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
         return f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+    if store:
+        return ""                        # rank 0 publishes it there
     port = env.get("RDMATENSOR_RENDEZVOUS_PORT")
     if launcher == "srun":
         from .cluster import expand_hostlist
@@ -295,25 +319,79 @@ def route_to(address: str) -> str:
 
 
 def join_launcher(found: LauncherEnv, port: int, timeout: float) -> tuple[dict, Server | None]:
-    """Rank 0 serves the rendezvous at `found.address` (until the round formed);
-    every rank joins it with control port `port`."""
+    """Rank 0 serves the rendezvous at `found.address` (until the round formed),
+    or on a free port it publishes in `found.store`; every rank joins it with
+    control port `port`."""
     server = None
     token = os.environ.get("RDMATENSOR_TOKEN", "")
+    address = found.address
     if found.rank == 0:
-        bind_port = int(found.address.rsplit(":", 1)[1])
+        bind_port = int(address.rsplit(":", 1)[1]) if address else 0
         try:
             server = Server(Rounds(lambda: range(found.size)), token, join_timeout=timeout, port=bind_port)
         except OSError as exc:
             raise UsageError(f"rank 0 cannot serve the rendezvous on port {bind_port} ({found.launcher}): "
                              f"{exc}") from exc
     try:
-        joined = join(route_to(found.address), port, -1, timeout + 30.0, worker=found.rank,
-                      address=found.address)
+        if not address and server is not None:
+            address = f"{route_to(found.store)}:{server.port}"
+            _publish(found.store, address, token, timeout)
+        elif not address:
+            address = _look_up(found.store, token, timeout)
+        joined = join(route_to(address), port, -1, timeout + 30.0, worker=found.rank, address=address)
     except BaseException:
         if server is not None:
             server.close()
         raise
     return joined, server
+
+
+# horovodrun's store is plain HTTP, without authentication (PUT and GET of
+# /scope/key): what rank 0 puts there is signed with the job's token, so a
+# rank joins no rendezvous but its own job's.
+STORE_KEY = "/rdmatensor/rendezvous"
+
+
+def _signature(token: str, address: str) -> str:
+    return hmac.new(token.encode(), b"rdmatensor rendezvous " + address.encode(), hashlib.sha256).hexdigest()
+
+
+def _publish(store: str, address: str, token: str, timeout: float) -> None:
+    body = json.dumps({"address": address, "mac": _signature(token, address)}).encode()
+    request = urllib.request.Request(f"http://{store}{STORE_KEY}", data=body, method="PUT")
+    try:
+        with urllib.request.urlopen(request, timeout=min(timeout, 30.0)):
+            pass
+    except (OSError, urllib.error.URLError) as exc:
+        raise PeerLost(f"horovodrun's key-value store at {store} cannot be reached: {exc}") from exc
+
+
+def _look_up(store: str, token: str, timeout: float) -> str:
+    """Rank 0's rendezvous address, once it published it (the others wait for it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://{store}{STORE_KEY}", timeout=min(timeout, 30.0)) as reply:
+                body = reply.read(MAX_REQUEST)
+            break
+        except urllib.error.HTTPError as exc:
+            if exc.code != 404:
+                raise PeerLost(f"horovodrun's key-value store at {store} answered {exc.code}") from exc
+        except (OSError, urllib.error.URLError) as exc:
+            raise PeerLost(f"horovodrun's key-value store at {store} cannot be reached: {exc}") from exc
+        if time.monotonic() > deadline:
+            raise PeerLost(f"rank 0 did not publish its rendezvous in horovodrun's store at {store} within "
+                           f"{timeout:g} s")
+        time.sleep(0.1)
+    try:
+        entry = json.loads(body)
+        address, mac = str(entry["address"]), str(entry["mac"])
+    except (ValueError, TypeError, KeyError):
+        address, mac = "", ""
+    if not mac or not hmac.compare_digest(mac.encode(), _signature(token, address).encode()):
+        raise AuthenticationError(f"the rendezvous published in horovodrun's store at {store} is not signed with "
+                                  f"this job's token: give every rank the same RDMATENSOR_TOKEN")
+    return address
 
 
 def updated(number: int) -> bool:
