@@ -23,14 +23,16 @@ demo: setup
 
 # Real models on the host, 2 workers with 8 images each at 32x32, one table per
 # model, each from one run: the no-communication floor, rdmatensor over shm and
-# tcp, its gRPC baseline and TensorFlow's own strategy; JSON in docs/models/.
+# tcp, its gRPC baseline, TensorFlow's own strategy and real Horovod (gloo,
+# built by horovod-reference); JSON in docs/models/.
 BENCH_MODELS ?= resnet50 vgg16 densenet121 mobilenetv2 lm
 BENCH_STEPS ?= 30
-bench-models: setup
+BENCH_PROVIDERS ?= none,shm,tcp,grpc,tf-grpc,horovod
+bench-models: setup horovod-reference
 	mkdir -p docs/models
 	for m in $(BENCH_MODELS); do \
 	    $(PY) -m tf_plugin.training.launch --model $$m --workers 2 --batch 16 --steps $(BENCH_STEPS) \
-	        --provider none,shm,tcp,grpc,tf-grpc --json docs/models/$$m.json || exit 1; \
+	        --provider $(BENCH_PROVIDERS) --json docs/models/$$m.json || exit 1; \
 	done
 
 # Long runs without leaks: a two-worker training job (Horovod API, a small
@@ -60,7 +62,8 @@ demo-two-hosts: setup
 	         -x MASTER_ADDR=192.0.2.1 -x MASTER_PORT=29500 $(abspath $(PY)) examples/all_pairs.py'
 
 # Real Horovod 0.28.1 (TensorFlow ops, gloo, CPU) built into .venv-horovod
-# against the project's TensorFlow, to measure beside (about 5-8 minutes).
+# against the project's TensorFlow, to measure beside (about 3-8 minutes, once),
+# then horovodrun starting an rdmatensor job.
 horovod-reference: setup
 	bash scripts/horovod_reference.sh .venv-horovod
 

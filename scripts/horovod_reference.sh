@@ -32,15 +32,19 @@ purelib .venv/bin/python > "$(purelib "$venv/bin/python")/rdmatensor-project.pth
 "$venv/bin/python" -m pip install -q --upgrade pip setuptools wheel
 "$venv/bin/python" -m pip install -q cloudpickle psutil pyyaml packaging cffi
 
-src=$(mktemp -d)
-trap 'rm -rf "$src"' EXIT
-"$venv/bin/python" -m pip download -q --no-deps --no-binary :all: "horovod==$version" -d "$src"
-tar -xzf "$src/horovod-$version.tar.gz" -C "$src"
-sed -i '/xla_mpi_ops\.cc/d' "$src/horovod-$version/horovod/tensorflow/CMakeLists.txt"
-echo "horovod-reference: building Horovod $version (TensorFlow, gloo, CPU) into $venv"
-HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITH_GLOO=1 \
-  HOROVOD_WITHOUT_MPI=1 HOROVOD_CPU_OPERATIONS=gloo MAKEFLAGS="-j$(nproc)" \
-  "$venv/bin/python" -m pip install -q --no-build-isolation --use-pep517 "$src/horovod-$version"
+if "$venv/bin/python" -c "import horovod.tensorflow" 2>/dev/null && [ -x "$venv/bin/horovodrun" ]; then
+  echo "horovod-reference: Horovod $version is built in $venv"
+else
+  src=$(mktemp -d)
+  trap 'rm -rf "$src"' EXIT
+  "$venv/bin/python" -m pip download -q --no-deps --no-binary :all: "horovod==$version" -d "$src"
+  tar -xzf "$src/horovod-$version.tar.gz" -C "$src"
+  sed -i '/xla_mpi_ops\.cc/d' "$src/horovod-$version/horovod/tensorflow/CMakeLists.txt"
+  echo "horovod-reference: building Horovod $version (TensorFlow, gloo, CPU) into $venv"
+  HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITH_GLOO=1 \
+    HOROVOD_WITHOUT_MPI=1 HOROVOD_CPU_OPERATIONS=gloo MAKEFLAGS="-j$(nproc)" \
+    "$venv/bin/python" -m pip install -q --no-build-isolation --use-pep517 "$src/horovod-$version"
+fi
 "$venv/bin/horovodrun" --check-build
 # horovodrun as the launcher of an rdmatensor job: rank 0 publishes its
 # rendezvous in horovodrun's key-value store, and the two ranks all-reduce.

@@ -2,6 +2,7 @@
 side-by-side comparison (floor efficiency, ratio to TensorFlow's own) come out of
 real runs, including the real models' smallest members."""
 import json
+import os
 import subprocess
 import sys
 
@@ -27,10 +28,11 @@ def test_a_job_that_cannot_run_is_refused_naming_the_field(fields, message):
         JobConfig(**fields)
 
 
-def test_backends_are_the_providers_plus_tensorflow_and_the_floor():
+def test_backends_are_the_providers_plus_tensorflow_horovod_and_the_floor():
     from rdmatensor.providers import REGISTRY
-    assert set(BACKENDS) == {"auto", *REGISTRY, "tf-grpc", "none"}
-    assert BACKENDS["tf-grpc"].modes == ("allreduce",) and not BACKENDS["tf-grpc"].threads
+    assert set(BACKENDS) == {"auto", *REGISTRY, "tf-grpc", "horovod", "none"}
+    for name in ("tf-grpc", "horovod"):
+        assert BACKENDS[name].modes == ("allreduce",) and not BACKENDS[name].threads
     config = JobConfig(model="lm", batch=16, image_size=64)
     assert JobConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
     with pytest.raises(JobError, match="unknown job field"):
@@ -55,6 +57,17 @@ def test_summary_and_comparison_arithmetic():
     assert compare([shm, grpc])[0] == "grpc" and compare([shm, grpc])[1][0].ratio == pytest.approx(2.0)
     baseline, alone = compare([shm])
     assert baseline is None and alone[0].efficiency is None and alone[0].ratio is None
+    assert alone[0].vs_horovod is None
+    _, rows = compare([floor, shm, job("horovod", 200.0)])
+    assert [r.vs_horovod for r in rows] == [pytest.approx(2.0), pytest.approx(1.6), pytest.approx(1.0)]
+
+
+def test_horovod_without_its_build_is_refused_saying_how_to_build_it(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "tf_plugin.training.launch", "--provider", "shm,horovod"],
+                          env={**os.environ, "RDMATENSOR_HOROVOD_VENV": str(tmp_path / "none")},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "provider horovod needs real Horovod" in proc.stderr \
+        and "make horovod-reference" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_floor_beside_tcp_in_one_run(tmp_path, close_to_reference):

@@ -5,6 +5,7 @@ Backends:
     auto, verbs, shm, tcp, ...    rdmatensor's providers (rdmatensor.providers.REGISTRY, baselines
                                   such as grpc included), trained by runner.run_rank
     tf-grpc                       TensorFlow's own MultiWorkerMirroredStrategy (tf_baseline.py)
+    horovod                       real Horovod (gloo), started by its horovodrun (horovod_baseline.py)
     none                          the same ranks training with no communication at all: the
                                   compute floor every other backend is measured against
 
@@ -33,7 +34,7 @@ class JobError(ValueError):
 @dataclass(frozen=True)
 class Backend:
     name: str
-    kind: str                     # rdmatensor | tensorflow | none
+    kind: str                     # rdmatensor | tensorflow | horovod | none
     about: str
     modes: tuple[str, ...]
     entry: str                    # "module:function" running one rank: (cluster, JobConfig, token) -> RankResult
@@ -52,6 +53,9 @@ def _backends() -> dict[str, Backend]:
                               "tf_plugin.training.runner:run_rank")
     table["tf-grpc"] = Backend("tf-grpc", "tensorflow", "TensorFlow's own MultiWorkerMirroredStrategy (gRPC ring)",
                                ("allreduce",), "tf_plugin.training.tf_baseline:run_rank", threads=False)
+    table["horovod"] = Backend("horovod", "horovod", "real Horovod 0.28.1 (TensorFlow ops, gloo, CPU), "
+                               "started by horovodrun: make horovod-reference", ("allreduce",),
+                               "tf_plugin.training.horovod_baseline:run_rank", threads=False)
     table["none"] = Backend("none", "none", "no communication: the compute floor", MODES,
                             "tf_plugin.training.runner:run_rank")
     return table
@@ -269,15 +273,19 @@ class Row:
     summary: Summary
     efficiency: float | None      # floor (none) median step time / this median step time
     ratio: float | None           # this steps/s over the baseline's
+    vs_horovod: float | None = None   # this steps/s over real Horovod's, when it ran
 
 
 def compare(summaries: list[Summary]) -> tuple[str | None, list[Row]]:
-    """Rows side by side: the scaling efficiency against `none` (when it ran) and
+    """Rows side by side: the scaling efficiency against `none` (when it ran),
     steps/s over the baseline: TensorFlow's own strategy (tf-grpc), else
-    rdmatensor's gRPC baseline, whichever ran in the same run."""
+    rdmatensor's gRPC baseline, whichever ran in the same run; and steps/s over
+    real Horovod's, when it ran."""
     by = {s.provider: s for s in summaries}
     floor = by.get("none")
     baseline = next((b for b in ("tf-grpc", "grpc") if b in by), None)
     base = by[baseline].steps_per_s if baseline else 0.0
+    horovod = by["horovod"].steps_per_s if "horovod" in by else 0.0
     return baseline, [Row(s.provider, s, floor.median_step_ms / s.median_step_ms if floor and s.median_step_ms
-                          else None, s.steps_per_s / base if base else None) for s in summaries]
+                          else None, s.steps_per_s / base if base else None,
+                          s.steps_per_s / horovod if horovod else None) for s in summaries]

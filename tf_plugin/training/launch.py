@@ -20,12 +20,14 @@ Transformer language model with a sparse embedding gradient). --batch is the
 global batch, split evenly over the workers.
 
 --provider takes auto, verbs, shm, tcp, grpc (rdmatensor's gRPC baseline),
-tf-grpc (TensorFlow's own MultiWorkerMirroredStrategy, tf_baseline.py) or
-none (the same ranks training with no communication: the compute floor), or
-a comma-separated list of them: the jobs run one after the other and a
-table compares them: the scaling efficiency (the floor's median step time
-over each one's, when none is in the list) and steps/s as a ratio to
-TensorFlow's own (when tf-grpc is in the list).
+tf-grpc (TensorFlow's own MultiWorkerMirroredStrategy, tf_baseline.py),
+horovod (real Horovod, gloo, started by its horovodrun: horovod_baseline.py;
+`make horovod-reference` builds it) or none (the same ranks training with no
+communication: the compute floor), or a comma-separated list of them: the
+jobs run one after the other and a table compares them: the scaling
+efficiency (the floor's median step time over each one's, when none is in
+the list) and steps/s as a ratio to TensorFlow's own (when tf-grpc is in the
+list) and to Horovod's (when horovod is).
 
 --softroce-vm re-runs the command inside `rdmatensor softroce vm` (all ranks
 in one VM, real SoftRoCE); that happens by itself when verbs is asked for and
@@ -86,6 +88,9 @@ def parse(argv=None) -> argparse.Namespace:
 
 def config_of(args, provider: str) -> JobConfig:
     threads = args.threads and provider in BACKENDS and BACKENDS[provider].threads
+    if provider == "horovod":
+        from .horovod_baseline import horovodrun
+        horovodrun()                       # built, or a JobError saying how
     return JobConfig(mode=args.mode, model=args.model, provider=provider, workers=args.workers,
                      ps=args.ps if args.mode == "ps" else 0, steps=args.steps, seed=args.seed, batch=args.batch,
                      lr=args.lr, in_graph=not threads, fusion=not args.no_fusion, image_size=args.image_size)
@@ -145,12 +150,29 @@ def run_processes(config: JobConfig, timeout: float) -> list[RankResult]:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         log = Path(tmp, "ranks.log")
         with open(log, "wb") as f:
-            status = launch(command, config.workers, ps=config.ps, timeout=timeout, stdout=f, stderr=f)
+            if config.backend.kind == "horovod":
+                status = _horovodrun(config, tmp, timeout, f)
+            else:
+                status = launch(command, config.workers, ps=config.ps, timeout=timeout, stdout=f, stderr=f)
         if status:
             tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
             raise RuntimeError(f"the {config.provider} job failed (exit status {status}):\n{tail}")
         return [RankResult.from_dict(json.loads(Path(tmp, f"rank{r}.json").read_text()))
                 for r in range(config.workers + config.ps)]
+
+
+def _horovodrun(config: JobConfig, out: str, timeout: float, log) -> int:
+    """Real Horovod's ranks, started by its own horovodrun, with the threads per rank
+    rdmatensor-run gives (cores // ranks) and the project importable."""
+    from ..launcher.cores import INTRA_OP, usable_cores
+    from .horovod_baseline import ROOT, command
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env.setdefault(INTRA_OP, str(max(1, usable_cores() // config.workers)))
+    try:
+        return subprocess.run(command(json.dumps(config.to_dict()), out, config.workers), env=env, cwd=ROOT,
+                              stdout=log, stderr=log, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        return 124
 
 
 def run_job(args, config: JobConfig) -> tuple[Summary, list[RankResult]]:
@@ -201,22 +223,27 @@ def comparison(summaries: list[Summary], out=None) -> dict:
     out = out or sys.stdout
     baseline, rows = compare(summaries)
     vs = f"vs {baseline}" if baseline else "ratio"
+    horovod = any(row.vs_horovod is not None for row in rows)
     print(f"\n{'provider':10} {'steps/s':>8} {'median ms':>10} {'efficiency':>10} {vs:>10} "
-          f"{'MB/step':>9} {'copies/step':>11} {'comm ms':>8} {'overlap':>7}  final loss", file=out)
+          + (f"{'vs horovod':>10} " if horovod else "")
+          + f"{'MB/step':>9} {'copies/step':>11} {'comm ms':>8} {'overlap':>7}  final loss", file=out)
     for row in rows:
         s = row.summary
         mb = None if s.bytes_per_step is None else s.bytes_per_step / 1e6
         eff = _pct(row.efficiency)
         ratio = "n/a" if row.ratio is None else f"{row.ratio:.2f}x"
         print(f"{row.provider:10} {s.steps_per_s:8.2f} {s.median_step_ms:10.1f} {eff:>10} {ratio:>10} "
-              f"{_fmt(mb, '.2f'):>9} {_fmt(s.copies_per_step, '.1f'):>11} "
+              + (f"{row.vs_horovod:9.2f}x " if horovod else "")
+              + f"{_fmt(mb, '.2f'):>9} {_fmt(s.copies_per_step, '.1f'):>11} "
               f"{_fmt(s.comm_ms_per_step, '.1f'):>8} {_pct(s.overlap):>7}  {_fmt(s.final_loss, '.6f')}", file=out)
     print("(efficiency: the no-communication floor's median step time over this one's, when none ran; "
           f"{vs}: steps/s over {BASELINES.get(baseline, 'a baseline (tf-grpc or grpc) in the same run')}; "
-          "comm: ms per step per worker; overlap: share of the rings' time while backprop still ran)",
+          + ("vs horovod: steps/s over real Horovod's (gloo); " if horovod else "")
+          + "comm: ms per step per worker; overlap: share of the rings' time while backprop still ran)",
           file=out, flush=True)
     return {"baseline": baseline,
             "ratios": {r.provider: r.ratio for r in rows},
+            "vs_horovod": {r.provider: r.vs_horovod for r in rows} if horovod else None,
             "efficiency": {r.provider: r.efficiency for r in rows}}
 
 

@@ -167,7 +167,8 @@ def run_threads(config: JobConfig, join_timeout: float = 600.0) -> list[RankResu
 
 
 def main(argv=None) -> int:
-    """One launched rank: cluster from TF_CONFIG, token from RDMATENSOR_TOKEN;
+    """One launched rank: cluster from TF_CONFIG (under horovodrun, HOROVOD_RANK/SIZE),
+    token from RDMATENSOR_TOKEN;
     writes its RankResult as JSON to OUT/rank<rank>.json."""
     import argparse
     import json
@@ -181,7 +182,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     config = JobConfig.from_dict(json.loads(args.config))
-    cluster = Cluster.from_tf_config()
+    if os.environ.get("TF_CONFIG") or "HOROVOD_RANK" not in os.environ:
+        cluster = Cluster.from_tf_config()
+    else:                                   # started by horovodrun (the horovod baseline): no addresses needed
+        cluster = Cluster(("-",) * int(os.environ["HOROVOD_SIZE"]), task_index=int(os.environ["HOROVOD_RANK"]))
     result = BACKENDS[config.provider].run_rank(cluster, config)
     Path(args.out, f"rank{cluster.rank}.json").write_text(json.dumps(result.to_dict()))
     return 0
