@@ -2,7 +2,8 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo demo-two-hosts test test-host test-rdma clean proto bench bench-models soak horovod-reference
+.PHONY: setup demo demo-two-hosts test test-host test-rdma clean proto bench bench-models bench-hierarchical soak \
+	horovod-reference
 
 setup:
 	@bash scripts/setup.sh $(VENV)
@@ -34,6 +35,17 @@ bench-models: setup horovod-reference
 	    $(PY) -m tf_plugin.training.launch --model $$m --workers 2 --batch 16 --steps $(BENCH_STEPS) \
 	        --provider $(BENCH_PROVIDERS) --json docs/models/$$m.json || exit 1; \
 	done
+
+# The flat ring against the hierarchical all-reduce, side by side in one job
+# of 4 ranks on 2 hosts (Horovod API): on this host with loopback addresses as
+# hosts over shm, then tcp (uniform links: the steps alone); then on two
+# SoftRoCE VMs over ssh, shm beside and verbs across (about 6 minutes).
+bench-hierarchical: setup
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m bench.hierarchical local --provider shm
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m bench.hierarchical local --provider tcp
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m rdmatensor softroce vm --hosts 2 --ssh --timeout 1400 -- sh -c \
+	    '$(PY) -m tf_plugin.launcher.run -np 4 -H 192.0.2.1:2,192.0.2.2:2 -x TF_CPP_MIN_LOG_LEVEL \
+	         $(PY) -m bench.hierarchical job --sizes 1K,64K,1M,4M --rounds 5 --calls 5'
 
 # Long runs without leaks: a two-worker training job (Horovod API, a small
 # model) for SOAK_STEPS steps per provider, every rank sampling its RSS,

@@ -1,11 +1,12 @@
-"""The ring over 2 and 3 ranks (ranks as threads, real shm sessions): sums and averages as
-numpy computes them, bit-identical on every rank, whether the buckets run on the
+"""The ring over 2 and 3 ranks, and the hierarchical all-reduce over 4 and 6 ranks on
+2 or 3 hosts (ranks as threads, real shm sessions): sums and averages as numpy
+computes them, bit-identical on every rank, whether the buckets run on the
 communication thread (launch/collect) or in lockstep on the caller's (allreduce_arrays)."""
 import numpy as np
 import pytest
 
 from rdmatensor import Plan
-from tf_plugin.engine.analyzer import Analysis, VarInfo, buckets_of, ring_specs
+from tf_plugin.engine.analyzer import Analysis, Hierarchy, VarInfo, buckets_of, hierarchical_specs, ring_specs
 
 from ..support.ranks import check, run_ranks
 
@@ -18,9 +19,12 @@ VARIABLES = [VarInfo("w", (7, 5), np.dtype(np.float32), False, {}),
              VarInfo("count", (11,), np.dtype(np.int64), False, {})]
 
 
-def analysis(n: int, average: bool = True) -> Analysis:
+def analysis(n: int, hosts=None) -> Analysis:
     buckets = buckets_of(VARIABLES, fusion=True, threshold=4096)
-    return Analysis(Plan([s for s, _ in ring_specs(buckets, n)]), "allreduce", n, 0, VARIABLES, buckets=buckets)
+    hierarchy = Hierarchy.of(hosts) if hosts else None
+    assert (hierarchy is None) == (hosts is None)
+    specs = hierarchical_specs(buckets, hierarchy) if hierarchy else ring_specs(buckets, n)
+    return Analysis(Plan([s for s, _ in specs]), "allreduce", n, 0, VARIABLES, buckets=buckets, hierarchy=hierarchy)
 
 
 def values(rank: int, step: int) -> list[np.ndarray]:
@@ -29,11 +33,11 @@ def values(rank: int, step: int) -> list[np.ndarray]:
             else rng.integers(-50, 50, v.shape).astype(v.dtype) for v in VARIABLES]
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n,hosts", [(2, None), (3, None), (4, "aabb"), (6, "abcabc")])
 @pytest.mark.parametrize("average", [True, False])
-def test_ring_sums_and_averages_on_every_rank(n, average):
+def test_ring_sums_and_averages_on_every_rank(n, hosts, average):
     from tf_plugin.engine.ring import RingAllReduce
-    a = analysis(n)
+    a = analysis(n, list(hosts) if hosts else None)
     assert [[m[0] for m in b.members] for b in a.buckets] == [["count"], ["big"], ["b", "w"]]
     keys = [v.key for v in VARIABLES]
 
@@ -67,3 +71,27 @@ def test_ring_sums_and_averages_on_every_rank(n, average):
                 assert results[r][step][t].shape == v.shape and results[r][step][t].dtype == v.dtype
                 assert results[r][step][t].tobytes() == results[0][step][t].tobytes()     # bit-identical
                 np.testing.assert_allclose(results[r][step][t], want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_hierarchy_needs_several_hosts_with_the_same_number_of_ranks_each():
+    assert Hierarchy.of(list("aaaa")) is None and Hierarchy.of(list("abcd")) is None
+    assert Hierarchy.of(list("aabbb")) is None
+    h = Hierarchy.of(list("abab"))
+    assert h.hosts == ((0, 2), (1, 3)) and h.local(3) == (1, 3) and h.cross(3) == (2, 3)
+
+
+def test_the_hierarchical_all_reduce_crosses_hosts_in_fewer_steps_and_bytes():
+    """4 ranks on 2 hosts: the flat ring's boundary ranks write across hosts at each
+    of its 2(N-1) steps; the hierarchy's cross-host ring has 2(H-1) steps, and
+    moves a third less across hosts."""
+    hosts = list("aabb")
+    buckets = buckets_of(VARIABLES, fusion=True, threshold=4096)
+
+    def across(specs):
+        crossing = [s for s, _ in specs if hosts[s.src] != hosts[s.dst]]
+        steps = {s.name.rsplit("/", 2)[-2] for s in crossing}       # phase and step of each write
+        return len(steps), sum(s.nbytes for s in crossing)
+    flat_steps, flat_bytes = across(ring_specs(buckets, 4))
+    tree_steps, tree_bytes = across(hierarchical_specs(buckets, Hierarchy.of(hosts)))
+    assert (flat_steps, tree_steps) == (6, 2)
+    assert tree_bytes == pytest.approx(flat_bytes * 2 / 3, rel=0.01)

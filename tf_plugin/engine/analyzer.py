@@ -142,14 +142,68 @@ def ring_specs(buckets, ranks: int) -> list[tuple[TensorSpec, str]]:
     what it is: per bucket, phase (reduce-scatter, all-gather), step and rank."""
     out = []
     for b in buckets:
-        bounds = ring_bounds(b.size, ranks)
         what = f"{len(b.members)} gradients" if len(b.members) > 1 else "gradient"
-        for phase in ("rs", "ag"):
-            for s in range(ranks - 1):
-                for r in range(ranks):
-                    lo, hi = bounds[ring_chunk(phase, s, r, ranks)]
-                    out.append((TensorSpec(ring_name(b.key, phase, s, r), (hi - lo,), b.dtype, r, (r + 1) % ranks),
-                                f"ring chunk, {what} ({'reduce-scatter' if phase == 'rs' else 'all-gather'})"))
+        out += group_specs(b.key, b.size, b.dtype, tuple(range(ranks)), f"ring chunk, {what}")
+    return out
+
+
+@dataclass(frozen=True)
+class Hierarchy:
+    """Ranks grouped by host, for the hierarchical all-reduce (as Horovod's
+    HOROVOD_HIERARCHICAL_ALLREDUCE): reduce-scatter among the ranks of each host,
+    all-reduce of each rank's chunk among the ranks at the same local position on
+    every host, all-gather among the ranks of each host. Only 2(H-1) of its
+    steps cross hosts, against 2(N-1) for the flat ring."""
+    hosts: tuple[tuple[int, ...], ...]      # per host (in order of its first rank), its ranks in order
+
+    @classmethod
+    def of(cls, hosts: list[str]) -> "Hierarchy | None":
+        """The hierarchy of ranks on `hosts` (one host per rank), or None when it is
+        the flat ring: one host, one rank per host, or hosts with different counts."""
+        groups: dict[str, list[int]] = {}
+        for rank, host in enumerate(hosts):
+            groups.setdefault(host, []).append(rank)
+        sizes = {len(g) for g in groups.values()}
+        if len(groups) < 2 or len(sizes) != 1 or sizes == {1}:
+            return None
+        return cls(tuple(tuple(g) for g in groups.values()))
+
+    def local(self, rank: int) -> tuple[int, ...]:
+        return next(g for g in self.hosts if rank in g)
+
+    def cross(self, rank: int) -> tuple[int, ...]:
+        position = self.local(rank).index(rank)
+        return tuple(g[position] for g in self.hosts)
+
+
+def hierarchical_specs(buckets, hierarchy: Hierarchy) -> list[tuple[TensorSpec, str]]:
+    """Every chunk the hierarchical all-reduce of `buckets` writes: each host's
+    ring (its own names, /local) over the whole bucket, then the ring of the ranks
+    at each local position (/cross) over the chunk that position holds."""
+    out = []
+    local_size = len(hierarchy.hosts[0])
+    for b in buckets:
+        what = f"{len(b.members)} gradients" if len(b.members) > 1 else "gradient"
+        for host in hierarchy.hosts:
+            out += group_specs(f"{b.key}/local", b.size, b.dtype, host, f"host ring, {what}")
+        for position in range(local_size):
+            lo, hi = ring_bounds(b.size, local_size)[(position + 1) % local_size]
+            out += group_specs(f"{b.key}/cross", hi - lo, b.dtype, tuple(g[position] for g in hierarchy.hosts),
+                               f"cross-host ring, {what}")
+    return out
+
+
+def group_specs(key: str, size: int, dtype, group, what: str) -> list[tuple[TensorSpec, str]]:
+    """The chunks of one ring over `group` (global ranks in ring order) reducing
+    `size` elements: named by the sending rank, as ring_specs names them."""
+    n, out = len(group), []
+    bounds = ring_bounds(size, n)
+    for phase in ("rs", "ag"):
+        for s in range(n - 1):
+            for p, r in enumerate(group):
+                lo, hi = bounds[ring_chunk(phase, s, p, n)]
+                out.append((TensorSpec(ring_name(key, phase, s, r), (hi - lo,), dtype, r, group[(p + 1) % n]),
+                            f"{what} ({'reduce-scatter' if phase == 'rs' else 'all-gather'})"))
     return out
 
 
@@ -184,6 +238,7 @@ class Analysis:
     once: set = field(default_factory=set)            # names moved once at setup, not every step
     optimizer_bytes: int = 0
     buckets: list = field(default_factory=list)      # allreduce: what each ring reduces
+    hierarchy: Hierarchy | None = None               # allreduce: hierarchical (hierarchical_specs), else flat
 
     def static_bytes_per_step(self, rank: int | None = None, direction: str = "src") -> int:
         return sum(s.nbytes for s in self.plan.specs.values()

@@ -117,33 +117,51 @@ class RingAllReduce:
 
     def _ring(self, keys: list, flats: list, outs: list, divide: list, tag: int = 0) -> list[np.ndarray]:
         """Sum the flat arrays over the ranks into `outs` (divided by N where
-        `divide` says so). The last reduce-scatter step adds straight into this
-        rank's chunk of the output, which the all-gather then sends from; every
-        other chunk of the output is copied once out of its receive slot."""
-        s, n, r = self.session, self.size, self.rank
-
-        def finish(chunk):                 # this rank's fully summed chunk, in place
-            if chunk.dtype.kind in "fc":       # as Horovod: in the chunk's precision (float32 for float16)
-                np.multiply(chunk, (np.float32 if chunk.dtype == np.float16 else chunk.dtype.type)(1.0 / n),
-                            out=chunk, casting="same_kind")
-            else:                          # integers as Horovod: scaled in float64, truncated back
-                np.copyto(chunk, np.trunc(chunk * (1.0 / n)), casting="unsafe")
-
-        live = [i for i, f in enumerate(flats) if f.size]
-        if n == 1:
+        `divide` says so): one ring over every rank, or with a hierarchy, the
+        ring of this host, the ring across hosts, and this host's ring again."""
+        if self.size == 1:
             for f, o in zip(flats, outs, strict=False):
                 np.copyto(o, f)
             return outs
+        hierarchy = self.analysis.hierarchy
+        if hierarchy is None:
+            group = tuple(range(self.size))
+            self._all_gather(group, keys, outs, self._reduce_scatter(group, keys, flats, outs, divide, tag), tag)
+            return outs
+        local, cross = hierarchy.local(self.rank), hierarchy.cross(self.rank)
+        lkeys, xkeys = [f"{k}/local" for k in keys], [f"{k}/cross" for k in keys]
+        # this host's sum of one chunk lands in the output, whose chunk the ranks across hosts then all-reduce in place
+        held = self._reduce_scatter(local, lkeys, flats, outs, [False] * len(flats), tag)
+        chunks = [held.get(i, o[:0]) for i, o in enumerate(outs)]
+        self._all_gather(cross, xkeys, chunks, self._reduce_scatter(cross, xkeys, chunks, chunks, divide, tag), tag)
+        self._all_gather(local, lkeys, outs, held, tag)
+        return outs
+
+    def _reduce_scatter(self, group, keys: list, flats: list, outs: list, divide: list, tag: int) -> dict:
+        """The reduce-scatter of a ring over `group` (global ranks in ring order):
+        returns, per live array, this rank's complete chunk, in its output. The
+        last step adds straight into that chunk of the output; a partial sum
+        lands where the next write leaves from."""
+        s, n, me = self.session, len(group), self.rank
+        p, left = group.index(me), group[group.index(me) - 1]
+        live = [i for i, f in enumerate(flats) if f.size]
         bounds = {i: [slice(lo, hi) for lo, hi in ring_bounds(flats[i].size, n)] for i in live}
-        left = (r - 1) % n
-        outgoing = {i: flats[i][bounds[i][ring_chunk("rs", 0, r, n)]] for i in live}
-        for step in range(n - 1):                                   # reduce-scatter
-            s.send_many([(ring_name(keys[i], "rs", step, r), outgoing[i]) for i in live], tag=tag)
-            c = ring_chunk("rs", step, r, n, receiving=True)        # the last step: chunk r + 1, complete
+        scale = self.size
+
+        def finish(chunk):                 # this rank's fully summed chunk, in place
+            if chunk.dtype.kind in "fc":       # as Horovod: in the chunk's precision (float32 for float16)
+                np.multiply(chunk, (np.float32 if chunk.dtype == np.float16 else chunk.dtype.type)(1.0 / scale),
+                            out=chunk, casting="same_kind")
+            else:                          # integers as Horovod: scaled in float64, truncated back
+                np.copyto(chunk, np.trunc(chunk * (1.0 / scale)), casting="unsafe")
+
+        outgoing = {i: flats[i][bounds[i][ring_chunk("rs", 0, p, n)]] for i in live}
+        for step in range(n - 1):
+            s.send_many([(ring_name(keys[i], "rs", step, me), outgoing[i]) for i in live], tag=tag)
+            c = ring_chunk("rs", step, p, n, receiving=True)        # the last step: chunk p + 1, complete
             for i in live:
                 last = step == n - 2
-                # a partial sum lands where the next write leaves from; the complete one in the output
-                dst = outs[i][bounds[i][c]] if last else s.buffer(ring_name(keys[i], "rs", step + 1, r))
+                dst = outs[i][bounds[i][c]] if last else s.buffer(ring_name(keys[i], "rs", step + 1, me))
                 with s.recv(ring_name(keys[i], "rs", step, left), tag=tag) as chunk:
                     if last and divide[i]:         # block by block: divided while still in cache
                         for lo in range(0, dst.size, BLOCK):
@@ -153,15 +171,25 @@ class RingAllReduce:
                     else:
                         self.combine(flats[i][bounds[i][c]], chunk, out=dst)
                 outgoing[i] = dst
-        for step in range(n - 1):                                   # all-gather
-            s.send_many([(ring_name(keys[i], "ag", step, r), outgoing[i]) for i in live], tag=tag)
-            c = ring_chunk("ag", step, r, n, receiving=True)
+        return outgoing
+
+    def _all_gather(self, group, keys: list, outs: list, held: dict, tag: int) -> None:
+        """The all-gather of a ring over `group`, from this rank's complete chunks
+        (`held`, in the outputs): every other chunk is copied once out of its
+        receive slot into the output, and forwarded from there."""
+        s, n, me = self.session, len(group), self.rank
+        p, left = group.index(me), group[group.index(me) - 1]
+        live = sorted(held)
+        bounds = {i: [slice(lo, hi) for lo, hi in ring_bounds(outs[i].size, n)] for i in live}
+        outgoing = dict(held)
+        for step in range(n - 1):
+            s.send_many([(ring_name(keys[i], "ag", step, me), outgoing[i]) for i in live], tag=tag)
+            c = ring_chunk("ag", step, p, n, receiving=True)
             for i in live:
                 dst = outs[i][bounds[i][c]]
                 with s.recv(ring_name(keys[i], "ag", step, left), tag=tag) as chunk:
                     np.copyto(dst, chunk)
                 outgoing[i] = dst                  # forwarded next step (N > 2) from the output itself
-        return outs
 
     def launch(self, j: int, arrays: list) -> None:
         """Hand bucket j's gradients to the communication thread (in a graph: see RingGradientTape)."""
