@@ -1,0 +1,16 @@
+"""bench.models_table: the README's table of real models, from bench-models' JSON."""
+import json
+
+from bench.models_table import table
+
+
+def test_a_row_per_run_with_shares_and_ratios_and_dashes_for_what_did_not_run(tmp_path):
+    def job(provider, steps_per_s):
+        return {"config": {"provider": provider, "model": "resnet50"},
+                "summary": {"steps_per_s": steps_per_s, "median_step_ms": 1000.0 / steps_per_s}}
+    path = tmp_path / "resnet50.json"
+    path.write_text(json.dumps({"jobs": [job("none", 5.0), job("shm", 4.0), job("tf-grpc", 1.6),
+                                         job("horovod", 2.5)]}))
+    lines = table([str(path)]).splitlines()
+    assert lines[0].startswith("| model | floor | rdmatensor shm |") and len(lines) == 3
+    assert lines[2] == "| ResNet50 | 5 | 4 | – | – | 1.6 | 2.5 | 80% | 2.50x | 1.60x |"
