@@ -19,7 +19,7 @@ COLUMNS = [("none", "floor"), ("shm", "rdmatensor shm"), ("tcp", "rdmatensor tcp
 
 
 def _steps(value: float) -> str:
-    return f"{value:.3g}" if value < 100 else f"{value:.0f}"
+    return f"{value:.2f}" if value < 10 else f"{value:.1f}" if value < 100 else f"{value:.0f}"
 
 
 def row(doc: dict) -> list[str]:

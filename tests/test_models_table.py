@@ -13,4 +13,4 @@ def test_a_row_per_run_with_shares_and_ratios_and_dashes_for_what_did_not_run(tm
                                          job("horovod", 2.5)]}))
     lines = table([str(path)]).splitlines()
     assert lines[0].startswith("| model | floor | rdmatensor shm |") and len(lines) == 3
-    assert lines[2] == "| ResNet50 | 5 | 4 | – | – | 1.6 | 2.5 | 80% | 2.50x | 1.60x |"
+    assert lines[2] == "| ResNet50 | 5.00 | 4.00 | – | – | 1.60 | 2.50 | 80% | 2.50x | 1.60x |"
