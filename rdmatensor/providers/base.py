@@ -95,6 +95,11 @@ class Channel(ABC):
     def params(self) -> dict:
         """What the peer needs to connect to this side."""
 
+    def accept_peer(self, peer_params: dict) -> None:
+        """Refuse a peer this provider cannot serve, from its parameters, before
+        any of its regions is opened (TransportError saying why). Default: any."""
+        return None
+
     @abstractmethod
     def connect(self, peer_params: dict, initiator: bool, timeout: float) -> None:
         """Join the peer; return when writes in both directions can flow."""

@@ -65,9 +65,18 @@ class ShmChannel(StreamChannel):
     def _address(self) -> dict:
         return {"path": self._path.encode().hex(), "host_id": host_id(), "ring": self._ring_in.name}
 
-    def _dial(self, params: dict, timeout: float) -> socket.socket:
-        if params.get("host_id") != host_id():
+    def accept_peer(self, peer_params: dict) -> None:
+        theirs = str(peer_params.get("host_id") or "")
+        if theirs != host_id():
+            if theirs.split(":", 1)[0] == host_id().split(":", 1)[0]:          # same boot: same host
+                raise TransportError(f"peer {self.peer} runs on this host but in another PID namespace (another "
+                                     f"container): shm opens the peer's memory through /proc/<pid>, so both need one "
+                                     f"PID namespace (docker run --pid=host, shareProcessNamespace in a Kubernetes "
+                                     f"pod), or set RDMATENSOR_PROVIDER=tcp")
             raise TransportError(f"peer {self.peer} is on another host: shm needs both on one host")
+
+    def _dial(self, params: dict, timeout: float) -> socket.socket:
+        self.accept_peer(params)
         deadline = time.monotonic() + timeout
         path = bytes.fromhex(params["path"]).decode()
         while True:

@@ -109,6 +109,7 @@ class Exchange:
                              wait_for_ready=True)
             if ch is None:
                 continue
+            ch.accept_peer(params_dict(reply.channel))
             for region in reply.regions:
                 ch.attach(region_dict(region))
             ch.connect(params_dict(reply.channel), initiator=True, timeout=max(1.0, deadline - time.monotonic()))
@@ -152,6 +153,12 @@ class Exchange:
         if ch is None:                       # the coordinator, for the pair credential alone
             self._events[peer].set()
             return pb.ExchangeReply()
+        try:
+            ch.accept_peer(params_dict(request.channel))
+        except RdmaTensorError as exc:
+            self.live.fail(exc)
+            raise BadRequest(f"rank {ctx.rank} cannot serve rank {peer} over {ctx.provider_name(peer)}: {exc}",
+                             peer=peer) from exc
         try:
             for region in request.regions:
                 ch.attach(region_dict(region))

@@ -719,6 +719,9 @@ def _hostile_replies(provider: str, tmp_path):
     cases = [
         ("other host", pb.ExchangeReply(channel=pb.ChannelParams(provider="shm", path="00", host_id="elsewhere",
                                                                  key=good_key)), "TransportError"),
+        ("same host, another PID namespace", pb.ExchangeReply(channel=pb.ChannelParams(
+            provider="shm", path="00", host_id=host_id().split(":", 1)[0] + ":pid:[1]", key=good_key)),
+         "TransportError"),
         ("path not hex", pb.ExchangeReply(channel=pb.ChannelParams(provider="shm", path="xyz", host_id=host_id(),
                                                                    key=good_key)), "TransportError"),
         ("no such process", pb.ExchangeReply(channel=ch, regions=[region(f"rdmatensor-{'0' * 24}:4000000000:3")]),

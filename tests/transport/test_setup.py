@@ -127,3 +127,38 @@ def test_setup_gives_up_when_its_abort_hook_raises_not_at_the_timeout(rank):
     with pytest.raises(PeerLost, match="the job lost the other rank"):
         connect(rank, peers, plan, provider="tcp", token=TOKEN, timeout=60.0, abort=abort)
     assert time.monotonic() - t0 < 3.0
+
+
+PIDNS_RANK = """
+import sys, numpy as np
+from rdmatensor import Plan, TensorSpec, connect
+rank, port0, port1 = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+plan = Plan([TensorSpec("t", (4,), np.float32, 0, 1)])
+try:
+    with connect(rank, {0: "127.0.0.1:" + port0, 1: "127.0.0.1:" + port1}, plan, provider="auto",
+                 token="p" * 32, timeout=30) as s:
+        print("connected")
+except Exception as e:
+    print(type(e).__name__ + ": " + str(e))
+"""
+
+
+def test_a_peer_on_this_host_in_another_pid_namespace_is_refused_at_once_saying_what_to_do():
+    """Two containers sharing the host's network: auto picks shm, whose segments open
+    through /proc/<pid>, which the other namespace cannot see. Both ranks fail at the
+    Exchange, naming the cause and the way out, before any segment is opened."""
+    import sys
+    import time
+
+    from ..support.ranks import free_ports
+    ports = [str(p) for p in free_ports(2)]
+    t0 = time.monotonic()
+    procs = [subprocess.Popen([*(["unshare", "--pid", "--fork"] if r else []), sys.executable, "-c", PIDNS_RANK,
+                               str(r), *ports], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    outs = [p.communicate(timeout=60)[0] for p in procs]
+    assert time.monotonic() - t0 < 25, outs                    # not the 30 s setup timeout
+    assert outs[0].strip().splitlines()[-1].startswith("BadRequest: rank 1 cannot serve rank 0 over shm: "), outs
+    assert outs[1].strip().splitlines()[-1].startswith("TransportError: peer 0 runs on this host but in another "
+                                                       "PID namespace"), outs
+    assert "RDMATENSOR_PROVIDER=tcp" in outs[0] and "ForeignSegment" not in "".join(outs)
