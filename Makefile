@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 
 .PHONY: setup demo demo-two-hosts test test-host test-rdma clean proto bench bench-models bench-hierarchical soak \
-	horovod-reference
+	horovod-reference horovodrun-two-hosts
 
 setup:
 	@bash scripts/setup.sh $(VENV)
@@ -78,6 +78,16 @@ demo-two-hosts: setup
 # then horovodrun starting an rdmatensor job.
 horovod-reference: setup
 	bash scripts/horovod_reference.sh .venv-horovod
+
+# Real horovodrun (built by horovod-reference) starting an rdmatensor job over
+# ssh on two SoftRoCE VMs, 2 ranks each: rank 0 publishes its rendezvous in
+# horovodrun's store; Horovod's tape example trains over shm+verbs (hierarchical
+# all-reduce) and says whether the ranks end bit-identical (about 7 minutes).
+horovodrun-two-hosts: setup horovod-reference
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m rdmatensor softroce vm --hosts 2 --ssh --timeout 1100 -- sh -c \
+	    'export RDMATENSOR_TOKEN=$$(openssl rand -hex 16) TF_CPP_MIN_LOG_LEVEL=2; \
+	     .venv-horovod/bin/horovodrun -np 4 -H 192.0.2.1:2,192.0.2.2:2 --gloo --network-interface eth0 \
+	         --start-timeout 300 $(abspath $(PY)) examples/horovod_tape.py --model mlp --steps 10'
 
 test: setup
 	$(PY) scripts/run_tests.py
