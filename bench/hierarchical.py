@@ -41,7 +41,6 @@ def job(sizes: list[int], rounds: int, calls: int) -> int:
     import tensorflow as tf
 
     import tf_plugin as hvd
-    from tf_plugin.horovod.world import world
     hvd.init()
     n, rank = hvd.size(), hvd.rank()
     want = n * (n + 1) / 2
@@ -61,16 +60,16 @@ def job(sizes: list[int], rounds: int, calls: int) -> int:
                                      f"not {want}")
                 if r:
                     times[(mode, size)].append(elapsed)
-    sets = world().collectives._sets.values()
-    formed = [ts.analysis.hierarchy.hosts for ts in sets if ts.kind == "allreduce" and ts.analysis.hierarchy]
+    stats = hvd.stats()
+    formed = stats["hierarchy"]
     if rank == 0:
         rows = []
         for size in sizes:
             flat, tree = (statistics.median(times[(m, size)]) * 1e6 for m in ("flat", "hierarchical"))
             rows.append({"bytes": size * 4, "flat_us": round(flat, 1), "hierarchical_us": round(tree, 1),
                          "flat_over_hierarchical": round(flat / tree, 3)})
-        print(json.dumps({"ranks": n, "hierarchy": [list(h) for h in formed[0]] if formed else None,
-                          "providers": sorted(set(world().collectives.session.providers.values())),
+        print(json.dumps({"ranks": n, "hierarchy": formed,
+                          "providers": sorted(set(str(stats["provider"]).split("+"))),
                           "rounds": rounds, "calls": calls, "rows": rows}), flush=True)
     hvd.shutdown()
     return 0 if formed else 1

@@ -103,7 +103,8 @@ def train(args) -> None:
                           "overlap": overlapped / ring if ring else None,
                           "bytes_sent_per_step": (after["bytes_sent"] - before["bytes_sent"]) / timed,
                           "control_calls_per_step": (after["control_calls"] - before["control_calls"]) / timed,
-                          "plan_generations": after["generations"]}), flush=True)
+                          "plan_generations": after["generations"],
+                          "allreduce": "hierarchical" if after["hierarchy"] else "flat ring"}), flush=True)
     hvd.shutdown()
 
 

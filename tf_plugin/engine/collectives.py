@@ -610,7 +610,9 @@ class Collectives:
                         plugin_copies=self.meter.copies, comm_seconds=self.meter.comm_seconds,
                         ring_seconds=self.meter.ring_seconds, overlapped_seconds=self.meter.overlapped_seconds,
                         overlap=self.meter.overlap, allreduces=self.meter.rounds,
-                        output_buffers=self.meter.tally["allocated"])
+                        output_buffers=self.meter.tally["allocated"],
+                        hierarchy=next(([list(h) for h in ts.analysis.hierarchy.hosts] for ts in self._order
+                                        if ts.kind == "allreduce" and ts.analysis.hierarchy), None))
 
     def close(self) -> None:
         self.comm.close()

@@ -244,7 +244,8 @@ def stats() -> dict:
     generation and the bootstrap channel; generations (sessions the growing plan
     connected), extensions (generations after the first), tensor_sets, tensors (in
     the current plan), exchanges (bootstrap collectives: plan agreements, objects),
-    provider (None in a job of one)."""
+    provider (None in a job of one), hierarchy (the ranks of each host, once an
+    all-reduce was planned hierarchically; else None: the flat ring)."""
     w = world()
     out = w.collectives.stats()
     boot = w.bootstrap.stats()
