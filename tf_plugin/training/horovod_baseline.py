@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from .job import JobConfig, JobError, RankResult
+from .tf_baseline import timed_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -70,21 +71,4 @@ def run_rank(cluster, config: JobConfig, token: str | None = None) -> RankResult
         return loss
 
     hvd.broadcast_variables([v.value for v in model.variables], root_rank=0)
-    losses, step_seconds = [], []
-
-    def loop(k):
-        x, y = models.batch(data, k, cfg.batch, cluster.task_index, n)
-        losses.append(float(train_step(x, y)))
-
-    loop(0)
-    setup = time.perf_counter() - t_setup
-    hvd.join()                               # everyone traced: time steps, not tracing
-    for k in range(1, cfg.steps):
-        t0 = time.perf_counter()
-        loop(k)
-        step_seconds.append(time.perf_counter() - t0)
-    hvd.join()
-    grad_bytes = sum(int(v.numpy().nbytes) for v in model.trainable_variables)
-    ring = 2 * (n - 1) / n * grad_bytes      # what a ring all-reduce sends per rank, in theory
-    return RankResult(cluster.rank, "worker", "horovod", losses, step_seconds, setup,
-                      bytes_sent_per_step=ring, note="bytes: theoretical ring volume; setup includes the first step")
+    return timed_steps("horovod", cluster, cfg, model, data, train_step, n, t_setup, barrier=hvd.join)

@@ -52,6 +52,15 @@ def run_rank(cluster, config: JobConfig, token: str | None = None) -> RankResult
     def train_step(x, y):
         return strategy.run(replica_step, args=(x, y))
 
+    return timed_steps("tf-grpc", cluster, cfg, model, data, train_step, n, t_setup)
+
+
+def timed_steps(provider: str, cluster, cfg: JobConfig, model, data, train_step, n: int, t_setup: float,
+                barrier=lambda: None) -> RankResult:
+    """A baseline's steps, measured as runner.run_rank measures rdmatensor's: the
+    first traces and counts in setup, the others are timed one by one. `barrier`
+    (if the baseline has one) runs after the first step and after the last."""
+    from . import models
     losses, step_seconds = [], []
 
     def loop(k):
@@ -60,11 +69,13 @@ def run_rank(cluster, config: JobConfig, token: str | None = None) -> RankResult
 
     loop(0)
     setup = time.perf_counter() - t_setup
+    barrier()                                      # everyone traced: time steps, not tracing
     for k in range(1, cfg.steps):
         t0 = time.perf_counter()
         loop(k)
         step_seconds.append(time.perf_counter() - t0)
+    barrier()
     grad_bytes = sum(int(v.numpy().nbytes) for v in model.trainable_variables)
     ring = 2 * (n - 1) / n * grad_bytes           # what a ring all-reduce sends per rank, in theory
-    return RankResult(cluster.rank, "worker", "tf-grpc", losses, step_seconds, setup,
+    return RankResult(cluster.rank, "worker", provider, losses, step_seconds, setup,
                       bytes_sent_per_step=ring, note="bytes: theoretical ring volume; setup includes the first step")
