@@ -10,10 +10,11 @@ from .errors import (AuthenticationError, BadRequest, CallMismatch, CreditViolat
                      PlanError, PlanMismatch, ProviderUnavailable, RdmaTensorError, RecvTimeout, RefusedWrite,
                      RemoteError, SendTimeout, TensorMismatch, Timeout, TransportError, UnknownTensor, UsageError)
 from .plan import Plan, TensorSpec
+from .providers.base import Pieces
 from .session import Received, Session, connect
 
 __version__ = "0.1.0"
-__all__ = ["Plan", "TensorSpec", "connect", "Session", "Received", "TlsConfig", "RdmaTensorError",
+__all__ = ["Plan", "TensorSpec", "Pieces", "connect", "Session", "Received", "TlsConfig", "RdmaTensorError",
            "PlanError", "PlanMismatch", "CallMismatch", "TensorMismatch", "UnknownTensor", "AuthenticationError",
            "PeerLost", "TransportError", "RemoteError", "RefusedWrite", "IntegrityError", "CreditViolation",
            "BadRequest", "UsageError", "Timeout", "SendTimeout", "RecvTimeout", "ProviderUnavailable",

@@ -111,7 +111,8 @@ class Channel(ABC):
     # -- data path --------------------------------------------------------
     @abstractmethod
     def write(self, region_id: int, offset: int, src: np.ndarray, imm: int):
-        """Place `src` (uint8, contiguous) at `offset` in the peer's region and
+        """Place `src` (uint8, contiguous; or, unless needs_registered_source,
+        Pieces of them laid end to end) at `offset` in the peer's region and
         deliver `imm`. Returns None once `src` may be reused, or (posted_writes)
         a handle to pass to wait() before reusing it."""
 
@@ -185,6 +186,27 @@ class Channel(ABC):
 
 
 _EMPTY = np.zeros(0, dtype=np.uint8)
+
+
+class Pieces(tuple):
+    """One write's source in several places: contiguous arrays laid end to end
+    as one payload (a gather write). The ring's fused buckets leave from their
+    members where TensorFlow put them, instead of being copied together first."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self)
+
+    def into(self, dst: np.ndarray) -> np.ndarray:
+        """Copy the pieces, end to end, into the flat uint8 `dst`; returns what they filled."""
+        at = 0
+        for p in self:
+            dst[at:at + p.nbytes] = p.reshape(-1).view(np.uint8)
+            at += p.nbytes
+        return dst[:at]
+
+    def tobytes(self) -> bytes:
+        return b"".join(p.tobytes() for p in self)
 
 # Immediates: 2 bits of kind, 12 bits of tag, 18 bits of slot index. The tag
 # is the sender's label for the write (a DATA immediate's: which call it

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import ForeignSegment, PeerLost, RdmaTensorError, TransportError
 from ..memory import Arena, MappedArena
-from .base import WRITE_MAGIC, Capabilities
+from .base import WRITE_MAGIC, Capabilities, Pieces
 from .ring import ORDERED_CPU, CompletionRing, full_fence
 from .stream import StreamChannel
 
@@ -124,7 +124,14 @@ class ShmChannel(StreamChannel):
         n = src.nbytes
         desc = self.check_remote(region_id, offset, n)
         if n:
-            self._mapped[region_id][1][offset:offset + n] = src     # a memcpy, cheaper than np.copyto
+            target = self._mapped[region_id][1]
+            if isinstance(src, Pieces):                             # each piece straight into the peer's slot
+                for piece in src:
+                    target[offset:offset + piece.nbytes] = piece
+                    offset += piece.nbytes
+                offset -= n
+            else:
+                target[offset:offset + n] = src     # a memcpy, cheaper than np.copyto
         self._post(region_id, desc["key"], imm, offset, n)
 
     def notify(self, imm: int) -> None:

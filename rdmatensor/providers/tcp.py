@@ -18,10 +18,10 @@ import time
 import numpy as np
 
 from ..errors import PeerLost, TransportError
-from .base import WRITE_HEADER, WRITE_MAGIC
+from .base import WRITE_HEADER, WRITE_MAGIC, Pieces
 from .stream import StreamChannel
 
-IOV_PAIRS = 500            # writes per sendmsg (two parts each; the kernel takes up to IOV_MAX = 1024)
+IOV_PAIRS = 500            # writes per sendmsg (two parts each, more for Pieces; the kernel takes up to IOV_MAX = 1024)
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
@@ -91,6 +91,9 @@ class TcpChannel(StreamChannel):
 
     # -- the sender -------------------------------------------------------
     def write(self, region_id: int, offset: int, src: np.ndarray, imm: int) -> None:
+        if isinstance(src, Pieces):
+            self.write_many([(region_id, offset, src, imm)])
+            return
         desc = self.check_remote(region_id, offset, src.nbytes)
         self._send(WRITE_HEADER.pack(WRITE_MAGIC, region_id, desc["key"], imm, offset, src.nbytes), src)
 
@@ -101,7 +104,9 @@ class TcpChannel(StreamChannel):
         for region_id, offset, src, imm in writes:
             desc = self.check_remote(region_id, offset, src.nbytes)
             parts.append(WRITE_HEADER.pack(WRITE_MAGIC, region_id, desc["key"], imm, offset, src.nbytes))
-            if src.nbytes:
+            if isinstance(src, Pieces):                 # a gather write: its pieces are the payload's iovecs
+                parts += [memoryview(p).cast("B") for p in src if p.nbytes]
+            elif src.nbytes:
                 parts.append(memoryview(src).cast("B"))
         sock = self._sock
         if sock is None:

@@ -3,7 +3,10 @@
 A static tensor (no checksum) goes in one one-sided write straight from
 wherever it is: the staging buffer the user filled (buffer()), or the user's
 own array where the provider can write from any memory; otherwise it is
-copied into staging first. Dynamic tensors and checksummed plans go as one
+copied into staging first. A static tensor may also be given as Pieces,
+arrays of its dtype whose elements, end to end, are the tensor's (a gather
+write: the ring's fused buckets), written from where they are or copied once
+into staging. Dynamic tensors and checksummed plans go as one
 write from staging laid out by wire.encode(). A posted write (verbs) may
 still read staging after send() returns, so staging is reused only once that
 write completed.
@@ -14,7 +17,7 @@ import numpy as np
 
 from ..errors import PeerLost, RdmaTensorError, SendTimeout, TensorMismatch, UnknownTensor, UsageError
 from ..plan import TensorSpec
-from ..providers.base import INDEX_BITS, MAX_TAG
+from ..providers.base import INDEX_BITS, MAX_TAG, Pieces
 from . import wire
 from .context import SessionContext
 from .credits import Credits, SendSlot
@@ -34,6 +37,15 @@ def tag_bits(tag: int) -> int:
 
 def _shape_str(shape) -> str:
     return "(" + ", ".join("?" if d is None else str(d) for d in shape) + ")"
+
+
+def _fits(spec: TensorSpec, array) -> bool:
+    """Whether `array` (an array, or Pieces of a static tensor) is a value of `spec`."""
+    if isinstance(array, np.ndarray):
+        return spec.matches(array)
+    return (isinstance(array, Pieces) and spec.is_static
+            and all(isinstance(p, np.ndarray) and p.dtype == spec.dtype and p.flags.c_contiguous for p in array)
+            and sum(p.nbytes for p in array) == spec.nbytes)
 
 
 class Sender:
@@ -77,7 +89,7 @@ class Sender:
 
     def send(self, name: str, array, timeout: float | None = None, tag: int = 0) -> None:
         st = self.credits.send.get(name)
-        if st is None or not isinstance(array, np.ndarray) or not st.spec.matches(array):
+        if st is None or not _fits(st.spec, array):
             self._refuse(name, array)
         imm = st.imm | tag_bits(tag) if tag else st.imm
         self.credits.take(st, timeout)
@@ -124,7 +136,7 @@ class Sender:
         slots = []
         for name, array in items:                  # bad input refuses the whole call: nothing goes
             st = self.credits.send.get(name)
-            if st is None or not isinstance(array, np.ndarray) or not st.spec.matches(array):
+            if st is None or not _fits(st.spec, array):
                 self._refuse(name, array)
             slots.append((st, name, array))
         plan = self.ctx.plan
@@ -180,6 +192,11 @@ class Sender:
     def _refuse(self, name: str, array) -> None:
         """Why send() cannot take `array` for `name`, as the error to raise."""
         spec, _ = self._slot(name)
+        if isinstance(array, Pieces):
+            got = [f"{p.dtype} {_shape_str(p.shape)}" if isinstance(p, np.ndarray) else type(p).__name__
+                   for p in array]
+            raise TensorMismatch(f"{name!r}: expected pieces of {spec.dtype} holding {_shape_str(spec.shape)} "
+                                 f"end to end, each contiguous, got {', '.join(got) or 'none'}", tensor=name)
         if not isinstance(array, np.ndarray):
             raise TensorMismatch(f"{name!r}: expected a numpy array, got {type(array).__name__}", tensor=name)
         raise TensorMismatch(f"{name!r}: expected {spec.dtype} {_shape_str(spec.shape)}, "
@@ -194,6 +211,8 @@ class Sender:
             else:
                 st.pending = ch.write(st.region, st.offset, self._source(st, array), imm)
         else:
+            if isinstance(array, Pieces):            # framed (checksum): one array first
+                array = np.concatenate([p.reshape(-1) for p in array]).reshape(spec.shape)
             need = wire.frame_bytes(spec, ctx.plan, array.nbytes)
             if need > st.capacity:
                 self.growth.request(st, need)
@@ -210,6 +229,12 @@ class Sender:
         staging = st.staging[:array.nbytes]
         if array is st.view:
             return staging                           # filled in place: no copy
+        if isinstance(array, Pieces):
+            if not self.ctx.channels[st.peer].capabilities.needs_registered_source:
+                return Pieces(p.reshape(-1).view(np.uint8) for p in array)     # a gather write, no copy
+            self.source_free(st)
+            self.ctx.counters.add("copies")
+            return array.into(staging)               # one copy, into registered memory
         if not self.ctx.channels[st.peer].capabilities.needs_registered_source and array.flags.c_contiguous:
             return array.reshape(-1).view(np.uint8)  # written straight from the user's array (staging's too)
         if np.shares_memory(array, staging) and array.ctypes.data == staging.ctypes.data:

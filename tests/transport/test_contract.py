@@ -5,7 +5,7 @@ import time
 import numpy as np
 import pytest
 
-from rdmatensor import (AuthenticationError, CallMismatch, PeerLost, Plan, PlanMismatch, SendTimeout,
+from rdmatensor import (AuthenticationError, CallMismatch, PeerLost, Pieces, Plan, PlanMismatch, SendTimeout,
                         TensorMismatch, TensorSpec, UnknownTensor, UsageError)
 from rdmatensor.plan import SUPPORTED_DTYPES
 
@@ -137,6 +137,53 @@ def test_send_many_delivers_every_tensor_in_order_with_repeats_and_copies(provid
     res = check(run_ranks(2, plan, provider, body))
     assert res[1] == []
     assert res[0]["writes"] == steps * (n + 3)
+
+
+def test_pieces_arrive_as_one_tensor_and_bad_pieces_are_refused(provider):
+    """A gather write: a tensor given as Pieces, arrays of its dtype laid end to
+    end (read-only and of other shapes too; a 2 MiB one, more than a socket takes
+    at once), arrives as if it were one array, through send() and send_many(),
+    on a plain and on a checksummed plan; pieces that do not make the tensor are
+    refused before anything goes, and lose no credit."""
+    rng = np.random.default_rng(7)
+    parts = [rng.standard_normal(n).astype(np.float32) for n in (5, 1 << 19, 3, 0, 11)]
+    parts[1] = parts[1].reshape(512, 1024)
+    parts[1].flags.writeable = False
+    whole = np.concatenate([p.reshape(-1) for p in parts])
+    n = whole.size
+
+    def run(checksum):
+        plan = Plan([TensorSpec("g", (n,), np.float32, 0, 1), TensorSpec("h", (n,), np.float32, 0, 1)],
+                    checksum=checksum)
+
+        def body(s, r):
+            if r == 0:
+                bad = [Pieces(parts[:-1]), Pieces([*parts[:-1], np.zeros(11, np.float64)]),
+                       Pieces([*parts[:-1], np.zeros(22, np.float32)[::2]]), Pieces([*parts[:-1], [0.0] * 11])]
+                for pieces in bad:
+                    with pytest.raises(TensorMismatch, match="'g': expected pieces of float32"):
+                        s.send("g", pieces)
+                    with pytest.raises(TensorMismatch, match="'h'"):
+                        s.send_many([("g", Pieces(parts)), ("h", pieces)])
+                for _ in range(3):
+                    s.send("g", Pieces(parts))
+                    s.send_many([("h", Pieces(parts)), ("g", Pieces(parts))])
+                s.barrier("received")
+                return s.stats()
+            got = []
+            for _ in range(3):
+                for name in ("g", "h", "g"):
+                    with s.recv(name) as v:
+                        got.append(v.tobytes() == whole.tobytes())
+            s.barrier("received")
+            return got
+
+        res = check(run_ranks(2, plan, provider, body))
+        assert res[1] == [True] * 9
+        assert res[0]["writes"] == 9
+
+    run(False)
+    run(True)
 
 
 def test_send_many_refuses_bad_input_naming_the_tensor_and_loses_no_credit(provider):

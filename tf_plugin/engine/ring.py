@@ -18,10 +18,13 @@ All-gather (N-1 steps) passes the summed chunks around. Every chunk of every
 step is its own TensorSpec, so each is one one-sided write, with no control
 message.
 
-Passes over the bytes: each gradient in a bucket of several is copied once
-into it (fewer, larger writes: on tcp the per-write cost dominates small
-models); a gradient alone in its bucket leaves from TensorFlow's buffer
-(verbs: one copy into staging). An average is the sum times 1/N, computed
+Passes over the bytes: a bucket is never copied together. Its gradients stay
+in TensorFlow's buffers and the ring reads the bucket through them
+(BucketView): the chunk this rank sends first leaves from its members in one
+gather write (Pieces: shm copies each straight into the peer's slot, tcp
+hands them to one sendmsg, verbs copies them once into registered staging),
+and the chunks it adds to are added straight from its members. Fusion still
+makes fewer, larger writes (on tcp the per-write cost dominates small models). An average is the sum times 1/N, computed
 as Horovod does (in float32 for float16; integers in float64, truncated), block
 by block right after each block is added, while the block is still in
 cache: dividing before the sum would be as cheap but round differently. Partial sums land in staging, the
@@ -39,8 +42,12 @@ and its ring (reduce_bucket) runs while backprop goes on.
 """
 from __future__ import annotations
 
+from bisect import bisect_right
+
 import numpy as np
 import tensorflow as tf
+
+from rdmatensor import Pieces
 
 from . import ingest
 from . import overlap
@@ -53,19 +60,60 @@ from .timeline import Timeline
 BLOCK = 1 << 16       # elements summed then divided at a time: about L2-sized, so the divide is nearly free
 
 
+class BucketView:
+    """A bucket read as one flat array of `size` elements from its members where
+    they are: what the ring sends and adds from, so that a fused bucket is never
+    copied together first. The alignment padding between members reads as zeros."""
+
+    def __init__(self, size: int, dtype, parts: list):
+        self.size, self.dtype = size, np.dtype(dtype)
+        self._parts = parts                          # [(start, flat member)], in order
+        self._starts = [start for start, _ in parts]
+        self._zeros = np.zeros(64, self.dtype)       # padding is under 64 bytes
+
+    @classmethod
+    def of(cls, array: np.ndarray) -> "BucketView":
+        return cls(array.size, array.dtype, [(0, array.reshape(-1))])
+
+    def cover(self, lo: int, hi: int) -> list[tuple[int, np.ndarray]]:
+        """Elements [lo, hi) as (position from lo, contiguous piece), padding as zeros, in order."""
+        out, at = [], lo
+        for start, member in self._parts[max(bisect_right(self._starts, lo) - 1, 0):]:
+            if start >= hi:
+                break
+            end = min(hi, start + member.size)
+            if end <= at:
+                continue
+            if start > at:
+                out.append((at - lo, self._zeros[:start - at]))
+                at = start
+            out.append((at - lo, member[at - start:end - start]))
+            at = end
+        if at < hi:
+            out.append((at - lo, self._zeros[:hi - at]))
+        return out
+
+    def source(self, lo: int, hi: int):
+        """What a write of elements [lo, hi) leaves from: one array where it can, else Pieces."""
+        pieces = self.cover(lo, hi)
+        return pieces[0][1] if len(pieces) == 1 else Pieces(p for _, p in pieces)
+
+
 class RingAllReduce:
     def __init__(self, session, analysis: Analysis, meter: Meter | None = None, average: bool = True,
-                 combine=np.add):
-        # combine: how two ranks' values make one (np.add; np.minimum, np.maximum, np.multiply)
+                 combine=np.add, copy_fused: bool = False):
+        # combine: how two ranks' values make one (np.add; np.minimum, np.maximum, np.multiply).
+        # copy_fused: copy a bucket's members together first, as before gather writes
+        # (kept so that bench.ring_cpu measures both in one run).
         self.session, self.analysis, self.average, self.combine = session, analysis, average, combine
         self.meter = meter or Meter()
         self.rank, self.size = session.rank, analysis.workers
         self.index = {v.key: i for i, v in enumerate(analysis.variables)}
         self.shapes = {v.key: v.shape for v in analysis.variables}
-        self._fused = {}        # a fused bucket's input buffer: reused every step, padding stays zero
+        self._fused = {}        # copy_fused: a fused bucket's input buffer, reused every step, padding stays zero
         self._outputs = {}      # a bucket's output buffers, reused once TensorFlow let go of them
         for b in analysis.buckets:
-            if len(b.members) > 1:
+            if len(b.members) > 1 and copy_fused:
                 self._fused[b.key] = ingest.aligned_empty((b.size,), b.dtype)
                 self._fused[b.key][...] = 0
             self._outputs[b.key] = ingest.Reused(b.size, b.dtype, self.meter.tally)
@@ -76,7 +124,7 @@ class RingAllReduce:
         """Average (or with average=False, sum) numpy gradients over the workers
         (`keys` name them as in the plan), every bucket at once on this thread.
 
-        A fused bucket costs one copy per member into its buffer; its output
+        A fused bucket is read from its members where they are; its output
         members are 64-byte aligned views, fit for TensorFlow with no copy.
         Every ring step writes the chunks of all buckets before waiting for
         any: 2(N-1) round trips per step, however many buckets there are."""
@@ -101,16 +149,17 @@ class RingAllReduce:
         (out,) = self._ring([b.key], [flat], [self._outputs[b.key].lease()], [divide], tag)
         return self._members(b, out)
 
-    def _flat(self, bucket, arrays: list, average: bool) -> tuple[np.ndarray, bool]:
-        """The bucket as one flat array (the gradient itself, or its members copied
-        into the fused buffer), and whether its sum over the ranks is to be divided by N."""
+    def _flat(self, bucket, arrays: list, average: bool) -> tuple[BucketView, bool]:
+        """The bucket as one flat array (a view over its members where they are),
+        and whether its sum over the ranks is to be divided by N."""
         buf = self._fused.get(bucket.key)
         if buf is None:
-            return arrays[0].reshape(-1), average
+            return BucketView(bucket.size, bucket.dtype, [(offset, a.reshape(-1)) for (_, offset, _), a
+                                                          in zip(bucket.members, arrays, strict=True)]), average
         for (_, offset, n), a in zip(bucket.members, arrays, strict=True):
             np.copyto(buf[offset:offset + n], a.reshape(-1))
         self.meter.tally["fused"] += len(bucket.members)
-        return buf, average
+        return BucketView.of(buf), average
 
     def _members(self, bucket, out: np.ndarray) -> list[np.ndarray]:
         return [out[offset:offset + n].reshape(self.shapes[key]) for key, offset, n in bucket.members]
@@ -121,7 +170,8 @@ class RingAllReduce:
         ring of this host, the ring across hosts, and this host's ring again."""
         if self.size == 1:
             for f, o in zip(flats, outs, strict=False):
-                np.copyto(o, f)
+                for at, piece in f.cover(0, f.size):
+                    o[at:at + piece.size] = piece
             return outs
         hierarchy = self.analysis.hierarchy
         if hierarchy is None:
@@ -133,7 +183,8 @@ class RingAllReduce:
         # this host's sum of one chunk lands in the output, whose chunk the ranks across hosts then all-reduce in place
         held = self._reduce_scatter(local, lkeys, flats, outs, [False] * len(flats), tag)
         chunks = [held.get(i, o[:0]) for i, o in enumerate(outs)]
-        self._all_gather(cross, xkeys, chunks, self._reduce_scatter(cross, xkeys, chunks, chunks, divide, tag), tag)
+        views = [BucketView.of(c) for c in chunks]      # added to in place
+        self._all_gather(cross, xkeys, chunks, self._reduce_scatter(cross, xkeys, views, chunks, divide, tag), tag)
         self._all_gather(local, lkeys, outs, held, tag)
         return outs
 
@@ -155,21 +206,23 @@ class RingAllReduce:
             else:                          # integers as Horovod: scaled in float64, truncated back
                 np.copyto(chunk, np.trunc(chunk * (1.0 / scale)), casting="unsafe")
 
-        outgoing = {i: flats[i][bounds[i][ring_chunk("rs", 0, p, n)]] for i in live}
+        first = ring_chunk("rs", 0, p, n)
+        outgoing = {i: flats[i].source(bounds[i][first].start, bounds[i][first].stop) for i in live}
         for step in range(n - 1):
             s.send_many([(ring_name(keys[i], "rs", step, me), outgoing[i]) for i in live], tag=tag)
             c = ring_chunk("rs", step, p, n, receiving=True)        # the last step: chunk p + 1, complete
             for i in live:
                 last = step == n - 2
                 dst = outs[i][bounds[i][c]] if last else s.buffer(ring_name(keys[i], "rs", step + 1, me))
+                lo = bounds[i][c].start
+                block = BLOCK if last and divide[i] else max(dst.size, 1)    # divided block by block, in cache
                 with s.recv(ring_name(keys[i], "rs", step, left), tag=tag) as chunk:
-                    if last and divide[i]:         # block by block: divided while still in cache
-                        for lo in range(0, dst.size, BLOCK):
-                            block = slice(lo, lo + BLOCK)
-                            self.combine(flats[i][bounds[i][c]][block], chunk[block], out=dst[block])
-                            finish(dst[block])
-                    else:
-                        self.combine(flats[i][bounds[i][c]], chunk, out=dst)
+                    for b in range(0, dst.size, block):
+                        for at, piece in flats[i].cover(lo + b, min(lo + b + block, lo + dst.size)):
+                            at += b
+                            self.combine(piece, chunk[at:at + piece.size], out=dst[at:at + piece.size])
+                        if last and divide[i]:
+                            finish(dst[b:b + block])
                 outgoing[i] = dst
         return outgoing
 

@@ -1,0 +1,145 @@
+"""What the ring all-reduce of a real model's gradients costs, side by side in one job.
+
+    python -m bench.ring_cpu --models resnet50,densenet121 --providers shm,tcp
+
+Two ranks on this host all-reduce (average) one training step's gradients of
+each model (bench/model_grads.json, fused into buckets as training fuses
+them), with no model computing beside: the ring alone. Each round times
+--calls all-reduces of each way of reading a fused bucket, in turn, so both
+see the same machine:
+
+- `gather`: from the gradients where they are (gather writes, what training runs);
+- `copy`: the gradients copied into one bucket buffer first (copy_fused=True).
+
+Per model, provider and way: the median wall and CPU milliseconds (both
+threads of the rank's process) per all-reduce, and copy / gather (above 1:
+gather is cheaper). Every way's first result is checked bit for bit against
+the mean numpy computes. Rank 0 prints one JSON line per model and provider,
+then a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import secrets
+import statistics
+import sys
+import time
+
+WAYS = ("gather", "copy")
+
+
+def _inputs(model: str, rank: int):
+    import numpy as np
+
+    from bench import model_grads
+    from tf_plugin.engine.analyzer import VarInfo
+    infos = [VarInfo(t["name"], tuple(t["shape"]), np.dtype(t["dtype"]), False, {})
+             for t in model_grads.gradient_set(model)]
+    rng = np.random.default_rng(rank)
+    return infos, [rng.standard_normal(v.shape).astype(v.dtype) for v in infos]
+
+
+def _rank(rank: int, peers: dict, token: str, model: str, provider: str, rounds: int, calls: int, out) -> None:
+    import numpy as np
+
+    from rdmatensor import Plan, connect
+    from tf_plugin.engine.analyzer import Analysis, buckets_of, ring_specs
+    from tf_plugin.engine.ring import RingAllReduce
+    infos, mine = _inputs(model, rank)
+    _, theirs = _inputs(model, 1 - rank)
+    buckets = buckets_of(infos, fusion=True)
+    analysis = Analysis(Plan([s for s, _ in ring_specs(buckets, 2)]), "allreduce", 2, 0, infos, buckets=buckets)
+    keys = [v.key for v in infos]
+    with connect(rank, peers, analysis.plan, provider=provider, token=token) as session:
+        rings = {way: RingAllReduce(session, analysis, copy_fused=way == "copy") for way in WAYS}
+        wall = {way: [] for way in WAYS}
+        cpu = {way: [] for way in WAYS}
+        for r in range(rounds + 1):               # round 0 warms up and checks
+            for way, ring in rings.items():
+                w0, c0 = time.perf_counter(), time.process_time()
+                for _ in range(calls):
+                    got = ring.allreduce_arrays(keys, mine)
+                w1, c1 = time.perf_counter(), time.process_time()
+                if r == 0:
+                    pairs = (mine, theirs) if rank == 0 else (theirs, mine)
+                    for k, g, a, b in zip(keys, got, *pairs, strict=True):
+                        if not np.array_equal(g, (a + b) * np.float32(0.5)):
+                            raise SystemExit(f"rank {rank}: {way} all-reduce of {k} is wrong")
+                    continue
+                wall[way].append((w1 - w0) / calls * 1e3)
+                cpu[way].append((c1 - c0) / calls * 1e3)
+        session.barrier("ring-cpu-done")
+    out.put({"rank": rank, "wall": wall, "cpu": cpu, "buckets": len(buckets),
+             "fused": sum(len(b.members) > 1 for b in buckets),
+             "bytes": sum(b.size * b.dtype.itemsize for b in buckets)})
+
+
+def measure(model: str, provider: str, rounds: int, calls: int) -> dict:
+    from tf_plugin.launcher.cluster import free_ports
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    peers = {r: f"127.0.0.1:{p}" for r, p in enumerate(free_ports(2))}
+    token = secrets.token_hex(16)
+    procs = [ctx.Process(target=_rank, args=(r, peers, token, model, provider, rounds, calls, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        while len(results) < 2:
+            got = out.get(timeout=600)
+            results[got["rank"]] = got
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    if any(p.exitcode for p in procs):
+        raise SystemExit(f"{model} over {provider}: a rank failed (exit codes {[p.exitcode for p in procs]})")
+    row = {"model": model, "provider": provider, "bytes": results[0]["bytes"], "buckets": results[0]["buckets"],
+           "fused_buckets": results[0]["fused"], "rounds": rounds, "calls": calls}
+    for way in WAYS:          # both ranks' samples: a rank's CPU is what its neighbour's compute loses
+        row[f"{way}_wall_ms"] = round(statistics.median(results[0]["wall"][way] + results[1]["wall"][way]), 2)
+        row[f"{way}_cpu_ms"] = round(statistics.median(results[0]["cpu"][way] + results[1]["cpu"][way]), 2)
+    row["cpu_copy_over_gather"] = round(row["copy_cpu_ms"] / row["gather_cpu_ms"], 3)
+    row["wall_copy_over_gather"] = round(row["copy_wall_ms"] / row["gather_wall_ms"], 3)
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| model | provider | MB | gather: wall / CPU ms | copy first: wall / CPU ms | CPU copy/gather |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['provider']} | {r['bytes'] / 1e6:.1f} | "
+                     f"{r['gather_wall_ms']} / {r['gather_cpu_ms']} | {r['copy_wall_ms']} / {r['copy_cpu_ms']} | "
+                     f"{r['cpu_copy_over_gather']}x |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.ring_cpu", description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="resnet50,densenet121,mobilenetv2",
+                   help="comma-separated gradient sets of bench/model_grads.json")
+    p.add_argument("--providers", default="shm,tcp", help="comma-separated providers")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds (after one to warm up and check)")
+    p.add_argument("--calls", type=int, default=4, help="all-reduces per way and round")
+    p.add_argument("--json", help="also write the rows to this file")
+    a = p.parse_args(argv)
+    if a.rounds < 1 or a.calls < 1:
+        p.error("--rounds and --calls must be at least 1")
+    rows = []
+    for model in a.models.split(","):
+        for provider in a.providers.split(","):
+            t0 = time.monotonic()
+            rows.append(measure(model, provider, a.rounds, a.calls))
+            print(json.dumps({**rows[-1], "seconds": round(time.monotonic() - t0, 1)}), flush=True)
+    print(table(rows))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
