@@ -5,17 +5,20 @@
 Two ranks on this host all-reduce (average) one training step's gradients of
 each model (bench/model_grads.json, fused into buckets as training fuses
 them), with no model computing beside: the ring alone. Each round times
---calls all-reduces of each way of reading a fused bucket, in turn, so both
-see the same machine:
+--calls all-reduces of each way, in turn, so all see the same machine:
 
-- `gather`: from the gradients where they are (gather writes, what training runs);
-- `copy`: the gradients copied into one bucket buffer first (copy_fused=True).
+- `stream`: what training runs: a fused bucket read from the gradients where
+  they are (gather writes), large payloads copied and added with streaming
+  stores (rdmatensor.streaming);
+- `gather`: the same with plain copies and numpy's add and multiply;
+- `copy`: as before both: the gradients copied into one bucket buffer first
+  (copy_fused=True), plain copies and numpy.
 
-Per model, provider and way: the median wall and CPU milliseconds (both
-threads of the rank's process) per all-reduce, and copy / gather (above 1:
-gather is cheaper). Every way's first result is checked bit for bit against
-the mean numpy computes. Rank 0 prints one JSON line per model and provider,
-then a table.
+Per model, provider and way: the median wall and CPU milliseconds (every
+thread of the rank's process) per all-reduce, over both ranks, and copy /
+stream (above 1: stream is cheaper). Every way's first result is checked bit
+for bit against the mean numpy computes. Rank 0 prints one JSON line per
+model and provider, then a table.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ import statistics
 import sys
 import time
 
-WAYS = ("gather", "copy")
+WAYS = ("stream", "gather", "copy")
 
 
 def _inputs(model: str, rank: int):
@@ -44,7 +47,7 @@ def _inputs(model: str, rank: int):
 def _rank(rank: int, peers: dict, token: str, model: str, provider: str, rounds: int, calls: int, out) -> None:
     import numpy as np
 
-    from rdmatensor import Plan, connect
+    from rdmatensor import Plan, connect, streaming
     from tf_plugin.engine.analyzer import Analysis, buckets_of, ring_specs
     from tf_plugin.engine.ring import RingAllReduce
     infos, mine = _inputs(model, rank)
@@ -58,6 +61,7 @@ def _rank(rank: int, peers: dict, token: str, model: str, provider: str, rounds:
         cpu = {way: [] for way in WAYS}
         for r in range(rounds + 1):               # round 0 warms up and checks
             for way, ring in rings.items():
+                streaming.enabled = way == "stream" and streaming.BUILD_ERROR is None
                 w0, c0 = time.perf_counter(), time.process_time()
                 for _ in range(calls):
                     got = ring.allreduce_arrays(keys, mine)
@@ -102,18 +106,18 @@ def measure(model: str, provider: str, rounds: int, calls: int) -> dict:
     for way in WAYS:          # both ranks' samples: a rank's CPU is what its neighbour's compute loses
         row[f"{way}_wall_ms"] = round(statistics.median(results[0]["wall"][way] + results[1]["wall"][way]), 2)
         row[f"{way}_cpu_ms"] = round(statistics.median(results[0]["cpu"][way] + results[1]["cpu"][way]), 2)
-    row["cpu_copy_over_gather"] = round(row["copy_cpu_ms"] / row["gather_cpu_ms"], 3)
-    row["wall_copy_over_gather"] = round(row["copy_wall_ms"] / row["gather_wall_ms"], 3)
+    row["cpu_copy_over_stream"] = round(row["copy_cpu_ms"] / row["stream_cpu_ms"], 3)
+    row["wall_copy_over_stream"] = round(row["copy_wall_ms"] / row["stream_wall_ms"], 3)
     return row
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | provider | MB | gather: wall / CPU ms | copy first: wall / CPU ms | CPU copy/gather |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| model | provider | MB | stream: wall / CPU ms | gather: wall / CPU ms | copy first: wall / CPU ms "
+             "| CPU copy/stream |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['provider']} | {r['bytes'] / 1e6:.1f} | "
-                     f"{r['gather_wall_ms']} / {r['gather_cpu_ms']} | {r['copy_wall_ms']} / {r['copy_cpu_ms']} | "
-                     f"{r['cpu_copy_over_gather']}x |")
+                     + " | ".join(f"{r[f'{w}_wall_ms']} / {r[f'{w}_cpu_ms']}" for w in WAYS)
+                     + f" | {r['cpu_copy_over_stream']}x |")
     return "\n".join(lines)
 
 

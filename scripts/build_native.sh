@@ -1,23 +1,35 @@
 #!/usr/bin/env bash
-# Compile the verbs endpoint in C (rdmatensor/providers/_verbs_native.c) for
-# the virtualenv's Python, when the built module is missing or older than its
-# source, and check that it imports. Fails loudly: `make setup` installs what
-# it needs (gcc, libibverbs-dev, python3-dev).
+# Compile rdmatensor's C extensions for the virtualenv's Python, each when its
+# built module is missing or older than its source, and check that it imports:
+#   - the verbs endpoint (rdmatensor/providers/_verbs_native.c), against libibverbs;
+#   - streaming copies and sums (rdmatensor/_streaming.c), x86-64 only (SSE2):
+#     elsewhere rdmatensor.streaming uses numpy.
+# Fails loudly: `make setup` installs what they need (gcc, libibverbs-dev, python3-dev).
 #
 #   scripts/build_native.sh [VENV]      (default: .venv next to this repository)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py="${1:-.venv}/bin/python"
-src=rdmatensor/providers/_verbs_native.c
 suffix=$("$py" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
 include=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
-out="rdmatensor/providers/_verbs_native$suffix"
-if [ ! -f "$out" ] || [ "$src" -nt "$out" ]; then
-  [ -f /usr/include/infiniband/verbs.h ] \
-    || { echo "build_native: <infiniband/verbs.h> is missing: apt-get install libibverbs-dev" >&2; exit 1; }
-  echo "setup: compiling $out"
-  cc -O2 -g -Wall -Wno-missing-field-initializers -shared -fPIC -I"$include" "$src" -o "$out.tmp" -libverbs
-  mv "$out.tmp" "$out"
-fi
+
+build() {   # build SOURCE [LIBS...]
+  local src=$1 out="${1%.c}$suffix"
+  shift
+  if [ ! -f "$out" ] || [ "$src" -nt "$out" ]; then
+    echo "setup: compiling $out"
+    cc -O2 -g -Wall -Wno-missing-field-initializers -shared -fPIC -I"$include" "$src" -o "$out.tmp" "$@"
+    mv "$out.tmp" "$out"
+  fi
+}
+
+[ -f /usr/include/infiniband/verbs.h ] \
+  || { echo "build_native: <infiniband/verbs.h> is missing: apt-get install libibverbs-dev" >&2; exit 1; }
+build rdmatensor/providers/_verbs_native.c -libverbs
 "$py" -c "from rdmatensor.providers import rc_native as m; assert m.BUILD_ERROR is None, m.BUILD_ERROR" \
-  || { echo "build_native: $out does not import" >&2; exit 1; }
+  || { echo "build_native: the verbs endpoint does not import" >&2; exit 1; }
+if [ "$(uname -m)" = x86_64 ]; then
+  build rdmatensor/_streaming.c
+  "$py" -c "from rdmatensor import streaming as m; assert m.BUILD_ERROR is None, m.BUILD_ERROR" \
+    || { echo "build_native: the streaming extension does not import" >&2; exit 1; }
+fi

@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+from .. import streaming
 from ..errors import ForeignSegment, PeerLost, RdmaTensorError, TransportError
 from ..memory import Arena, MappedArena
 from .base import WRITE_MAGIC, Capabilities, Pieces
@@ -125,13 +126,15 @@ class ShmChannel(StreamChannel):
         desc = self.check_remote(region_id, offset, n)
         if n:
             target = self._mapped[region_id][1]
-            if isinstance(src, Pieces):                             # each piece straight into the peer's slot
+            if isinstance(src, Pieces):                 # each piece straight into the peer's slot
+                stream, at = n >= streaming.STREAM_BYTES, offset
                 for piece in src:
-                    target[offset:offset + piece.nbytes] = piece
-                    offset += piece.nbytes
-                offset -= n
+                    streaming.copy(target[at:at + piece.nbytes], piece, stream)
+                    at += piece.nbytes
+            elif n >= streaming.STREAM_BYTES:           # the peer reads it from memory, not from this core's cache
+                streaming.copy(target[offset:offset + n], src, True)
             else:
-                target[offset:offset + n] = src     # a memcpy, cheaper than np.copyto
+                target[offset:offset + n] = src         # a memcpy, cheaper than np.copyto
         self._post(region_id, desc["key"], imm, offset, n)
 
     def notify(self, imm: int) -> None:

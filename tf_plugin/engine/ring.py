@@ -47,7 +47,7 @@ from bisect import bisect_right
 import numpy as np
 import tensorflow as tf
 
-from rdmatensor import Pieces
+from rdmatensor import Pieces, streaming
 
 from . import ingest
 from . import overlap
@@ -197,14 +197,14 @@ class RingAllReduce:
         p, left = group.index(me), group[group.index(me) - 1]
         live = [i for i, f in enumerate(flats) if f.size]
         bounds = {i: [slice(lo, hi) for lo, hi in ring_bounds(flats[i].size, n)] for i in live}
-        scale = self.size
+        scale_by = self.size
 
         def finish(chunk):                 # this rank's fully summed chunk, in place
             if chunk.dtype.kind in "fc":       # as Horovod: in the chunk's precision (float32 for float16)
-                np.multiply(chunk, (np.float32 if chunk.dtype == np.float16 else chunk.dtype.type)(1.0 / scale),
+                np.multiply(chunk, (np.float32 if chunk.dtype == np.float16 else chunk.dtype.type)(1.0 / scale_by),
                             out=chunk, casting="same_kind")
             else:                          # integers as Horovod: scaled in float64, truncated back
-                np.copyto(chunk, np.trunc(chunk * (1.0 / scale)), casting="unsafe")
+                np.copyto(chunk, np.trunc(chunk * (1.0 / scale_by)), casting="unsafe")
 
         first = ring_chunk("rs", 0, p, n)
         outgoing = {i: flats[i].source(bounds[i][first].start, bounds[i][first].stop) for i in live}
@@ -217,6 +217,14 @@ class RingAllReduce:
                 lo = bounds[i][c].start
                 block = BLOCK if last and divide[i] else max(dst.size, 1)    # divided block by block, in cache
                 with s.recv(ring_name(keys[i], "rs", step, left), tag=tag) as chunk:
+                    if self.combine is np.add and dst.dtype in streaming.FLOATS:     # added and divided in one pass
+                        scale = dst.dtype.type(1.0 / scale_by) if last and divide[i] else None
+                        stream = dst.nbytes >= streaming.STREAM_BYTES
+                        for at, piece in flats[i].cover(lo, lo + dst.size):
+                            part = slice(at, at + piece.size)
+                            streaming.add(dst[part], piece, chunk[part], scale, stream)
+                        outgoing[i] = dst
+                        continue
                     for b in range(0, dst.size, block):
                         for at, piece in flats[i].cover(lo + b, min(lo + b + block, lo + dst.size)):
                             at += b
@@ -241,7 +249,7 @@ class RingAllReduce:
             for i in live:
                 dst = outs[i][bounds[i][c]]
                 with s.recv(ring_name(keys[i], "ag", step, left), tag=tag) as chunk:
-                    np.copyto(dst, chunk)
+                    streaming.copy(dst, chunk)         # read next by the optimizer, from memory
                 outgoing[i] = dst                  # forwarded next step (N > 2) from the output itself
 
     def launch(self, j: int, arrays: list) -> None:
