@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo demo-two-hosts test test-host test-rdma clean proto bench bench-models bench-hierarchical soak \
+.PHONY: setup demo demo-two-hosts test test-host test-rdma clean proto bench bench-models bench-hierarchical bench-ring soak \
 	horovod-reference horovodrun-two-hosts
 
 setup:
@@ -46,6 +46,13 @@ bench-hierarchical: setup
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m rdmatensor softroce vm --hosts 2 --ssh --timeout 1400 -- sh -c \
 	    '$(PY) -m tf_plugin.launcher.run -np 4 -H 192.0.2.1:2,192.0.2.2:2 -x TF_CPP_MIN_LOG_LEVEL \
 	         $(PY) -m bench.hierarchical job --sizes 1K,64K,1M,4M --rounds 5 --calls 5'
+
+# The ring's CPU per all-reduce of real models' gradient sets (2 ranks, no model
+# computing): streaming stores and gather writes (what training runs), gather
+# writes alone, and the copy-first ring, side by side in one job (about a minute).
+bench-ring: setup
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m bench.ring_cpu --models resnet50,vgg16,densenet121,mobilenetv2,lstm_lm \
+	    --providers shm,tcp --json docs/ring-cpu.json
 
 # Long runs without leaks: a two-worker training job (Horovod API, a small
 # model) for SOAK_STEPS steps per provider, every rank sampling its RSS,

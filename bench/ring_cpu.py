@@ -132,6 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.rounds < 1 or a.calls < 1:
         p.error("--rounds and --calls must be at least 1")
+    from bench import model_grads
+    from rdmatensor.providers import REGISTRY
+    for what, given, known in (("model", a.models, model_grads.names()), ("provider", a.providers, REGISTRY)):
+        unknown = [x for x in given.split(",") if x not in known]
+        if unknown:
+            p.error(f"unknown {what} {', '.join(unknown)}: choose from {', '.join(known)}")
     rows = []
     for model in a.models.split(","):
         for provider in a.providers.split(","):

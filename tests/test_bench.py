@@ -132,3 +132,20 @@ def test_verbs_bandwidth_and_latency_against_perftest(tmp_path):
     assert rows["bw"]["reference"]["name"] == "ib_write_bw" and rows["bw"]["ratio_to_reference"] > 0
     assert rows["lat"]["reference"]["name"] == "ib_write_lat"
     print(res.stdout)
+
+
+def test_ring_cpu_measures_every_way_with_results_checked(tmp_path):
+    """bench.ring_cpu, short: two ranks all-reduce MobileNetV2's gradients every way,
+    each way's result checked bit for bit against numpy's mean before it is timed."""
+    out = tmp_path / "ring.json"
+    res = subprocess.run([sys.executable, "-m", "bench.ring_cpu", "--models", "mobilenetv2", "--providers", "shm",
+                          "--rounds", "1", "--calls", "1", "--json", str(out)],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["model"] == "mobilenetv2" and row["provider"] == "shm" and row["fused_buckets"] >= 1
+    assert all(row[f"{way}_cpu_ms"] > 0 and row[f"{way}_wall_ms"] > 0 for way in ("stream", "gather", "copy"))
+    assert "| mobilenetv2 | shm |" in res.stdout
+    bad = subprocess.run([sys.executable, "-m", "bench.ring_cpu", "--rounds", "0"], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert bad.returncode == 2 and "--rounds and --calls must be at least 1" in bad.stderr
