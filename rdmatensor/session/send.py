@@ -40,9 +40,7 @@ def _shape_str(shape) -> str:
 
 
 def _fits(spec: TensorSpec, array) -> bool:
-    """Whether `array` (an array, or Pieces of a static tensor) is a value of `spec`."""
-    if isinstance(array, np.ndarray):
-        return spec.matches(array)
+    """Whether `array`, not an ndarray, is a value of `spec`: Pieces of a static tensor."""
     return (isinstance(array, Pieces) and spec.is_static
             and all(isinstance(p, np.ndarray) and p.dtype == spec.dtype and p.flags.c_contiguous for p in array)
             and sum(p.nbytes for p in array) == spec.nbytes)
@@ -89,7 +87,7 @@ class Sender:
 
     def send(self, name: str, array, timeout: float | None = None, tag: int = 0) -> None:
         st = self.credits.send.get(name)
-        if st is None or not _fits(st.spec, array):
+        if st is None or not (st.spec.matches(array) if isinstance(array, np.ndarray) else _fits(st.spec, array)):
             self._refuse(name, array)
         imm = st.imm | tag_bits(tag) if tag else st.imm
         self.credits.take(st, timeout)
@@ -136,7 +134,7 @@ class Sender:
         slots = []
         for name, array in items:                  # bad input refuses the whole call: nothing goes
             st = self.credits.send.get(name)
-            if st is None or not _fits(st.spec, array):
+            if st is None or not (st.spec.matches(array) if isinstance(array, np.ndarray) else _fits(st.spec, array)):
                 self._refuse(name, array)
             slots.append((st, name, array))
         plan = self.ctx.plan
