@@ -24,10 +24,13 @@ in TensorFlow's buffers and the ring reads the bucket through them
 gather write (Pieces: shm copies each straight into the peer's slot, tcp
 hands them to one sendmsg, verbs copies them once into registered staging),
 and the chunks it adds to are added straight from its members. Fusion still
-makes fewer, larger writes (on tcp the per-write cost dominates small models). An average is the sum times 1/N, computed
-as Horovod does (in float32 for float16; integers in float64, truncated), block
-by block right after each block is added, while the block is still in
-cache: dividing before the sum would be as cheap but round differently. Partial sums land in staging, the
+makes fewer, larger writes (on tcp the per-write cost dominates small models).
+An average is the sum times 1/N, computed as Horovod does (in float32 for
+float16; integers in float64, truncated): float32 and float64 sums are added
+and multiplied in one pass (rdmatensor.streaming, with streaming stores for
+large chunks: the all-gather reads them back from memory anyway), other
+dtypes block by block right after each block is added, while it is still in
+cache. Dividing before the sum would be as cheap but round differently. Partial sums land in staging, the
 complete sum of this rank's chunk straight in the output, which the
 all-gather sends from; every other chunk is copied once from its slot into
 the output (and, when N > 2, forwarded from there). The outputs are 64-byte
