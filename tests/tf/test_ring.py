@@ -95,3 +95,17 @@ def test_the_hierarchical_all_reduce_crosses_hosts_in_fewer_steps_and_bytes():
     tree_steps, tree_bytes = across(hierarchical_specs(buckets, Hierarchy.of(hosts)))
     assert (flat_steps, tree_steps) == (6, 2)
     assert tree_bytes == pytest.approx(flat_bytes * 2 / 3, rel=0.01)
+
+
+def test_a_bucket_view_reads_its_members_in_place_with_padding_as_zeros():
+    from rdmatensor import Pieces
+    from tf_plugin.engine.ring import BucketView
+    a, b = np.arange(5, dtype=np.float32), np.arange(3, dtype=np.float32) + 10
+    view = BucketView(200, np.float32, [(0, a), (100, b)])     # padding wider than 64 bytes is zeros too
+    flat = np.concatenate([a, np.zeros(95), b, np.zeros(97)]).astype(np.float32)
+    for lo, hi in [(0, 200), (3, 150), (101, 200), (5, 100), (0, 1), (102, 103)]:
+        pieces = view.cover(lo, hi)
+        assert [at for at, _ in pieces] == list(np.cumsum([0] + [p.size for _, p in pieces[:-1]]))
+        assert np.concatenate([p for _, p in pieces]).tobytes() == flat[lo:hi].tobytes(), (lo, hi)
+    assert np.shares_memory(view.cover(1, 4)[0][1], a)                 # a member is read, not copied
+    assert view.source(1, 4).base is a and isinstance(view.source(3, 150), Pieces)

@@ -72,7 +72,9 @@ class BucketView:
         self.size, self.dtype = size, np.dtype(dtype)
         self._parts = parts                          # [(start, flat member)], in order
         self._starts = [start for start, _ in parts]
-        self._zeros = np.zeros(64, self.dtype)       # padding is under 64 bytes
+        ends = [start + member.size for start, member in parts]
+        gaps = [b - a for a, b in zip([0, *ends], [*self._starts, size], strict=True)]
+        self._zeros = np.zeros(max(gaps, default=0), self.dtype)     # the longest padding (under 64 bytes)
 
     @classmethod
     def of(cls, array: np.ndarray) -> "BucketView":
