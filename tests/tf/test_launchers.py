@@ -33,7 +33,10 @@ BASE.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(ROOT), RDMATENSOR_PROVIDER=
 
 
 def check_ranks(outputs: list[str], n: int) -> None:
-    lines = sorted(line for out in outputs for line in out.splitlines() if line.startswith("rank "))
+    # Found anywhere, not per line: mpirun forwards each rank's output in chunks, and one
+    # rank's newline can come after another rank's text.
+    lines = sorted(m.group(0) for out in outputs
+                   for m in re.finditer(r"rank \d+ of \d+ local \d+/\d+ sum -?\d+(?:\.\d+)?", out))
     want = n * (n + 1) // 2
     assert lines == [f"rank {r} of {n} local {r}/{n} sum {want}" for r in range(n)], outputs
 
