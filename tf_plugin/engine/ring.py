@@ -202,14 +202,14 @@ class RingAllReduce:
         p, left = group.index(me), group[group.index(me) - 1]
         live = [i for i, f in enumerate(flats) if f.size]
         bounds = {i: [slice(lo, hi) for lo, hi in ring_bounds(flats[i].size, n)] for i in live}
-        scale_by = self.size
+        scale = self.size
 
         def finish(chunk):                 # this rank's fully summed chunk, in place
             if chunk.dtype.kind in "fc":       # as Horovod: in the chunk's precision (float32 for float16)
-                np.multiply(chunk, (np.float32 if chunk.dtype == np.float16 else chunk.dtype.type)(1.0 / scale_by),
+                np.multiply(chunk, (np.float32 if chunk.dtype == np.float16 else chunk.dtype.type)(1.0 / scale),
                             out=chunk, casting="same_kind")
             else:                          # integers as Horovod: scaled in float64, truncated back
-                np.copyto(chunk, np.trunc(chunk * (1.0 / scale_by)), casting="unsafe")
+                np.copyto(chunk, np.trunc(chunk * (1.0 / scale)), casting="unsafe")
 
         first = ring_chunk("rs", 0, p, n)
         outgoing = {i: flats[i].source(bounds[i][first].start, bounds[i][first].stop) for i in live}
@@ -219,25 +219,28 @@ class RingAllReduce:
             for i in live:
                 last = step == n - 2
                 dst = outs[i][bounds[i][c]] if last else s.buffer(ring_name(keys[i], "rs", step + 1, me))
-                lo = bounds[i][c].start
-                block = BLOCK if last and divide[i] else max(dst.size, 1)    # divided block by block, in cache
                 with s.recv(ring_name(keys[i], "rs", step, left), tag=tag) as chunk:
-                    if self.combine is np.add and dst.dtype in streaming.FLOATS:     # added and divided in one pass
-                        scale = dst.dtype.type(1.0 / scale_by) if last and divide[i] else None
-                        stream = dst.nbytes >= streaming.STREAM_BYTES
-                        for at, piece in flats[i].cover(lo, lo + dst.size):
-                            part = slice(at, at + piece.size)
-                            streaming.add(dst[part], piece, chunk[part], scale, stream)
-                        outgoing[i] = dst
-                        continue
-                    for b in range(0, dst.size, block):
-                        for at, piece in flats[i].cover(lo + b, min(lo + b + block, lo + dst.size)):
-                            at += b
-                            self.combine(piece, chunk[at:at + piece.size], out=dst[at:at + piece.size])
-                        if last and divide[i]:
-                            finish(dst[b:b + block])
+                    self._combine_into(dst, flats[i], bounds[i][c].start, chunk, finish if last and divide[i] else None)
                 outgoing[i] = dst
         return outgoing
+
+    def _combine_into(self, dst: np.ndarray, flat: BucketView, lo: int, chunk: np.ndarray, finish) -> None:
+        """dst = this rank's elements [lo, lo + dst.size) of `flat` combined with the
+        peer's `chunk`, then finish(dst) (the division by N) where one is given."""
+        if self.combine is np.add and dst.dtype in streaming.FLOATS:     # added and divided in one pass
+            scale = dst.dtype.type(1.0 / self.size) if finish else None    # as finish() multiplies
+            stream = dst.nbytes >= streaming.STREAM_BYTES
+            for at, piece in flat.cover(lo, lo + dst.size):
+                part = slice(at, at + piece.size)
+                streaming.add(dst[part], piece, chunk[part], scale, stream)
+            return
+        block = BLOCK if finish else max(dst.size, 1)      # divided block by block, while still in cache
+        for b in range(0, dst.size, block):
+            for at, piece in flat.cover(lo + b, min(lo + b + block, lo + dst.size)):
+                part = slice(b + at, b + at + piece.size)
+                self.combine(piece, chunk[part], out=dst[part])
+            if finish:
+                finish(dst[b:b + block])
 
     def _all_gather(self, group, keys: list, outs: list, held: dict, tag: int) -> None:
         """The all-gather of a ring over `group`, from this rank's complete chunks
