@@ -3,7 +3,9 @@
 # built module is missing or older than its source, and check that it imports:
 #   - the verbs endpoint (rdmatensor/providers/_verbs_native.c), against libibverbs;
 #   - streaming copies and sums (rdmatensor/_streaming.c), x86-64 only (SSE2):
-#     elsewhere rdmatensor.streaming uses numpy.
+#     elsewhere rdmatensor.streaming uses numpy;
+#   - the shm completion ring (rdmatensor/providers/_ring.c), x86-64 only, as
+#     shm itself (it relies on x86-64's store order).
 # Fails loudly: `make setup` installs what they need (gcc, libibverbs-dev, python3-dev).
 #
 #   scripts/build_native.sh [VENV]      (default: .venv next to this repository)
@@ -32,4 +34,7 @@ if [ "$(uname -m)" = x86_64 ]; then
   build rdmatensor/_streaming.c
   "$py" -c "from rdmatensor import streaming as m; assert m.BUILD_ERROR is None, m.BUILD_ERROR" \
     || { echo "build_native: the streaming extension does not import" >&2; exit 1; }
+  build rdmatensor/providers/_ring.c
+  "$py" -c "from rdmatensor.providers import ring as m; assert m.BUILD_ERROR is None, m.BUILD_ERROR" \
+    || { echo "build_native: the compiled shm ring does not import" >&2; exit 1; }
 fi

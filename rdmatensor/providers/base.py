@@ -13,6 +13,8 @@ regions) -> write()/notify() -> close(). `on_imm(imm)` and `on_lost(error)`
 are called from the channel's own thread or from a thread inside wait_for()
 or progress(); a provider may keep completions until one of those asks for
 them (shm keeps them in its ring). `on_lost` is called at most once.
+`on_imm` returns True when the immediate broke the rules and it reported
+the channel lost: what follows it is not taken in.
 
 What a session needs to know about a provider is in `capabilities`; it never
 asks for a provider by name.
@@ -55,7 +57,7 @@ class Channel(ABC):
     name = "?"
     capabilities = Capabilities()
 
-    def __init__(self, rank: int, peer: int, host: str, on_imm: Callable[[int], None],
+    def __init__(self, rank: int, peer: int, host: str, on_imm: Callable[[int], bool | None],
                  on_lost: Callable[[Exception], None], max_incoming: int = 128):
         # max_incoming: the most immediates that can be in flight towards this
         # side (one DATA per slot it receives, one CREDIT per slot it sends).

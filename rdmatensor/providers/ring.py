@@ -27,11 +27,19 @@ the sleeps lets the producer ring once per sleep, not once per entry while
 the consumer wakes up.
 
 The consumer trusts nothing the producer writes: head is checked against
-tail and the capacity on every read, and the consumer keeps its own tail.
+tail and the capacity on every read, the consumer keeps its own tail, and
+each entry is copied out of shared memory, then checked as a NIC checks a
+write, before its immediate is reported.
+
+The per-message operations (push, drain) are compiled (`_ring.c`, built by
+`make setup`): in Python they were about a third of a round trip. The
+Python ones below do the same where it is not built, or with
+RDMATENSOR_SHM_RING=python.
 """
 from __future__ import annotations
 
 import itertools
+import os
 import platform
 import struct
 import threading
@@ -53,6 +61,18 @@ _HEAD, _TAIL, _SLEEPING = HEAD_AT // 8, TAIL_AT // 8, SLEEPING_AT // 8
 ORDERED_CPU = platform.machine().lower() in ("x86_64", "amd64")
 
 _FENCE = threading.Lock()
+
+RING_ENV = "RDMATENSOR_SHM_RING"     # "python" forces the Python ring where the compiled one is built
+try:
+    from . import _ring as _compiled
+    BUILD_ERROR = None
+except ImportError as exc:            # not built: the Python ring does the same
+    _compiled, BUILD_ERROR = None, str(exc)
+
+
+def compiled() -> bool:
+    """Whether new rings use the compiled operations."""
+    return _compiled is not None and os.environ.get(RING_ENV, "") != "python"
 
 
 def full_fence() -> None:
@@ -82,10 +102,28 @@ class CompletionRing:
         self._mask = entries - 1
         self._bytes = memoryview(memory.buf)
         self._words = self._bytes[:HEADER_BYTES].cast("Q")
-        self.head = 0            # the producer's own count of entries published
+        self._head = 0           # the producer's own count of entries published
         self.rang = 0            # the producer's: the consumer's sleep it last rang the doorbell for
         self.sleeps = 0          # the consumer's: how many times it went to sleep
-        self.tail = 0            # the consumer's own count (never read back from shared memory)
+        self._tail = 0           # the consumer's own count (never read back from shared memory)
+        self._refused: tuple | None = None    # what drain() would not take in: (head,) or an entry
+        self._core = None
+        if compiled():           # the same operations, compiled: bound here, no wrapper call per message
+            self._core = core = _compiled.Ring(self._bytes, entries)
+            self.push, self.drain, self.available = core.push, core.drain, core.available
+            self.sleeping, self.consumer_sleeping = core.sleeping, core.consumer_sleeping
+
+    @property
+    def head(self) -> int:
+        return self._core.head if self._core is not None else self._head
+
+    @property
+    def tail(self) -> int:
+        return self._core.tail if self._core is not None else self._tail
+
+    @property
+    def refused(self) -> tuple | None:
+        return self._core.refused if self._core is not None else self._refused
 
     @property
     def name(self) -> str:
@@ -121,12 +159,12 @@ class CompletionRing:
         the ring is full (a stale tail only makes it look fuller than it is);
         else True if the consumer sleeps and nobody rang its doorbell for this
         sleep yet: ring it (this call counts it as rung)."""
-        head = self.head
+        head = self._head
         if head - self._words[_TAIL] >= self.entries:
             return None
         ENTRY.pack_into(self._bytes, HEADER_BYTES + (head & self._mask) * ENTRY.size,
                         WRITE_MAGIC, region, key, imm, offset, length)
-        self._words[_HEAD] = self.head = head + 1
+        self._words[_HEAD] = self._head = head + 1
         _FENCE.acquire()         # full_fence(), inline: head stored before `sleeping` is read
         _FENCE.release()
         sleep = self._words[_SLEEPING]
@@ -139,43 +177,72 @@ class CompletionRing:
         return self._words[_SLEEPING] != 0
 
     # -- the consumer -----------------------------------------------------
-    def waiting(self, peer: int, most: int) -> tuple[int, Iterator[tuple]]:
-        """How many entries wait (up to `most`), and an iterator that copies
-        each out of shared memory before anyone checks it (consumed() once
-        they are taken in). A head that went backwards or past the capacity
-        is the producer's fault."""
-        tail = self.tail
-        n = self._words[_HEAD] - tail
+    def drain(self, most: int, local: dict, on_imm) -> int:
+        """Take in up to `most` entries: each copied out of shared memory, checked
+        against `local` (region id -> (arena, key), the channel's exposed
+        regions) as a NIC checks a write, then reported with on_imm(imm), whose
+        true result means the channel is lost (take in no more). How many were
+        taken in; -1, with `refused` set, when the next entry or head itself is
+        the producer's fault (that entry is not taken in)."""
+        tail = self._tail
+        head = self._words[_HEAD]
+        n = head - tail
         if not n:
-            return 0, iter(())
+            return 0
         if not 0 < n <= self.entries:
-            raise RefusedWrite(f"peer {peer} moved its completion ring's head to {self._words[_HEAD]} "
-                               f"(consumed {tail}, {self.entries} entries)", peer=peer)
+            self._refused = (head,)
+            return -1
         n = min(n, most)
         first = tail & self._mask
         start = HEADER_BYTES + first * ENTRY.size
         if first + n <= self.entries:
-            return n, ENTRY.iter_unpack(self._bytes[start:start + n * ENTRY.size])
-        wrapped = first + n - self.entries
-        return n, itertools.chain(ENTRY.iter_unpack(self._bytes[start:HEADER_BYTES + self.entries * ENTRY.size]),
-                                  ENTRY.iter_unpack(self._bytes[HEADER_BYTES:HEADER_BYTES + wrapped * ENTRY.size]))
+            entries = ENTRY.iter_unpack(self._bytes[start:start + n * ENTRY.size])
+        else:
+            wrapped = first + n - self.entries
+            entries = itertools.chain(ENTRY.iter_unpack(self._bytes[start:HEADER_BYTES + self.entries * ENTRY.size]),
+                                      ENTRY.iter_unpack(self._bytes[HEADER_BYTES:HEADER_BYTES + wrapped * ENTRY.size]))
+        taken = 0
+        try:
+            for entry in entries:
+                magic, region, key, imm, offset, length = entry
+                if magic != WRITE_MAGIC or (length and not _lands(local.get(region), key, offset, length)):
+                    self._refused = entry
+                    return -1
+                taken += 1
+                if on_imm(imm):
+                    break
+            return taken
+        finally:
+            if taken:
+                self._tail += taken
+                self._words[_TAIL] = self._tail
 
-    def consumed(self, n: int) -> None:
-        self.tail += n
-        self._words[_TAIL] = self.tail
+    def available(self) -> int:
+        """How many entries wait; -1 when head is not to be believed."""
+        n = self._words[_HEAD] - self._tail
+        return n if 0 <= n <= self.entries else -1
 
     def sleeping(self, flag: bool) -> None:
-        """Say that the consumer goes to sleep (a new sleep's number), or is awake."""
+        """Say that the consumer goes to sleep (a new sleep's number, then a
+        full barrier before the caller's last look at head), or is awake."""
         if flag:
             self.sleeps += 1
             self._words[_SLEEPING] = self.sleeps
+            full_fence()
         else:
             self._words[_SLEEPING] = 0
 
     def close(self) -> None:
+        if self._core is not None:
+            self._core.close()
         try:
             self._words.release()
             self._bytes.release()
         except BufferError:
             pass                 # a write still in flight holds it: the mapping goes when that ends
         self.memory.close()
+
+
+def _lands(entry: tuple | None, key: int, offset: int, length: int) -> bool:
+    """check_local()'s test, for an (arena, key) entry of the channel's exposed regions."""
+    return entry is not None and key == entry[1] and offset + length <= entry[0].size

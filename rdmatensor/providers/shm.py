@@ -21,10 +21,10 @@ import time
 import numpy as np
 
 from .. import streaming
-from ..errors import ForeignSegment, PeerLost, RdmaTensorError, TransportError
+from ..errors import ForeignSegment, PeerLost, RdmaTensorError, RefusedWrite, TransportError
 from ..memory import Arena, MappedArena
-from .base import WRITE_MAGIC, Capabilities, Pieces
-from .ring import ORDERED_CPU, CompletionRing, full_fence
+from .base import Capabilities, Pieces
+from .ring import ORDERED_CPU, CompletionRing
 from .stream import StreamChannel
 
 SPIN_SECONDS = 50e-6       # a waiter polls its ring this long before it sleeps
@@ -194,29 +194,29 @@ class ShmChannel(StreamChannel):
         return found
 
     def _drain(self) -> int:
-        """Take in every completion in the ring: each checked like a NIC, then reported."""
+        """Take in a batch of completions: each checked like a NIC, then reported."""
         ring = self._ring_in
-        n, entries = ring.waiting(self.peer, DRAIN_BATCH)
-        if n:
-            on_imm = self.on_imm
-            for magic, region, key, imm, offset, length in entries:
-                if magic != WRITE_MAGIC:
-                    self.land(magic, region, key, offset, length)      # refuses it
-                if length:
-                    self.check_local(region, key, offset, length)     # land()'s other check, inline
-                on_imm(imm)
-                if self._lost:
-                    break
-            ring.consumed(n)
+        n = ring.drain(DRAIN_BATCH, self.local, self.on_imm)
+        if n < 0:
+            self._refuse(ring.refused)
         return n
+
+    def _refuse(self, refused: tuple) -> None:
+        """The typed error for what the ring would not take in: a head that went
+        backwards or past the capacity, or an entry that fails land()."""
+        if len(refused) == 1:
+            raise RefusedWrite(f"peer {self.peer} moved its completion ring's head to {refused[0]} "
+                               f"(consumed {self._ring_in.tail}, {self._ring_in.entries} entries)", peer=self.peer)
+        magic, region, key, _, offset, length = refused
+        self.land(magic, region, key, offset, length)
+        raise RefusedWrite(f"peer {self.peer} wrote a completion that does not land", peer=self.peer)
 
     def _sleep(self, remaining: float) -> None:
         """Sleep on the doorbell, once the ring says so and is still empty."""
         ring = self._ring_in
-        ring.sleeping(True)
+        ring.sleeping(True)              # and a full barrier before the last look at head (ring.py)
         try:
-            full_fence()                 # `sleeping` stored before the last look at head (ring.py)
-            if ring.waiting(self.peer, 1)[0]:
+            if ring.available():
                 return
             for _, events in self._doorbell.poll(math.ceil(min(remaining, SLEEP_SLICE) * 1000)):
                 if events & select.POLLIN:

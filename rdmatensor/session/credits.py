@@ -135,8 +135,9 @@ class Credits:
         return states[index] if 0 <= index < len(states) else None
 
     # -- immediates -------------------------------------------------------
-    def on_imm(self, peer: int, imm: int) -> None:
-        """An immediate from `peer`: DATA hands a slot to this side, CREDIT gives one back."""
+    def on_imm(self, peer: int, imm: int) -> bool | None:
+        """An immediate from `peer`: DATA hands a slot to this side, CREDIT gives one back.
+        True when it broke the rules: the channel is reported lost, and takes in no more."""
         kind, index = imm >> 30, imm & (MAX_SLOTS - 1)      # split_imm(), inline: once per tensor
         try:
             slots = (self._recv_by_index if kind == IMM_DATA else self._send_by_index).get(peer, ())
@@ -148,6 +149,7 @@ class Credits:
                 slots[index].credit.set()
         except RemoteError as exc:
             self.ctx.channels[peer].lost(exc)
+            return True
 
     # -- the sender's side ------------------------------------------------
     def take(self, st: SendSlot, timeout: float | None) -> None:

@@ -1,10 +1,14 @@
 """The shm completion ring (providers/ring.py) between two real channels:
 entries wrap around, a full ring holds the sender back until the receiver
 takes in, a sleeping receiver is woken by its doorbell (not by a timeout),
-and a peer killed while the receiver sleeps is reported at once."""
+and a peer killed while the receiver sleeps is reported at once. Every test
+runs on the compiled ring (_ring.c) and on the Python one, and the two take
+in the same entries and refuse the same ones."""
 from __future__ import annotations
 
 import os
+import platform
+import random
 import signal
 import struct
 import threading
@@ -16,12 +20,25 @@ import pytest
 from rdmatensor import PeerLost, connect
 from rdmatensor.memory import Arena
 from rdmatensor.providers import shm
-from rdmatensor.providers.ring import MIN_ENTRIES, SLEEPING_AT, TAIL_AT
+from rdmatensor.providers import ring as ring_mod
+from rdmatensor.providers.base import WRITE_MAGIC
+from rdmatensor.providers.ring import ENTRY, HEAD_AT, HEADER_BYTES, MIN_ENTRIES, RING_ENV, SLEEPING_AT, TAIL_AT, CompletionRing
 from rdmatensor.providers.shm import ShmChannel
 
 from .peer_proc import TOKEN, fault_plan
 from .test_faults import _spawn, _wait_line
 from ..support.ranks import free_ports
+
+
+@pytest.fixture(params=["compiled", "python"])
+def ring_kind(request, monkeypatch):
+    """Every test here, on either ring; the compiled one must be built where shm runs."""
+    if request.param == "compiled":
+        assert platform.machine() != "x86_64" or ring_mod.BUILD_ERROR is None, ring_mod.BUILD_ERROR
+        monkeypatch.delenv(RING_ENV, raising=False)
+    else:
+        monkeypatch.setenv(RING_ENV, "python")
+    return request.param
 
 
 class Pair:
@@ -59,13 +76,14 @@ class Pair:
 
 
 @pytest.fixture
-def pair():
+def pair(ring_kind):
     p = Pair()
     yield p
     p.close()
 
 
-def test_entries_wrap_around_in_order_with_their_payloads(pair):
+def test_entries_wrap_around_in_order_with_their_payloads(pair, ring_kind):
+    assert (pair.b._ring_in._core is not None) == (ring_kind == "compiled")
     entries = pair.b._ring_in.entries
     assert entries == MIN_ENTRIES
     n = entries * 4 + 7
@@ -138,7 +156,7 @@ def test_the_receiver_trusts_its_own_tail_and_ignores_a_scribbled_sleep_word(pai
     assert not pair.lost[1]
 
 
-def test_a_peer_killed_while_the_receiver_sleeps_is_reported_at_once():
+def test_a_peer_killed_while_the_receiver_sleeps_is_reported_at_once(ring_kind):
     ports = free_ports(2)
     peers = {0: f"127.0.0.1:{ports[0]}", 1: f"127.0.0.1:{ports[1]}"}
     proc = _spawn("idle", "shm", ports)
@@ -172,7 +190,7 @@ def test_a_peer_killed_while_the_receiver_sleeps_is_reported_at_once():
     assert detected < 0.5
 
 
-def test_everything_completed_before_the_peer_hangs_up_is_delivered_first():
+def test_everything_completed_before_the_peer_hangs_up_is_delivered_first(ring_kind):
     """More completions than one batch wait in the ring when the writer's end
     closes: the receiver takes in every one, in order, and only then reports
     the loss."""
@@ -189,3 +207,86 @@ def test_everything_completed_before_the_peer_hangs_up_is_delivered_first():
         assert len(pair.lost[1]) == 1 and isinstance(pair.lost[1][0], PeerLost)
     finally:
         pair.close()
+
+
+class Region:
+    size = 4096
+
+
+def test_both_rings_take_in_the_same_entries_and_refuse_the_same_one():
+    """Random entries, most valid, some not (magic, region, key, bounds, an
+    offset that overflows), produced by hand: the compiled and the Python
+    drain() report the same immediates, stop at the same entry, refuse it
+    the same way, and leave the same tail."""
+    local = {0: (Region(), 77), 3: (Region(), 5)}
+    rng = random.Random(7)
+    seen = set()
+    for trial in range(300):
+        results = []
+        script = [rng.random() for _ in range(8)]
+        for kind in ("compiled", "python"):
+            os.environ[RING_ENV] = "" if kind == "compiled" else "python"
+            try:
+                ring = CompletionRing.create(64)
+            finally:
+                os.environ.pop(RING_ENV, None)
+            assert (ring._core is not None) == (kind == "compiled")
+            r = random.Random(trial)
+            n = r.randrange(1, 70)
+            head = 0
+            for i in range(n):
+                magic, region, key, off, length = WRITE_MAGIC, r.choice([0, 3]), 0, r.randrange(4096), 0
+                key = local[region][1]
+                length = r.randrange(0, 4096 - off + 1)
+                bad = r.random()
+                if bad < 0.03:
+                    magic ^= 1
+                elif bad < 0.06:
+                    region = 9
+                elif bad < 0.09:
+                    key += 1
+                elif bad < 0.12:
+                    length = 4097 - off
+                elif bad < 0.14:
+                    off, length = 2 ** 64 - 8, 16
+                if i < 64:
+                    ENTRY.pack_into(ring.memory.buf, HEADER_BYTES + i * ENTRY.size, magic, region, key, i, off, length)
+                    head = i + 1
+            struct.pack_into("<Q", ring.memory.buf, HEAD_AT, head if script[0] > 0.05 else 2 ** 64 - 1)
+            got = []
+            stop_at = r.randrange(0, 80)
+            taken = []
+            while True:
+                k = ring.drain(r.randrange(1, 20), local, lambda imm: got.append(imm) or len(got) == stop_at)
+                taken.append(k)
+                if k <= 0 or len(got) == stop_at:
+                    break
+            results.append((got, taken, ring.refused, ring.tail, ring.available()))
+            ring.close()
+        assert results[0] == results[1], trial
+        refused = results[0][2]
+        seen.add("bad head" if refused and len(refused) == 1 else "bad entry" if refused else
+                 "stopped by on_imm" if results[0][1][-1] > 0 else "all taken in")
+    assert seen == {"bad head", "bad entry", "stopped by on_imm", "all taken in"}, seen
+
+
+def test_the_compiled_ring_refuses_bad_arguments():
+    assert ring_mod.BUILD_ERROR is None, ring_mod.BUILD_ERROR     # make setup builds it (x86-64)
+    ring = CompletionRing.create(64)
+    core = ring._core
+    with pytest.raises(OverflowError):
+        core.push(2 ** 31, 0, 0, 0, 0)
+    with pytest.raises(OverflowError):
+        core.push(0, 2 ** 32, 0, 0, 0)
+    with pytest.raises(TypeError):
+        core.push(0, 0, 0)
+    with pytest.raises(TypeError):
+        core.drain(1, [], print)
+    assert ring.head == 0                           # nothing was written
+    with pytest.raises(ValueError):
+        ring_mod._compiled.Ring(bytearray(300), 64)  # too small for 64 entries
+    with pytest.raises(ValueError):
+        ring_mod._compiled.Ring(bytearray(4096), 48)  # not a power of two
+    ring.close()
+    with pytest.raises(ValueError):
+        core.push(0, 0, 0, 0, 0)                    # closed: the memory is gone

@@ -1,0 +1,343 @@
+/* The shm completion ring's per-message operations, compiled (ring.py has
+ * the layout, the ordering argument and the same operations in Python).
+ *
+ * Per message, the Python ring packed a struct, took a lock as a fence, and
+ * the consumer unpacked, checked and dispatched each entry in a Python loop:
+ * about a third of a round trip.  Here push() is one 32-byte store, head's
+ * store and one mfence; drain() copies each entry out of shared memory,
+ * checks it as a NIC would (region exposed, key, bounds, from the same
+ * `local` table the channel keeps) and calls on_imm with its immediate.
+ * An entry that fails a check is not consumed: drain() returns -1 and leaves
+ * it in `refused`, so that the channel raises its own typed error for it.
+ * Everything runs under the GIL, as the Python version did.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define WRITE_MAGIC 0x52445457u
+#define HEAD_AT 64
+#define TAIL_AT 128
+#define SLEEPING_AT 192
+#define HEADER_BYTES 256
+
+typedef struct {            /* stream.py's WRITE_HEADER "<IiIIQQ" (x86-64 is little-endian) */
+    uint32_t magic;
+    int32_t region;
+    uint32_t key;
+    uint32_t imm;
+    uint64_t offset;
+    uint64_t length;
+} entry_t;
+
+_Static_assert(sizeof(entry_t) == 32, "one ring entry is 32 bytes");
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer view;
+    int has_view;
+    char *entry0;
+    uint64_t *head_word, *tail_word, *sleeping_word;
+    uint64_t entries, mask;
+    uint64_t head;           /* the producer's own count of entries published */
+    uint64_t rang;           /* the producer's: the sleep it last rang the doorbell for */
+    uint64_t sleeps;         /* the consumer's: how many times it went to sleep */
+    uint64_t tail;           /* the consumer's own count (never read back from shared memory) */
+    PyObject *refused;       /* the entry drain() would not take in, as a tuple */
+} Ring;
+
+static PyObject *size_name;
+
+static int Ring_init(Ring *self, PyObject *args, PyObject *kw) {
+    PyObject *buf;
+    unsigned long long entries;
+    static char *names[] = {"buffer", "entries", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OK", names, &buf, &entries))
+        return -1;
+    if (self->has_view) {
+        PyErr_SetString(PyExc_RuntimeError, "a Ring is initialized once");
+        return -1;
+    }
+    if (entries == 0 || (entries & (entries - 1))) {
+        PyErr_Format(PyExc_ValueError, "a ring's entries are a power of two, not %llu", entries);
+        return -1;
+    }
+    if (PyObject_GetBuffer(buf, &self->view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    self->has_view = 1;
+    if ((uint64_t)self->view.len < HEADER_BYTES + entries * sizeof(entry_t)) {
+        PyErr_Format(PyExc_ValueError, "%zd bytes hold no ring of %llu entries", self->view.len, entries);
+        return -1;
+    }
+    if ((uintptr_t)self->view.buf % 64) {
+        PyErr_SetString(PyExc_ValueError, "a ring's memory starts on a cache line");
+        return -1;
+    }
+    char *base = self->view.buf;
+    self->head_word = (uint64_t *)(base + HEAD_AT);
+    self->tail_word = (uint64_t *)(base + TAIL_AT);
+    self->sleeping_word = (uint64_t *)(base + SLEEPING_AT);
+    self->entry0 = base + HEADER_BYTES;
+    self->entries = entries;
+    self->mask = entries - 1;
+    return 0;
+}
+
+static int live(Ring *self) {
+    if (self->has_view)
+        return 1;
+    PyErr_SetString(PyExc_ValueError, "the ring is closed");
+    return 0;
+}
+
+/* push(region, key, imm, offset, length): None (nothing written) while full;
+ * else True if the consumer sleeps and nobody rang for this sleep yet. */
+static PyObject *Ring_push(Ring *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "push(region, key, imm, offset, length)");
+        return NULL;
+    }
+    if (!live(self))
+        return NULL;
+    entry_t e;
+    long region = PyLong_AsLong(args[0]);
+    unsigned long key = PyLong_AsUnsignedLong(args[1]);
+    unsigned long imm = PyLong_AsUnsignedLong(args[2]);
+    unsigned long long offset = PyLong_AsUnsignedLongLong(args[3]);
+    unsigned long long length = PyLong_AsUnsignedLongLong(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (region < INT32_MIN || region > INT32_MAX || key > UINT32_MAX || imm > UINT32_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "a ring entry's region, key and immediate are 32-bit");
+        return NULL;
+    }
+    uint64_t head = self->head;
+    if (head - __atomic_load_n(self->tail_word, __ATOMIC_ACQUIRE) >= self->entries)
+        Py_RETURN_NONE;
+    e.magic = WRITE_MAGIC;
+    e.region = (int32_t)region;
+    e.key = (uint32_t)key;
+    e.imm = (uint32_t)imm;
+    e.offset = offset;
+    e.length = length;
+    memcpy(self->entry0 + (head & self->mask) * sizeof(entry_t), &e, sizeof e);
+    self->head = head + 1;
+    __atomic_store_n(self->head_word, head + 1, __ATOMIC_RELEASE);
+    /* head stored before `sleeping` is read: the consumer does the mirror image */
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    uint64_t sleep = __atomic_load_n(self->sleeping_word, __ATOMIC_ACQUIRE);
+    if (!sleep || sleep == self->rang)
+        Py_RETURN_FALSE;
+    self->rang = sleep;
+    Py_RETURN_TRUE;
+}
+
+/* Whether `local` (region id -> (arena, key)) lets the entry land. */
+static int lands(const entry_t *e, PyObject *local) {
+    if (e->magic != WRITE_MAGIC)
+        return 0;
+    if (!e->length)
+        return 1;                /* an immediate alone names no region, as in RDMA */
+    PyObject *id = PyLong_FromLong(e->region);
+    if (!id)
+        return -1;
+    PyObject *pair = PyDict_GetItemWithError(local, id);   /* borrowed */
+    Py_DECREF(id);
+    if (!pair)
+        return PyErr_Occurred() ? -1 : 0;
+    if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+        PyErr_SetString(PyExc_TypeError, "the local regions map region ids to (arena, key)");
+        return -1;
+    }
+    unsigned long want = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(pair, 1));
+    if (want == (unsigned long)-1 && PyErr_Occurred())
+        return -1;
+    if (want != e->key)
+        return 0;
+    PyObject *size_obj = PyObject_GetAttr(PyTuple_GET_ITEM(pair, 0), size_name);
+    if (!size_obj)
+        return -1;
+    unsigned long long size = PyLong_AsUnsignedLongLong(size_obj);
+    Py_DECREF(size_obj);
+    if (size == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    return e->length <= size && e->offset <= size - e->length;
+}
+
+/* drain(most, local, on_imm): take in up to `most` entries, each checked,
+ * then reported (on_imm(imm); a true result means the channel is lost: take
+ * in nothing more).  How many were taken in; -1 when the next entry, or the
+ * head itself, is the producer's fault (`refused` says which). */
+static PyObject *Ring_drain(Ring *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "drain(most, local, on_imm)");
+        return NULL;
+    }
+    if (!live(self))
+        return NULL;
+    Py_ssize_t most = PyLong_AsSsize_t(args[0]);
+    if (most == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *local = args[1], *on_imm = args[2];
+    if (!PyDict_Check(local)) {
+        PyErr_SetString(PyExc_TypeError, "drain()'s local regions are a dict");
+        return NULL;
+    }
+    uint64_t head = __atomic_load_n(self->head_word, __ATOMIC_ACQUIRE);
+    uint64_t n = head - self->tail;
+    if (!n)
+        return PyLong_FromLong(0);
+    if (n > self->entries) {
+        Py_XSETREF(self->refused, Py_BuildValue("(K)", (unsigned long long)head));
+        return PyLong_FromLong(-1);
+    }
+    if ((uint64_t)most < n)
+        n = most;
+    uint64_t taken = 0;
+    PyObject *result = NULL;
+    while (taken < n) {
+        entry_t e;               /* copied out before it is checked: the producer may scribble on it */
+        memcpy(&e, self->entry0 + ((self->tail + taken) & self->mask) * sizeof(entry_t), sizeof e);
+        int ok = lands(&e, local);
+        if (ok < 0)
+            goto done;
+        if (!ok) {
+            Py_XSETREF(self->refused, Py_BuildValue("(IiIIKK)", e.magic, e.region, e.key, e.imm,
+                                                    (unsigned long long)e.offset, (unsigned long long)e.length));
+            result = self->refused ? PyLong_FromLong(-1) : NULL;
+            goto done;
+        }
+        PyObject *imm = PyLong_FromUnsignedLong(e.imm);
+        if (!imm)
+            goto done;
+        PyObject *said = PyObject_CallOneArg(on_imm, imm);
+        Py_DECREF(imm);
+        taken++;
+        if (!said)
+            goto done;
+        int stop = said != Py_None && PyObject_IsTrue(said);
+        Py_DECREF(said);
+        if (stop)
+            break;
+    }
+    result = PyLong_FromUnsignedLongLong(taken);
+done:
+    if (taken) {
+        self->tail += taken;
+        __atomic_store_n(self->tail_word, self->tail, __ATOMIC_RELEASE);
+    }
+    return result;
+}
+
+/* How many entries wait; -1 when head is not to be believed. */
+static PyObject *Ring_available(Ring *self, PyObject *unused) {
+    if (!live(self))
+        return NULL;
+    uint64_t n = __atomic_load_n(self->head_word, __ATOMIC_ACQUIRE) - self->tail;
+    return PyLong_FromLongLong(n > self->entries ? -1 : (long long)n);
+}
+
+/* sleeping(True): a new sleep's number is stored, then a full barrier, so the
+ * consumer's next look at head sees any entry whose producer missed it. */
+static PyObject *Ring_sleeping(Ring *self, PyObject *flag) {
+    if (!live(self))
+        return NULL;
+    int asleep = PyObject_IsTrue(flag);
+    if (asleep < 0)
+        return NULL;
+    if (asleep) {
+        __atomic_store_n(self->sleeping_word, ++self->sleeps, __ATOMIC_RELEASE);
+        __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    } else {
+        __atomic_store_n(self->sleeping_word, 0, __ATOMIC_RELEASE);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Ring_consumer_sleeping(Ring *self, PyObject *unused) {
+    if (!live(self))
+        return NULL;
+    return PyBool_FromLong(__atomic_load_n(self->sleeping_word, __ATOMIC_ACQUIRE) != 0);
+}
+
+static PyObject *Ring_close(Ring *self, PyObject *unused) {
+    if (self->has_view) {
+        self->has_view = 0;
+        PyBuffer_Release(&self->view);
+    }
+    Py_RETURN_NONE;
+}
+
+static void Ring_dealloc(Ring *self) {
+    if (self->has_view)
+        PyBuffer_Release(&self->view);
+    Py_XDECREF(self->refused);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Ring_get_refused(Ring *self, void *unused) {
+    PyObject *r = self->refused ? self->refused : Py_None;
+    Py_INCREF(r);
+    return r;
+}
+
+#define COUNTER(field)                                                                   \
+    static PyObject *Ring_get_##field(Ring *self, void *unused) {                        \
+        return PyLong_FromUnsignedLongLong(self->field);                                 \
+    }
+COUNTER(head)
+COUNTER(tail)
+COUNTER(entries)
+
+static PyGetSetDef Ring_getset[] = {
+    {"head", (getter)Ring_get_head, NULL, "entries this producer published", NULL},
+    {"tail", (getter)Ring_get_tail, NULL, "entries this consumer took in", NULL},
+    {"entries", (getter)Ring_get_entries, NULL, "the ring's capacity", NULL},
+    {"refused", (getter)Ring_get_refused, NULL,
+     "what the last drain() returning -1 would not take in: (head,) or an entry", NULL},
+    {NULL},
+};
+
+static PyMethodDef Ring_methods[] = {
+    {"push", (PyCFunction)(void (*)(void))Ring_push, METH_FASTCALL, "push(region, key, imm, offset, length)"},
+    {"drain", (PyCFunction)(void (*)(void))Ring_drain, METH_FASTCALL, "drain(most, local, on_imm) -> taken, or -1"},
+    {"available", (PyCFunction)Ring_available, METH_NOARGS, "entries waiting, or -1"},
+    {"sleeping", (PyCFunction)Ring_sleeping, METH_O, "sleeping(flag)"},
+    {"consumer_sleeping", (PyCFunction)Ring_consumer_sleeping, METH_NOARGS, "whether the consumer sleeps"},
+    {"close", (PyCFunction)Ring_close, METH_NOARGS, "let go of the ring's memory"},
+    {NULL},
+};
+
+static PyTypeObject RingType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "rdmatensor.providers._ring.Ring",
+    .tp_basicsize = sizeof(Ring),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Ring(buffer, entries): one side of an shm completion ring",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Ring_init,
+    .tp_dealloc = (destructor)Ring_dealloc,
+    .tp_methods = Ring_methods,
+    .tp_getset = Ring_getset,
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_ring", "The shm completion ring, compiled.", -1, NULL};
+
+PyMODINIT_FUNC PyInit__ring(void) {
+    if (PyType_Ready(&RingType) < 0)
+        return NULL;
+    size_name = PyUnicode_InternFromString("size");
+    if (!size_name)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m)
+        return NULL;
+    Py_INCREF(&RingType);
+    if (PyModule_AddObject(m, "Ring", (PyObject *)&RingType) < 0) {
+        Py_DECREF(&RingType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
