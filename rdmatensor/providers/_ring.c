@@ -13,8 +13,10 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <sched.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #define WRITE_MAGIC 0x52445457u
 #define HEAD_AT 64
@@ -165,37 +167,23 @@ static int lands(const entry_t *e, PyObject *local) {
     return e->length <= size && e->offset <= size - e->length;
 }
 
-/* drain(most, local, on_imm): take in up to `most` entries, each checked,
- * then reported (on_imm(imm); a true result means the channel is lost: take
- * in nothing more).  How many were taken in; -1 when the next entry, or the
- * head itself, is the producer's fault (`refused` says which). */
-static PyObject *Ring_drain(Ring *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "drain(most, local, on_imm)");
-        return NULL;
-    }
-    if (!live(self))
-        return NULL;
-    Py_ssize_t most = PyLong_AsSsize_t(args[0]);
-    if (most == -1 && PyErr_Occurred())
-        return NULL;
-    PyObject *local = args[1], *on_imm = args[2];
-    if (!PyDict_Check(local)) {
-        PyErr_SetString(PyExc_TypeError, "drain()'s local regions are a dict");
-        return NULL;
-    }
+/* Take in up to `most` entries, each checked, then reported (on_imm(imm); a
+ * true result means the channel is lost: take in nothing more).  How many
+ * were taken in; -1 when the next entry, or head itself, is the producer's
+ * fault (`refused` says which); -2 with a Python error set. */
+static long long drain_some(Ring *self, uint64_t most, PyObject *local, PyObject *on_imm, int *stop) {
     uint64_t head = __atomic_load_n(self->head_word, __ATOMIC_ACQUIRE);
     uint64_t n = head - self->tail;
     if (!n)
-        return PyLong_FromLong(0);
+        return 0;
     if (n > self->entries) {
         Py_XSETREF(self->refused, Py_BuildValue("(K)", (unsigned long long)head));
-        return PyLong_FromLong(-1);
+        return self->refused ? -1 : -2;
     }
-    if ((uint64_t)most < n)
+    if (most < n)
         n = most;
     uint64_t taken = 0;
-    PyObject *result = NULL;
+    long long result = -2;
     while (taken < n) {
         entry_t e;               /* copied out before it is checked: the producer may scribble on it */
         memcpy(&e, self->entry0 + ((self->tail + taken) & self->mask) * sizeof(entry_t), sizeof e);
@@ -205,7 +193,7 @@ static PyObject *Ring_drain(Ring *self, PyObject *const *args, Py_ssize_t nargs)
         if (!ok) {
             Py_XSETREF(self->refused, Py_BuildValue("(IiIIKK)", e.magic, e.region, e.key, e.imm,
                                                     (unsigned long long)e.offset, (unsigned long long)e.length));
-            result = self->refused ? PyLong_FromLong(-1) : NULL;
+            result = self->refused ? -1 : -2;
             goto done;
         }
         PyObject *imm = PyLong_FromUnsignedLong(e.imm);
@@ -216,18 +204,112 @@ static PyObject *Ring_drain(Ring *self, PyObject *const *args, Py_ssize_t nargs)
         taken++;
         if (!said)
             goto done;
-        int stop = said != Py_None && PyObject_IsTrue(said);
+        *stop = said != Py_None && PyObject_IsTrue(said);
         Py_DECREF(said);
-        if (stop)
+        if (*stop)
             break;
     }
-    result = PyLong_FromUnsignedLongLong(taken);
+    result = (long long)taken;
 done:
     if (taken) {
         self->tail += taken;
         __atomic_store_n(self->tail_word, self->tail, __ATOMIC_RELEASE);
     }
     return result;
+}
+
+static int drain_args(Ring *self, PyObject *const *args, uint64_t *most, PyObject **local) {
+    if (!live(self))
+        return -1;
+    Py_ssize_t m = PyLong_AsSsize_t(args[0]);
+    if (m == -1 && PyErr_Occurred())
+        return -1;
+    if (m < 1) {
+        PyErr_SetString(PyExc_ValueError, "drain at least one entry at a time");
+        return -1;
+    }
+    if (!PyDict_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "the local regions are a dict");
+        return -1;
+    }
+    *most = (uint64_t)m;
+    *local = args[1];
+    return 0;
+}
+
+/* drain(most, local, on_imm): drain_some() once. */
+static PyObject *Ring_drain(Ring *self, PyObject *const *args, Py_ssize_t nargs) {
+    uint64_t most;
+    PyObject *local;
+    int stop = 0;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "drain(most, local, on_imm)");
+        return NULL;
+    }
+    if (drain_args(self, args, &most, &local) < 0)
+        return NULL;
+    long long n = drain_some(self, most, local, args[2], &stop);
+    return n == -2 ? NULL : PyLong_FromLongLong(n);
+}
+
+static PyObject *is_set_name;
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+/* poll(event, most, local, on_imm, seconds): drain until event.is_set() (an
+ * event of None: until any entry was taken in), the channel is lost, or
+ * `seconds` passed, yielding the core between looks (with the GIL released,
+ * so that the channel's other threads run).  How many were taken in; -1 as
+ * drain(). */
+static PyObject *Ring_poll(Ring *self, PyObject *const *args, Py_ssize_t nargs) {
+    uint64_t most;
+    PyObject *local;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "poll(event, most, local, on_imm, seconds)");
+        return NULL;
+    }
+    PyObject *event = args[0];
+    double seconds = PyFloat_AsDouble(args[4]);
+    if (seconds == -1.0 && PyErr_Occurred())
+        return NULL;
+    if (drain_args(self, args + 1, &most, &local) < 0)
+        return NULL;
+    double until = 0.0;
+    long long found = 0;
+    for (;;) {
+        int stop = 0;
+        long long n = drain_some(self, most, local, args[3], &stop);
+        if (n < 0)
+            return n == -2 ? NULL : PyLong_FromLong(-1);
+        found += n;
+        if (stop)
+            break;
+        if (event == Py_None) {
+            if (found)
+                break;
+        } else {                 /* set by an entry, or by another thread (a loss wakes every waiter) */
+            PyObject *set = PyObject_CallMethodNoArgs(event, is_set_name);
+            if (!set)
+                return NULL;
+            int done = PyObject_IsTrue(set);
+            Py_DECREF(set);
+            if (done)
+                break;
+        }
+        double t = now();
+        if (!until)
+            until = t + seconds;
+        else if (t >= until)
+            break;
+        Py_BEGIN_ALLOW_THREADS
+        sched_yield();           /* a peer sharing this core runs now, not at the next tick */
+        Py_END_ALLOW_THREADS
+    }
+    return PyLong_FromLongLong(found);
 }
 
 /* How many entries wait; -1 when head is not to be believed. */
@@ -302,6 +384,8 @@ static PyGetSetDef Ring_getset[] = {
 static PyMethodDef Ring_methods[] = {
     {"push", (PyCFunction)(void (*)(void))Ring_push, METH_FASTCALL, "push(region, key, imm, offset, length)"},
     {"drain", (PyCFunction)(void (*)(void))Ring_drain, METH_FASTCALL, "drain(most, local, on_imm) -> taken, or -1"},
+    {"poll", (PyCFunction)(void (*)(void))Ring_poll, METH_FASTCALL,
+     "poll(event, most, local, on_imm, seconds) -> taken, or -1"},
     {"available", (PyCFunction)Ring_available, METH_NOARGS, "entries waiting, or -1"},
     {"sleeping", (PyCFunction)Ring_sleeping, METH_O, "sleeping(flag)"},
     {"consumer_sleeping", (PyCFunction)Ring_consumer_sleeping, METH_NOARGS, "whether the consumer sleeps"},
@@ -328,7 +412,8 @@ PyMODINIT_FUNC PyInit__ring(void) {
     if (PyType_Ready(&RingType) < 0)
         return NULL;
     size_name = PyUnicode_InternFromString("size");
-    if (!size_name)
+    is_set_name = PyUnicode_InternFromString("is_set");
+    if (!size_name || !is_set_name)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m)

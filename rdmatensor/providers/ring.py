@@ -43,6 +43,7 @@ import os
 import platform
 import struct
 import threading
+import time
 from typing import Iterator
 
 from ..errors import ForeignSegment, RefusedWrite
@@ -110,7 +111,7 @@ class CompletionRing:
         self._core = None
         if compiled():           # the same operations, compiled: bound here, no wrapper call per message
             self._core = core = _compiled.Ring(self._bytes, entries)
-            self.push, self.drain, self.available = core.push, core.drain, core.available
+            self.push, self.drain, self.poll, self.available = core.push, core.drain, core.poll, core.available
             self.sleeping, self.consumer_sleeping = core.sleeping, core.consumer_sleeping
 
     @property
@@ -184,14 +185,18 @@ class CompletionRing:
         true result means the channel is lost (take in no more). How many were
         taken in; -1, with `refused` set, when the next entry or head itself is
         the producer's fault (that entry is not taken in)."""
+        return self._drain_some(most, local, on_imm)[0]
+
+    def _drain_some(self, most: int, local: dict, on_imm) -> tuple[int, bool]:
+        """drain(), and whether on_imm said the channel is lost."""
         tail = self._tail
         head = self._words[_HEAD]
         n = head - tail
         if not n:
-            return 0
+            return 0, False
         if not 0 < n <= self.entries:
             self._refused = (head,)
-            return -1
+            return -1, False
         n = min(n, most)
         first = tail & self._mask
         start = HEADER_BYTES + first * ENTRY.size
@@ -207,15 +212,34 @@ class CompletionRing:
                 magic, region, key, imm, offset, length = entry
                 if magic != WRITE_MAGIC or (length and not _lands(local.get(region), key, offset, length)):
                     self._refused = entry
-                    return -1
+                    return -1, False
                 taken += 1
                 if on_imm(imm):
-                    break
-            return taken
+                    return taken, True
+            return taken, False
         finally:
             if taken:
                 self._tail += taken
                 self._words[_TAIL] = self._tail
+
+    def poll(self, event, most: int, local: dict, on_imm, seconds: float) -> int:
+        """drain() until event.is_set() (an event of None: until any entry was
+        taken in), on_imm says the channel is lost, or `seconds` passed,
+        yielding the core between looks. How many were taken in; -1 as drain()."""
+        found, until = 0, 0.0
+        while True:
+            n, stop = self._drain_some(most, local, on_imm)
+            if n < 0:
+                return -1
+            found += n
+            if stop or (event.is_set() if event is not None else found):
+                return found
+            now = time.monotonic()
+            if not until:
+                until = now + seconds
+            elif now >= until:
+                return found
+            os.sched_yield()         # a peer sharing this core runs now, not at the next tick
 
     def available(self) -> int:
         """How many entries wait; -1 when head is not to be believed."""

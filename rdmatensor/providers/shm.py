@@ -176,22 +176,21 @@ class ShmChannel(StreamChannel):
     # -- the receiver -----------------------------------------------------
     def _consume(self, event, deadline: float) -> int:
         """Under _read_lock: take in completions until `event` is set (None:
-        until there were any) or the deadline; how many were taken in."""
-        found = self._drain()
-        spin_until = 0.0
-        while not ((event.is_set() if event is not None else found) or self._lost or self._closing):
+        until there were any) or the deadline: polling the ring for
+        SPIN_SECONDS, then sleeping on the doorbell, and so on."""
+        ring, found = self._ring_in, 0
+        while True:
+            n = ring.poll(event, DRAIN_BATCH, self.local, self.on_imm,
+                          max(0.0, min(SPIN_SECONDS, deadline - time.monotonic())))
+            if n < 0:
+                self._refuse(ring.refused)
+            found += n
+            if (event.is_set() if event is not None else found) or self._lost or self._closing:
+                return found
             now = time.monotonic()
             if now >= deadline:
-                break
-            if not spin_until:
-                spin_until = now + SPIN_SECONDS
-            elif now >= spin_until:
-                self._sleep(deadline - now)
-                spin_until = time.monotonic() + SPIN_SECONDS
-            else:
-                os.sched_yield()         # a peer sharing this core runs now, not at the next tick
-            found += self._drain()
-        return found
+                return found
+            self._sleep(deadline - now)
 
     def _drain(self) -> int:
         """Take in a batch of completions: each checked like a NIC, then reported."""
