@@ -4,6 +4,7 @@
 #   - the verbs endpoint (rdmatensor/providers/_verbs_native.c), against libibverbs;
 #   - streaming copies and sums (rdmatensor/_streaming.c), x86-64 only (SSE2):
 #     elsewhere rdmatensor.streaming uses numpy;
+#   - a slot's state and the immediates that move it (rdmatensor/session/_slots.c);
 #   - the shm completion ring (rdmatensor/providers/_ring.c), x86-64 only, as
 #     shm itself (it relies on x86-64's store order).
 # Fails loudly: `make setup` installs what they need (gcc, libibverbs-dev, python3-dev).
@@ -30,6 +31,9 @@ build() {   # build SOURCE [LIBS...]
 build rdmatensor/providers/_verbs_native.c -libverbs
 "$py" -c "from rdmatensor.providers import rc_native as m; assert m.BUILD_ERROR is None, m.BUILD_ERROR" \
   || { echo "build_native: the verbs endpoint does not import" >&2; exit 1; }
+build rdmatensor/session/_slots.c
+"$py" -c "from rdmatensor.session import slots as m; assert m.BUILD_ERROR is None, m.BUILD_ERROR" \
+  || { echo "build_native: the compiled slots do not import" >&2; exit 1; }
 if [ "$(uname -m)" = x86_64 ]; then
   build rdmatensor/_streaming.c
   "$py" -c "from rdmatensor import streaming as m; assert m.BUILD_ERROR is None, m.BUILD_ERROR" \

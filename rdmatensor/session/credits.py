@@ -10,7 +10,7 @@ tensor arrive in the order they were sent.
 from __future__ import annotations
 
 import logging
-import threading
+from functools import partial
 
 import numpy as np
 
@@ -20,6 +20,7 @@ from ..plan import Slot
 from ..providers.base import IMM_CREDIT, IMM_DATA, INDEX_BITS, MAX_SLOTS, MAX_TAG, make_imm
 from .context import SessionContext
 from .flag import Flag
+from .slots import SlotState, compiled
 from .liveness import Liveness
 
 log = logging.getLogger("rdmatensor")
@@ -41,69 +42,26 @@ class SendSlot:
         self.imm = make_imm(IMM_DATA, slot.index)
 
 
-class RecvSlot:
-    """The receiver's end of a slot, one small state machine:
-
-        EMPTY --arrive()--> FULL --take()--> HELD --release()--> EMPTY
-        FULL --release()--> EMPTY          (a value rejected on receipt)
-        any  --wake()-->    same state, and every waiter is woken for good
-                            (the peer was lost, or the session closed)
-
-    arrive() outside EMPTY means the sender wrote without the credit: a
-    CreditViolation. release() is where the credit goes back (see
-    Credits.give_back). Memory is replaced (growth) only while EMPTY.
-    """
+class RecvSlot(SlotState):
+    """The receiver's end of a slot: its state machine (slots.py), its memory,
+    its counters. arrive() outside EMPTY means the sender wrote without the
+    credit: a CreditViolation. release() is where the credit goes back (see
+    Credits.give_back)."""
     EMPTY, FULL, HELD = "empty", "full", "held"
 
     def __init__(self, slot: Slot, peer: int, memory: np.ndarray):
+        super().__init__(memory, Flag())     # memory: this slot's bytes in the receive arena
         self.slot, self.peer, self.spec, self.name = slot, peer, slot.spec, slot.spec.name
-        self.memory: np.ndarray | None = memory     # this slot's bytes in the receive arena
-        self.view: np.ndarray | None = None          # the read-only tensor in memory, where it never moves
-        self.grown: tuple[int, Arena] | None = None  # (region id, arena) once grown
-        self.state = self.EMPTY
-        self.tag = 0                                 # the sender's tag of the value in the slot
-        self.arrived = Flag()                        # set while FULL, or for good once woken
         self.credit_imm = make_imm(IMM_CREDIT, slot.index)
         self.recvs = self.bytes_received = 0
-        self._woken = False
-        self._lock = threading.Lock()
-
-    def arrive(self, tag: int = 0) -> None:
-        with self._lock:
-            if self.state != self.EMPTY:
-                raise CreditViolation(f"rank {self.peer} wrote {self.name!r} without a credit",
-                                      peer=self.peer, tensor=self.name)
-            self.tag = tag
-            self.state = self.FULL
-            self.arrived.set()
-
-    def take(self) -> bool:
-        """FULL -> HELD; False when there is no value to take (woken by a failure)."""
-        with self._lock:
-            if self.state != self.FULL:
-                return False
-            self.state = self.HELD
-            return True
-
-    def release(self) -> None:
-        with self._lock:
-            self.state = self.EMPTY
-            if not self._woken:          # a loss must keep waking later waiters
-                self.arrived.clear()
-
-    def wake(self) -> None:
-        with self._lock:
-            self._woken = True
-            self.arrived.set()
 
     def regrow(self, region_id: int, arena: Arena) -> tuple[int, Arena] | None:
         """Put the slot in a new region (only while EMPTY); returns the one it replaces."""
-        with self._lock:
-            if self.state != self.EMPTY:
-                raise CreditViolation(f"{self.name!r} is still held: rank {self.peer} has no credit to grow it",
-                                      peer=self.peer, tensor=self.name)
-            old, self.grown, self.memory, self.view = self.grown, (region_id, arena), arena.buf, None
-            return old
+        replaced, old = self.replace((region_id, arena), arena.buf)
+        if not replaced:
+            raise CreditViolation(f"{self.name!r} is still held: rank {self.peer} has no credit to grow it",
+                                  peer=self.peer, tensor=self.name)
+        return old
 
 
 class Credits:
@@ -115,11 +73,23 @@ class Credits:
         self.recv: dict[str, RecvSlot] = {}
         self._send_by_index: dict[int, list[SendSlot]] = {}
         self._recv_by_index: dict[int, list[RecvSlot]] = {}
+        self._immediates: dict[int, object] = {}      # peer -> its channel's compiled on_imm
         live.when_peer_lost(self.wake_peer)
         live.when_failed(self.wake_all)          # a failed session fails every waiting call at once
 
+    def immediates(self, peer: int):
+        """The on_imm of `peer`'s channel: compiled (slots.py) for valid
+        immediates once add() bound its slots, on_imm() for everything else."""
+        rules = partial(self.on_imm, peer)
+        if compiled is None:
+            return rules
+        self._immediates[peer] = fast = compiled.Immediates(rules, INDEX_BITS)
+        return fast
+
     def add(self, peer: int, sending: list[SendSlot], receiving: list[RecvSlot]) -> None:
         self._send_by_index[peer], self._recv_by_index[peer] = sending, receiving
+        if peer in self._immediates:
+            self._immediates[peer].bind(receiving, [st.credit for st in sending])
         self.send.update((st.name, st) for st in sending)
         self.recv.update((st.name, st) for st in receiving)
 
@@ -144,7 +114,10 @@ class Credits:
             if kind > IMM_CREDIT or index >= len(slots):
                 raise CreditViolation(f"rank {peer} sent immediate {imm:#x} for no slot", peer=peer)
             if kind == IMM_DATA:
-                slots[index].arrive((imm >> INDEX_BITS) & MAX_TAG)
+                st = slots[index]
+                if not st.arrive((imm >> INDEX_BITS) & MAX_TAG):
+                    raise CreditViolation(f"rank {peer} wrote {st.name!r} without a credit",
+                                          peer=peer, tensor=st.name)
             else:
                 slots[index].credit.set()
         except RemoteError as exc:

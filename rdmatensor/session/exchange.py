@@ -70,7 +70,7 @@ class Exchange:
             outgoing = ctx.plan.pairs.get((ctx.rank, peer))
             n_in, n_out = len(incoming.slots) if incoming else 0, len(outgoing.slots) if outgoing else 0
             cls = ctx.provider_classes[peer]
-            ch = cls(ctx.rank, peer, ctx.host(ctx.rank), on_imm=partial(self.credits.on_imm, peer),
+            ch = cls(ctx.rank, peer, ctx.host(ctx.rank), on_imm=self.credits.immediates(peer),
                      on_lost=partial(self.live.lost, peer), max_incoming=n_in + n_out)
             ch.configure(ControlPlane(ctx.peers[ctx.rank], ctx.token, ctx.tls,
                                       partial(ctx.credentials.secret, peer)))

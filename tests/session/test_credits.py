@@ -1,5 +1,8 @@
 """The slot state machine and credit flow, without sockets: a recording
-channel stands in for the provider, everything else is the real code."""
+channel stands in for the provider, everything else is the real code.
+Immediates go in as a channel delivers them (Credits.immediates(), compiled
+where it is built); tests/session/test_slots.py runs this file on the
+Python slots too."""
 import threading
 
 import numpy as np
@@ -42,6 +45,7 @@ def rank1():
     ctx = SessionContext(1, {0: "127.0.0.1:1", 1: "127.0.0.1:2"}, PLAN, {0: TcpChannel}, "t", None, 1.0)
     live = Liveness(ctx, heartbeat=1.0, peer_timeout=10.0)
     credits = Credits(ctx, live)
+    credits.deliver = credits.immediates(0)      # what rank 0's channel calls: compiled where it is built
     ctx.channels[0] = Recorder()
     memory = np.zeros(64, np.uint8)
     credits.add(0, [SendSlot(PLAN.slots["b"], 0, memory.copy())], [RecvSlot(PLAN.slots["a"], 0, memory)])
@@ -53,7 +57,7 @@ def test_a_slot_goes_empty_full_held_empty_and_the_credit_goes_back():
     st = credits.recv["a"]
     assert st.state == st.EMPTY and not st.arrived.is_set()
     assert not st.take(), "nothing to take before the DATA immediate"
-    credits.on_imm(0, make_imm(IMM_DATA, st.slot.index))
+    credits.deliver(make_imm(IMM_DATA, st.slot.index))
     assert st.state == st.FULL and st.arrived.is_set()
     assert st.take() and st.state == st.HELD
     assert ctx.channels[0].sent == [], "no credit while the user holds the view"
@@ -66,10 +70,10 @@ def test_a_slot_goes_empty_full_held_empty_and_the_credit_goes_back():
 def test_data_without_a_credit_is_a_credit_violation_and_loses_the_peer(held):
     ctx, _, credits = rank1()
     st = credits.recv["a"]
-    credits.on_imm(0, make_imm(IMM_DATA, st.slot.index))
+    credits.deliver(make_imm(IMM_DATA, st.slot.index))
     if held:
         st.take()
-    credits.on_imm(0, make_imm(IMM_DATA, st.slot.index))
+    credits.deliver(make_imm(IMM_DATA, st.slot.index))
     [error] = ctx.channels[0].lost_with
     assert isinstance(error, CreditViolation) and error.peer == 0 and error.tensor == "a"
     assert st.state == (st.HELD if held else st.FULL), "the value in the slot is kept"
@@ -78,7 +82,7 @@ def test_data_without_a_credit_is_a_credit_violation_and_loses_the_peer(held):
 @pytest.mark.parametrize("imm", [make_imm(IMM_DATA, 1), make_imm(IMM_CREDIT, 7), make_imm(3, 0)])
 def test_an_immediate_for_no_slot_loses_the_peer(imm):
     ctx, _, credits = rank1()
-    credits.on_imm(0, imm)
+    credits.deliver(imm)
     [error] = ctx.channels[0].lost_with
     assert isinstance(error, CreditViolation), error
 
@@ -88,7 +92,7 @@ def test_growth_needs_an_empty_slot():
     st = credits.recv["a"]
     with Arena(4096) as first, Arena(4096) as second:
         assert st.regrow(5, first) is None and st.memory is first.buf
-        credits.on_imm(0, make_imm(IMM_DATA, st.slot.index))
+        credits.deliver(make_imm(IMM_DATA, st.slot.index))
         with pytest.raises(CreditViolation, match="still held"):
             st.regrow(6, second)
         assert st.grown == (5, first)
@@ -103,7 +107,7 @@ def test_a_sender_waits_for_the_credit_then_times_out_with_send_timeout():
         credits.take(st, timeout=0.1)
     assert info.value.peer == 0 and info.value.tensor == "b"
     assert ctx.counters.snapshot()["waits"] == 1
-    threading.Timer(0.05, credits.on_imm, (0, make_imm(IMM_CREDIT, st.slot.index))).start()
+    threading.Timer(0.05, credits.deliver, (make_imm(IMM_CREDIT, st.slot.index),)).start()
     credits.take(st, timeout=5)               # the CREDIT immediate lets it go
 
 
