@@ -93,6 +93,48 @@ static int live(Ring *self) {
     return 0;
 }
 
+/* Publish one entry: -1 (nothing written) while the ring is full; else 1 if
+ * the consumer sleeps and nobody rang for this sleep yet (ring it), or 0. */
+static int push_entry(Ring *self, const entry_t *e) {
+    uint64_t head = self->head;
+    if (head - __atomic_load_n(self->tail_word, __ATOMIC_ACQUIRE) >= self->entries)
+        return -1;
+    memcpy(self->entry0 + (head & self->mask) * sizeof(entry_t), e, sizeof *e);
+    self->head = head + 1;
+    __atomic_store_n(self->head_word, head + 1, __ATOMIC_RELEASE);
+    /* head stored before `sleeping` is read: the consumer does the mirror image */
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    uint64_t sleep = __atomic_load_n(self->sleeping_word, __ATOMIC_ACQUIRE);
+    if (!sleep || sleep == self->rang)
+        return 0;
+    self->rang = sleep;
+    return 1;
+}
+
+static PyObject *pushed(int r) {
+    if (r < 0)
+        Py_RETURN_NONE;
+    return PyBool_FromLong(r);
+}
+
+/* The entry's region, key and immediate from Python ints (32-bit each). */
+static int entry_ids(entry_t *e, PyObject *region_obj, PyObject *key_obj, PyObject *imm_obj) {
+    long region = PyLong_AsLong(region_obj);
+    unsigned long key = PyLong_AsUnsignedLong(key_obj);
+    unsigned long imm = PyLong_AsUnsignedLong(imm_obj);
+    if (PyErr_Occurred())
+        return -1;
+    if (region < INT32_MIN || region > INT32_MAX || key > UINT32_MAX || imm > UINT32_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "a ring entry's region, key and immediate are 32-bit");
+        return -1;
+    }
+    e->magic = WRITE_MAGIC;
+    e->region = (int32_t)region;
+    e->key = (uint32_t)key;
+    e->imm = (uint32_t)imm;
+    return 0;
+}
+
 /* push(region, key, imm, offset, length): None (nothing written) while full;
  * else True if the consumer sleeps and nobody rang for this sleep yet. */
 static PyObject *Ring_push(Ring *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -103,36 +145,53 @@ static PyObject *Ring_push(Ring *self, PyObject *const *args, Py_ssize_t nargs) 
     if (!live(self))
         return NULL;
     entry_t e;
-    long region = PyLong_AsLong(args[0]);
-    unsigned long key = PyLong_AsUnsignedLong(args[1]);
-    unsigned long imm = PyLong_AsUnsignedLong(args[2]);
-    unsigned long long offset = PyLong_AsUnsignedLongLong(args[3]);
-    unsigned long long length = PyLong_AsUnsignedLongLong(args[4]);
+    if (entry_ids(&e, args[0], args[1], args[2]) < 0)
+        return NULL;
+    e.offset = PyLong_AsUnsignedLongLong(args[3]);
+    e.length = PyLong_AsUnsignedLongLong(args[4]);
     if (PyErr_Occurred())
         return NULL;
-    if (region < INT32_MIN || region > INT32_MAX || key > UINT32_MAX || imm > UINT32_MAX) {
-        PyErr_SetString(PyExc_OverflowError, "a ring entry's region, key and immediate are 32-bit");
+    return pushed(push_entry(self, &e));
+}
+
+/* write(target, offset, src, region, key, imm): copy `src` into the mapped
+ * `target` at `offset` (both contiguous; ValueError, nothing copied, if it
+ * does not fit), then push its entry, as push() says. One call for a small
+ * write; large ones stream in Python (streaming.py), then push(). */
+static PyObject *Ring_write(Ring *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "write(target, offset, src, region, key, imm)");
         return NULL;
     }
-    uint64_t head = self->head;
-    if (head - __atomic_load_n(self->tail_word, __ATOMIC_ACQUIRE) >= self->entries)
-        Py_RETURN_NONE;
-    e.magic = WRITE_MAGIC;
-    e.region = (int32_t)region;
-    e.key = (uint32_t)key;
-    e.imm = (uint32_t)imm;
-    e.offset = offset;
-    e.length = length;
-    memcpy(self->entry0 + (head & self->mask) * sizeof(entry_t), &e, sizeof e);
-    self->head = head + 1;
-    __atomic_store_n(self->head_word, head + 1, __ATOMIC_RELEASE);
-    /* head stored before `sleeping` is read: the consumer does the mirror image */
-    __atomic_thread_fence(__ATOMIC_SEQ_CST);
-    uint64_t sleep = __atomic_load_n(self->sleeping_word, __ATOMIC_ACQUIRE);
-    if (!sleep || sleep == self->rang)
-        Py_RETURN_FALSE;
-    self->rang = sleep;
-    Py_RETURN_TRUE;
+    if (!live(self))
+        return NULL;
+    entry_t e;
+    if (entry_ids(&e, args[3], args[4], args[5]) < 0)
+        return NULL;
+    Py_ssize_t offset = PyLong_AsSsize_t(args[1]);
+    if (offset == -1 && PyErr_Occurred())
+        return NULL;
+    Py_buffer target, src;
+    if (PyObject_GetBuffer(args[0], &target, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[2], &src, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&target);
+        return NULL;
+    }
+    int fits = offset >= 0 && offset <= target.len && src.len <= target.len - offset;
+    if (fits)
+        memcpy((char *)target.buf + offset, src.buf, src.len);
+    e.offset = (uint64_t)offset;
+    e.length = (uint64_t)src.len;
+    Py_ssize_t target_len = target.len;
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&target);
+    if (!fits) {
+        PyErr_Format(PyExc_ValueError, "a %llu-byte write at %zd does not fit %zd bytes",
+                     (unsigned long long)e.length, offset, target_len);
+        return NULL;
+    }
+    return pushed(push_entry(self, &e));
 }
 
 /* Whether `local` (region id -> (arena, key)) lets the entry land. */
@@ -383,6 +442,8 @@ static PyGetSetDef Ring_getset[] = {
 
 static PyMethodDef Ring_methods[] = {
     {"push", (PyCFunction)(void (*)(void))Ring_push, METH_FASTCALL, "push(region, key, imm, offset, length)"},
+    {"write", (PyCFunction)(void (*)(void))Ring_write, METH_FASTCALL,
+     "write(target, offset, src, region, key, imm): copy, then push"},
     {"drain", (PyCFunction)(void (*)(void))Ring_drain, METH_FASTCALL, "drain(most, local, on_imm) -> taken, or -1"},
     {"poll", (PyCFunction)(void (*)(void))Ring_poll, METH_FASTCALL,
      "poll(event, most, local, on_imm, seconds) -> taken, or -1"},

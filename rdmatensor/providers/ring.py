@@ -44,9 +44,10 @@ import platform
 import struct
 import threading
 import time
-from typing import Iterator
 
-from ..errors import ForeignSegment, RefusedWrite
+import numpy as np
+
+from ..errors import ForeignSegment
 from ..memory import Arena, MappedArena
 from .base import WRITE_HEADER, WRITE_MAGIC
 
@@ -111,7 +112,8 @@ class CompletionRing:
         self._core = None
         if compiled():           # the same operations, compiled: bound here, no wrapper call per message
             self._core = core = _compiled.Ring(self._bytes, entries)
-            self.push, self.drain, self.poll, self.available = core.push, core.drain, core.poll, core.available
+            self.push, self.write = core.push, core.write
+            self.drain, self.poll, self.available = core.drain, core.poll, core.available
             self.sleeping, self.consumer_sleeping = core.sleeping, core.consumer_sleeping
 
     @property
@@ -173,6 +175,15 @@ class CompletionRing:
             return False
         self.rang = sleep
         return True
+
+    def write(self, target: memoryview, offset: int, src: np.ndarray, region: int, key: int, imm: int) -> bool | None:
+        """Copy `src` into the mapped `target` at `offset` (ValueError, nothing
+        copied, if it does not fit), then push() its entry."""
+        n = src.nbytes
+        if not 0 <= offset <= len(target) - n:
+            raise ValueError(f"a {n}-byte write at {offset} does not fit {len(target)} bytes")
+        target[offset:offset + n] = src
+        return self.push(region, key, imm, offset, n)
 
     def consumer_sleeping(self) -> bool:
         return self._words[_SLEEPING] != 0

@@ -123,31 +123,35 @@ class ShmChannel(StreamChannel):
     # -- the sender -------------------------------------------------------
     def write(self, region_id: int, offset: int, src: np.ndarray, imm: int) -> None:
         n = src.nbytes
-        desc = self.check_remote(region_id, offset, n)
-        if n:
-            target = self._mapped[region_id][1]
-            if isinstance(src, Pieces):                 # each piece straight into the peer's slot
-                stream, at = n >= streaming.STREAM_BYTES, offset
-                for piece in src:
-                    streaming.copy(target[at:at + piece.nbytes], piece, stream)
-                    at += piece.nbytes
-            elif n >= streaming.STREAM_BYTES:           # the peer reads it from memory, not from this core's cache
-                streaming.copy(target[offset:offset + n], src, True)
-            else:
-                target[offset:offset + n] = src         # a memcpy, cheaper than np.copyto
-        self._post(region_id, desc["key"], imm, offset, n)
+        key = self.check_remote(region_id, offset, n)["key"]
+        target = self._mapped[region_id][1] if n else None
+        if isinstance(src, Pieces):                     # each piece straight into the peer's slot
+            stream, at = n >= streaming.STREAM_BYTES, offset
+            for piece in src:
+                streaming.copy(target[at:at + piece.nbytes], piece, stream)
+                at += piece.nbytes
+        elif n >= streaming.STREAM_BYTES:               # the peer reads it from memory, not from this core's cache
+            streaming.copy(target[offset:offset + n], src, True)
+        elif n:
+            self._post(region_id, key, imm, offset, n, (target, src))   # the ring copies it, then posts
+            return
+        self._post(region_id, key, imm, offset, n)
 
     def notify(self, imm: int) -> None:
         self._post(-1, 0, imm, 0, 0)
 
-    def _post(self, region: int, key: int, imm: int, offset: int, length: int) -> None:
-        """Put a completion in the peer's ring; ring its doorbell only if it sleeps."""
+    def _post(self, region: int, key: int, imm: int, offset: int, length: int, payload: tuple | None = None) -> None:
+        """Put a completion in the peer's ring, after copying `payload` (target,
+        source) if given; ring the peer's doorbell only if it sleeps."""
         ring = self._ring_out
         if ring is None or self._lost or self._closing:
             raise PeerLost(f"the shm channel to peer {self.peer} is "
                            f"{'not connected' if ring is None else 'closed'}", peer=self.peer)
         with self._send_lock:
-            ring_bell = ring.push(region, key, imm, offset, length)
+            if payload is None:
+                ring_bell = ring.push(region, key, imm, offset, length)
+            else:
+                ring_bell = ring.write(payload[0], offset, payload[1], region, key, imm)
             if ring_bell is None:
                 ring_bell = self._push_when_room(ring, (region, key, imm, offset, length))
         if ring_bell:

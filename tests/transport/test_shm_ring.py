@@ -290,3 +290,22 @@ def test_the_compiled_ring_refuses_bad_arguments():
     ring.close()
     with pytest.raises(ValueError):
         core.push(0, 0, 0, 0, 0)                    # closed: the memory is gone
+
+
+def test_a_write_that_does_not_fit_copies_nothing_and_posts_nothing(ring_kind):
+    os.environ[RING_ENV] = "" if ring_kind == "compiled" else "python"
+    try:
+        ring = CompletionRing.create(64)
+    finally:
+        os.environ.pop(RING_ENV, None)
+    target = bytearray(64)
+    src = np.arange(16, dtype=np.uint8)
+    assert ring.write(memoryview(target), 48, src, 0, 9, 5) is False     # fits exactly: copied, posted
+    assert bytes(target[48:]) == bytes(range(16)) and ring.head == 1
+    for offset in (49, 64, -1, 2 ** 40):
+        with pytest.raises(ValueError):
+            ring.write(memoryview(target), offset, src, 0, 9, 6)
+    assert bytes(target[:48]) == bytes(48) and ring.head == 1
+    got = []
+    assert ring.drain(8, {0: (Region(), 9)}, got.append) == 1 and got == [5]
+    ring.close()
