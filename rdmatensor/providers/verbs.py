@@ -14,7 +14,11 @@ reaped by whichever thread gets there first: a thread waiting for a tensor
 polls the CQ itself for a short spin (in C with the GIL released, on the
 compiled endpoint; no hand-off between threads on the fast path), then
 sleeps on an event; a background thread blocks on the CQ's completion
-channel (no CPU while idle) and reaps everything else.
+channel (no CPU while idle) and reaps everything else. While a waiter has
+polled the CQ within the last QUIET_SECONDS, the background thread does not
+arm the completion channel: every completion would otherwise wake it and make
+it contend for the interpreter lock with the waiter that already reaped it
+(perftest's polling mode likewise takes no events).
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from .rc import LOCAL_ONLY, MAX_CHAIN, RECV_BATCH, REMOTE_WRITE, RcParams, Remot
 
 SEND_DEPTH = 256
 SPIN_SECONDS = 0.002       # a waiter polls the CQ itself this long before it sleeps
+QUIET_SECONDS = 0.001      # after a waiter's last poll, the background thread takes no events this long
 
 
 class VerbsChannel(Channel):
@@ -70,6 +75,7 @@ class VerbsChannel(Channel):
         self._stop = threading.Event()
         self._bye = False
         self._poller: threading.Thread | None = None
+        self._polled_at = 0.0             # when a waiter last polled the CQ itself
 
     # -- setup ------------------------------------------------------------
     def expose(self, region_id: int, arena: Arena) -> dict:
@@ -193,11 +199,14 @@ class VerbsChannel(Channel):
         deadline = now + timeout
         spin_until = min(deadline, now + SPIN_SECONDS)
         while not ready():
-            left = spin_until - time.monotonic()
+            now = time.monotonic()
+            self._polled_at = now
+            left = spin_until - now
             if left <= 0:
-                return sleep(max(0.0, deadline - time.monotonic()), ready)
+                return sleep(max(0.0, deadline - now), ready)
             if not self._reap(left):
                 time.sleep(0)         # another thread is reaping: let it run
+        self._polled_at = time.monotonic()
         return True
 
     def _sleep_sent(self, timeout: float, ready) -> bool:
@@ -275,6 +284,10 @@ class VerbsChannel(Channel):
             if self._bye and not self.ep.in_flight:
                 self.lost(PeerLost(f"peer {self.peer} closed the session", peer=self.peer))
                 return
+            quiet = self._polled_at + QUIET_SECONDS - time.monotonic()
+            if quiet > 0:                 # a waiter polls the CQ itself: no events, no wake-ups
+                self._stop.wait(quiet)
+                continue
             with self._event_lock:
                 self.ep.wait_event(0.1)
 

@@ -77,7 +77,8 @@ def test_the_compiled_on_imm_moves_only_what_the_rules_allow():
         imm = make_imm(kind, index, tag)
         before = ([_observe(st)[:3] for st in recv], [f.is_set() for f in credits])
         said = on_imm(imm)
-        valid = (kind == IMM_DATA and index < 3 and before[0][index][0] == "empty") or (kind == IMM_CREDIT and index < 2)
+        valid = ((kind == IMM_DATA and index < 3 and before[0][index][0] == "empty")
+                 or (kind == IMM_CREDIT and index < 2))
         if valid:
             assert said is None and not to_rules
             if kind == IMM_DATA:

@@ -22,7 +22,8 @@ from rdmatensor.memory import Arena
 from rdmatensor.providers import shm
 from rdmatensor.providers import ring as ring_mod
 from rdmatensor.providers.base import WRITE_MAGIC
-from rdmatensor.providers.ring import ENTRY, HEAD_AT, HEADER_BYTES, MIN_ENTRIES, RING_ENV, SLEEPING_AT, TAIL_AT, CompletionRing
+from rdmatensor.providers.ring import (ENTRY, HEAD_AT, HEADER_BYTES, MIN_ENTRIES, RING_ENV, SLEEPING_AT, TAIL_AT,
+                                       CompletionRing)
 from rdmatensor.providers.shm import ShmChannel
 
 from .peer_proc import TOKEN, fault_plan
@@ -256,8 +257,12 @@ def test_both_rings_take_in_the_same_entries_and_refuse_the_same_one():
             got = []
             stop_at = r.randrange(0, 80)
             taken = []
+
+            def on_imm(imm, got=got, stop_at=stop_at):
+                got.append(imm)
+                return len(got) == stop_at
             while True:
-                k = ring.drain(r.randrange(1, 20), local, lambda imm: got.append(imm) or len(got) == stop_at)
+                k = ring.drain(r.randrange(1, 20), local, on_imm)
                 taken.append(k)
                 if k <= 0 or len(got) == stop_at:
                     break
