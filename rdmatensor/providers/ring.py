@@ -109,6 +109,7 @@ class CompletionRing:
         self.sleeps = 0          # the consumer's: how many times it went to sleep
         self._tail = 0           # the consumer's own count (never read back from shared memory)
         self._refused: tuple | None = None    # what drain() would not take in: (head,) or an entry
+        self._producer = threading.Lock()      # the Python push's steps, one thread at a time
         self._core = None
         if compiled():           # the same operations, compiled: bound here, no wrapper call per message
             self._core = core = _compiled.Ring(self._bytes, entries)
@@ -158,23 +159,26 @@ class CompletionRing:
 
     # -- the producer -----------------------------------------------------
     def push(self, region: int, key: int, imm: int, offset: int, length: int) -> int | None:
-        """Write the next entry and publish it. None (nothing written) while
-        the ring is full (a stale tail only makes it look fuller than it is);
-        else True if the consumer sleeps and nobody rang its doorbell for this
-        sleep yet: ring it (this call counts it as rung)."""
-        head = self._head
-        if head - self._words[_TAIL] >= self.entries:
-            return None
-        ENTRY.pack_into(self._bytes, HEADER_BYTES + (head & self._mask) * ENTRY.size,
-                        WRITE_MAGIC, region, key, imm, offset, length)
-        self._words[_HEAD] = self._head = head + 1
-        _FENCE.acquire()         # full_fence(), inline: head stored before `sleeping` is read
-        _FENCE.release()
-        sleep = self._words[_SLEEPING]
-        if not sleep or sleep == self.rang:
-            return False
-        self.rang = sleep
-        return True
+        """Write the next entry and publish it, atomically with respect to the
+        producer's other threads (the compiled push is one step under the
+        interpreter lock). None (nothing written) while the ring is full (a
+        stale tail only makes it look fuller than it is); else True if the
+        consumer sleeps and nobody rang its doorbell for this sleep yet: ring
+        it (this call counts it as rung)."""
+        with self._producer:
+            head = self._head
+            if head - self._words[_TAIL] >= self.entries:
+                return None
+            ENTRY.pack_into(self._bytes, HEADER_BYTES + (head & self._mask) * ENTRY.size,
+                            WRITE_MAGIC, region, key, imm, offset, length)
+            self._words[_HEAD] = self._head = head + 1
+            _FENCE.acquire()         # full_fence(), inline: head stored before `sleeping` is read
+            _FENCE.release()
+            sleep = self._words[_SLEEPING]
+            if not sleep or sleep == self.rang:
+                return False
+            self.rang = sleep
+            return True
 
     def write(self, target: memoryview, offset: int, src: np.ndarray, region: int, key: int, imm: int) -> bool | None:
         """Copy `src` into the mapped `target` at `offset` (ValueError, nothing

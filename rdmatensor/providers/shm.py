@@ -147,13 +147,12 @@ class ShmChannel(StreamChannel):
         if ring is None or self._lost or self._closing:
             raise PeerLost(f"the shm channel to peer {self.peer} is "
                            f"{'not connected' if ring is None else 'closed'}", peer=self.peer)
-        with self._send_lock:
-            if payload is None:
-                ring_bell = ring.push(region, key, imm, offset, length)
-            else:
-                ring_bell = ring.write(payload[0], offset, payload[1], region, key, imm)
-            if ring_bell is None:
-                ring_bell = self._push_when_room(ring, (region, key, imm, offset, length))
+        if payload is None:                  # push and write are atomic (ring.py): no lock here
+            ring_bell = ring.push(region, key, imm, offset, length)
+        else:
+            ring_bell = ring.write(payload[0], offset, payload[1], region, key, imm)
+        if ring_bell is None:
+            ring_bell = self._push_when_room(ring, (region, key, imm, offset, length))
         if ring_bell:
             try:
                 self._sock.send(b"\1", socket.MSG_DONTWAIT)
