@@ -13,6 +13,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -82,11 +83,11 @@ class TensorSpec:
         object.__setattr__(self, "dst", int(dst))
         object.__setattr__(self, "capacity", capacity)
 
-    @property
+    @cached_property                 # the spec never changes; these are asked once per tensor sent
     def is_static(self) -> bool:
         return None not in self.shape
 
-    @property
+    @cached_property
     def nbytes(self) -> int | None:
         """Payload bytes of a static tensor; None when dynamic."""
         if not self.is_static:

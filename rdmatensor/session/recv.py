@@ -48,8 +48,10 @@ class Receiver:
         self.ctx, self.credits, self.live = ctx, credits, live
 
     def recv(self, name: str, timeout: float | None = None, tag: int | None = None) -> Received:
-        ctx = self.ctx
         st = self.credits.recv.get(name)
+        if st is not None and self.live.error is None and st.take():
+            return self._hand_out(st, tag)   # a value was waiting and nothing failed: the common case in a step
+        ctx = self.ctx
         if st is None:
             self.live.check()
             spec = ctx.spec(name)
@@ -70,13 +72,19 @@ class Receiver:
             self.live.check()
             self.live.check(st.peer)
             raise TransportError(f"{name!r}: woken without data", peer=st.peer, tensor=name)
+        return self._hand_out(st, tag)
+
+    def _hand_out(self, st: RecvSlot, tag: int | None) -> Received:
+        """The value `st` holds (taken: HELD) as a Received, unless it carries
+        another call's tag or fails its checks (then the slot goes back)."""
         if tag is not None and st.tag != tag:     # another call's value: never handed to this one
             got = st.tag
             self.credits.give_back(st)
-            raise CallMismatch(f"{name!r} from rank {st.peer} carries tag {got}, not {tag}: the value belongs "
-                               f"to another call (discarded)", peer=st.peer, tensor=name, got=got, expected=tag)
+            raise CallMismatch(f"{st.name!r} from rank {st.peer} carries tag {got}, not {tag}: the value belongs "
+                               f"to another call (discarded)", peer=st.peer, tensor=st.name, got=got, expected=tag)
         array = st.view
         if array is None:
+            ctx = self.ctx
             try:
                 array = wire.decode(st.spec, ctx.plan, st.memory)
             except IntegrityError:
