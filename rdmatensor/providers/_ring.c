@@ -194,6 +194,74 @@ static PyObject *Ring_write(Ring *self, PyObject *const *args, Py_ssize_t nargs)
     return pushed(push_entry(self, &e));
 }
 
+/* write_many(targets, writes, below): Ring.write() of each (region, offset,
+ * src, imm) in order, the region looked up in `targets` (region id ->
+ * (mapped buffer, size, key)), while each is a contiguous buffer of 1 to
+ * below-1 bytes that fits its region and the ring has room.  Stops at the
+ * first that is not (left to the caller, whose one-at-a-time path copies,
+ * streams, waits or raises); (how many went, whether the doorbell must ring). */
+static PyObject *Ring_write_many(Ring *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "write_many(targets, writes, below)");
+        return NULL;
+    }
+    if (!live(self))
+        return NULL;
+    if (!PyDict_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "write_many()'s targets are a dict");
+        return NULL;
+    }
+    Py_ssize_t below = PyLong_AsSsize_t(args[2]);
+    if (below == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[1], "write_many() takes a list of (region, offset, src, imm)");
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), done = 0;
+    int bell = 0;
+    for (; done < n; done++) {
+        PyObject *w = PySequence_Fast_GET_ITEM(seq, done);
+        if (!PyTuple_Check(w) || PyTuple_GET_SIZE(w) != 4 || !PyObject_CheckBuffer(PyTuple_GET_ITEM(w, 2)))
+            break;               /* Pieces, or not a write at all: the caller's path */
+        PyObject *target = PyDict_GetItemWithError(args[0], PyTuple_GET_ITEM(w, 0));   /* borrowed */
+        if (!target || !PyTuple_Check(target) || PyTuple_GET_SIZE(target) != 3)
+            break;
+        entry_t e;
+        Py_ssize_t offset = PyLong_AsSsize_t(PyTuple_GET_ITEM(w, 1));
+        Py_ssize_t size = PyLong_AsSsize_t(PyTuple_GET_ITEM(target, 1));
+        if (PyErr_Occurred() || entry_ids(&e, PyTuple_GET_ITEM(w, 0), PyTuple_GET_ITEM(target, 2),
+                                          PyTuple_GET_ITEM(w, 3)) < 0) {
+            PyErr_Clear();
+            break;
+        }
+        if (self->head - __atomic_load_n(self->tail_word, __ATOMIC_ACQUIRE) >= self->entries)
+            break;               /* full: the caller waits for room */
+        Py_buffer src, dst;
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(w, 2), &src, PyBUF_C_CONTIGUOUS) < 0) {
+            PyErr_Clear();
+            break;
+        }
+        int ok = src.len > 0 && src.len < below && offset >= 0 && src.len <= size && offset <= size - src.len;
+        if (ok && PyObject_GetBuffer(PyTuple_GET_ITEM(target, 0), &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            PyErr_Clear();
+            ok = 0;
+        } else if (ok) {
+            ok = offset + src.len <= dst.len;
+            if (ok)
+                memcpy((char *)dst.buf + offset, src.buf, src.len);
+            PyBuffer_Release(&dst);
+        }
+        e.offset = (uint64_t)offset;
+        e.length = (uint64_t)src.len;
+        PyBuffer_Release(&src);
+        if (!ok)
+            break;
+        bell |= push_entry(self, &e) == 1;     /* room was checked above */
+    }
+    Py_DECREF(seq);
+    return Py_BuildValue("(nO)", done, bell ? Py_True : Py_False);
+}
+
 /* Whether `local` (region id -> (arena, key)) lets the entry land. */
 static int lands(const entry_t *e, PyObject *local) {
     if (e->magic != WRITE_MAGIC)
@@ -442,6 +510,8 @@ static PyGetSetDef Ring_getset[] = {
 
 static PyMethodDef Ring_methods[] = {
     {"push", (PyCFunction)(void (*)(void))Ring_push, METH_FASTCALL, "push(region, key, imm, offset, length)"},
+    {"write_many", (PyCFunction)(void (*)(void))Ring_write_many, METH_FASTCALL,
+     "write_many(targets, writes, below) -> (written, ring the doorbell)"},
     {"write", (PyCFunction)(void (*)(void))Ring_write, METH_FASTCALL,
      "write(target, offset, src, region, key, imm): copy, then push"},
     {"drain", (PyCFunction)(void (*)(void))Ring_drain, METH_FASTCALL, "drain(most, local, on_imm) -> taken, or -1"},

@@ -113,7 +113,7 @@ class CompletionRing:
         self._core = None
         if compiled():           # the same operations, compiled: bound here, no wrapper call per message
             self._core = core = _compiled.Ring(self._bytes, entries)
-            self.push, self.write = core.push, core.write
+            self.push, self.write, self.write_many = core.push, core.write, core.write_many
             self.drain, self.poll, self.available = core.drain, core.poll, core.available
             self.sleeping, self.consumer_sleeping = core.sleeping, core.consumer_sleeping
 
@@ -188,6 +188,21 @@ class CompletionRing:
             raise ValueError(f"a {n}-byte write at {offset} does not fit {len(target)} bytes")
         target[offset:offset + n] = src
         return self.push(region, key, imm, offset, n)
+
+    def write_many(self, targets: dict, writes: list, below: int) -> tuple[int, bool]:
+        """write() of each (region, offset, src, imm) in order, the region looked
+        up in `targets` (region id -> (mapped buffer, size, key)), while each is
+        an array of 1 to below-1 bytes that fits its region and the ring has
+        room. Stops at the first that is not, left to the caller: (how many
+        went, whether the doorbell must ring)."""
+        bell = False
+        for done, (region, offset, src, imm) in enumerate(writes):
+            target = targets.get(region)
+            if (target is None or not isinstance(src, np.ndarray) or not 0 < src.nbytes < below
+                    or not 0 <= offset <= target[1] - src.nbytes or self._head - self._words[_TAIL] >= self.entries):
+                return done, bell
+            bell |= bool(self.write(target[0], offset, src, region, target[2], imm))
+        return len(writes), bell
 
     def consumer_sleeping(self) -> bool:
         return self._words[_SLEEPING] != 0

@@ -52,6 +52,7 @@ class ShmChannel(StreamChannel):
         self._path = f"\0rdmatensor-{secrets.token_hex(12)}"   # abstract: no file to clean up
         super().__init__(*args, max_incoming=max_incoming, **kwargs)
         self._mapped: dict[int, tuple[MappedArena, memoryview]] = {}   # region id -> the peer's segment
+        self._targets: dict[int, tuple[memoryview, int, int]] = {}     # region id -> (its view, size, key)
         self._ring_in = CompletionRing.create(max_incoming)    # the peer's completions to this side
         self._ring_out: CompletionRing | None = None           # this side's, in the peer's segment
         self._doorbell = select.poll()
@@ -110,8 +111,11 @@ class ShmChannel(StreamChannel):
         self._unmap(rid)
         self._mapped[rid] = (mapped, memoryview(mapped.buf))
         super().attach(descriptor)
+        desc = self.remote[rid]
+        self._targets[rid] = (self._mapped[rid][1], int(desc["size"]), int(desc["key"]))
 
     def _unmap(self, region_id: int) -> None:
+        self._targets.pop(region_id, None)
         old = self._mapped.pop(region_id, None)
         if old:
             try:
@@ -137,6 +141,20 @@ class ShmChannel(StreamChannel):
             return
         self._post(region_id, key, imm, offset, n)
 
+    def write_many(self, writes: list) -> list:
+        """Small writes go in one compiled call (the ring copies and posts each);
+        from the first that cannot (large, pieces, a full ring, a bad region or
+        bounds), write() takes them one at a time, and raises what it must."""
+        ring = self._ring_out
+        if ring is None or self._lost or self._closing:
+            return super().write_many(writes)   # raises as write() does
+        done, ring_bell = ring.write_many(self._targets, writes, streaming.STREAM_BYTES)
+        if ring_bell:
+            self._ring_doorbell()
+        for w in writes[done:]:
+            self.write(*w)
+        return [None] * len(writes)
+
     def notify(self, imm: int) -> None:
         self._post(-1, 0, imm, 0, 0)
 
@@ -154,12 +172,16 @@ class ShmChannel(StreamChannel):
         if ring_bell is None:
             ring_bell = self._push_when_room(ring, (region, key, imm, offset, length))
         if ring_bell:
-            try:
-                self._sock.send(b"\1", socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                pass                     # unread doorbells wait already: the peer wakes anyway
-            except OSError as exc:
-                raise PeerLost(f"peer {self.peer}'s doorbell failed: {exc}", peer=self.peer) from exc
+            self._ring_doorbell()
+
+    def _ring_doorbell(self) -> None:
+        """Wake the peer, which sleeps on its doorbell (the ring said so)."""
+        try:
+            self._sock.send(b"\1", socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            pass                         # unread doorbells wait already: the peer wakes anyway
+        except OSError as exc:
+            raise PeerLost(f"peer {self.peer}'s doorbell failed: {exc}", peer=self.peer) from exc
 
     def _push_when_room(self, ring: CompletionRing, entry: tuple) -> bool:
         """The peer's ring is full: wait while it takes in, taking in this

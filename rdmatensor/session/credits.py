@@ -29,14 +29,14 @@ log = logging.getLogger("rdmatensor")
 class SendSlot:
     """The sender's end of a slot: its credit, where its bytes go, its staging memory."""
 
-    def __init__(self, slot: Slot, peer: int, staging: np.ndarray):
+    def __init__(self, slot: Slot, peer: int, staging: np.ndarray, raw: bool = False):
         self.slot, self.peer, self.spec, self.name = slot, peer, slot.spec, slot.spec.name
         self.credit = Flag(True)              # set: this side may write the slot
         self.region, self.offset, self.capacity = slot.arena, slot.offset, slot.size
         self.staging: np.ndarray | None = staging
         self.view: np.ndarray | None = None   # staging as the tensor (static ones), once buffer() made it
         self.staging_bytes: np.ndarray | None = None     # what one write of `view` sends
-        self.raw = False                      # `view` goes as it is: no header, no checksum
+        self.raw = raw                        # a static value goes as it is: no header, no checksum, not empty
         self.pending = None                   # the last posted write's handle, while it may read staging
         self.writes = self.bytes_sent = 0
         self.imm = make_imm(IMM_DATA, slot.index)

@@ -20,6 +20,7 @@ from functools import partial
 from ..control.service import pb
 from ..errors import AuthenticationError, BadRequest, PeerLost, PlanMismatch, RdmaTensorError
 from ..providers.base import ControlPlane
+from . import wire
 from .barrier import ranks_and_coordinator
 from .context import SessionContext
 from .credits import Credits, RecvSlot, SendSlot
@@ -85,7 +86,8 @@ class Exchange:
                 arenas = [ctx.arena(size) for size in outgoing.arena_sizes]
                 for arena in arenas:
                     ch.register_source(arena)
-                sending = [SendSlot(slot, peer, arenas[slot.arena].view(slot.offset, slot.size))
+                sending = [SendSlot(slot, peer, arenas[slot.arena].view(slot.offset, slot.size),
+                                    raw=wire.is_raw(slot.spec, ctx.plan) and slot.spec.nbytes > 0)
                            for slot in outgoing.slots]
             self.credits.add(peer, sending, receiving)
 

@@ -65,7 +65,6 @@ class Sender:
             raise UsageError(f"{name!r} has a dynamic shape: it has no fixed staging buffer", tensor=name)
         self.source_free(st)
         if st.view is None:              # one array, so that send() knows it at a glance
-            st.raw = wire.is_raw(spec, self.ctx.plan) and spec.nbytes > 0
             st.staging_bytes = st.staging[:spec.nbytes]
             st.view = st.staging_bytes.view(spec.dtype).reshape(spec.shape)
         return st.view
@@ -132,22 +131,28 @@ class Sender:
         must wait or go alone, so no credit is waited for while it holds writes."""
         bits = tag_bits(tag)
         slots = []
+        send = self.credits.send
         for name, array in items:                  # bad input refuses the whole call: nothing goes
-            st = self.credits.send.get(name)
-            if st is None or not (st.spec.matches(array) if isinstance(array, np.ndarray) else _fits(st.spec, array)):
+            st = send.get(name)
+            if st is None or not ((array is st.view and array is not None)
+                                  or (st.spec.matches(array) if isinstance(array, np.ndarray)
+                                      else _fits(st.spec, array))):
                 self._refuse(name, array)
             slots.append((st, name, array))
-        plan = self.ctx.plan
+        live = self.live
         queued: dict[int, tuple[SendSlot, np.ndarray]] = {}     # id(slot) -> (slot, source), in order
         try:
             for st, name, array in slots:
-                if not (wire.is_raw(st.spec, plan) and st.spec.nbytes):
+                if not st.raw:
                     self._write_queued(queued)
                     self.send(name, array, timeout, tag)
                     continue
                 if not st.credit.is_set() or id(st) in queued:
                     self._write_queued(queued)     # the receiver may need them to give this credit back
-                self.credits.take(st, timeout)
+                if st.credit.is_set() and live.error is None and st.peer not in live.peer_errors:
+                    st.credit.clear()              # Credits.take(), when the credit is here and nothing failed
+                else:
+                    self.credits.take(st, timeout)
                 try:
                     src = st.staging_bytes if array is st.view else self._source(st, array)
                 except BaseException:

@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from rdmatensor import PeerLost, connect
+from rdmatensor import PeerLost, Pieces, TransportError, connect
 from rdmatensor.memory import Arena
 from rdmatensor.providers import shm
 from rdmatensor.providers import ring as ring_mod
@@ -314,3 +314,33 @@ def test_a_write_that_does_not_fit_copies_nothing_and_posts_nothing(ring_kind):
     got = []
     assert ring.drain(8, {0: (Region(), 9)}, got.append) == 1 and got == [5]
     ring.close()
+
+
+def test_write_many_goes_in_one_call_until_a_write_it_cannot_take(pair):
+    """Small writes go together; a large one, pieces, or a bad one is left to
+    write(), in order: every payload lands, every immediate arrives in order,
+    and a write outside the region raises and posts nothing."""
+    big = shm.streaming.STREAM_BYTES
+    arena = Arena(4 * big, shared=True)
+    pair.a.attach(pair.b.expose(1, arena))
+    small = [np.full(8, i, np.uint8) for i in range(6)]
+    writes = [(0, 8 * i, small[i], i) for i in range(3)]
+    writes.append((1, 0, np.full(big, 7, np.uint8), 3))                       # streamed, by write()
+    writes.append((0, 64, Pieces([small[4][:3], small[4][3:]]), 4))          # pieces, by write()
+    writes.append((0, 72, small[5], 5))
+    assert pair.a.write_many(writes) == [None] * 6
+    assert pair.take_in(6) == list(range(6))
+    assert bytes(pair.arena.buf[:24]) == bytes([0] * 8 + [1] * 8 + [2] * 8)
+    assert bytes(pair.arena.buf[64:80]) == bytes([4] * 8 + [5] * 8)
+    assert np.all(arena.buf[:big] == 7)
+    with pytest.raises(TransportError, match="outside"):
+        pair.a.write_many([(0, 8 * 10, small[0], 10), (0, (1 << 16) - 4, small[1], 11)])
+    assert pair.take_in(7) == list(range(6)) + [10]                           # the first went, the bad one not
+    time.sleep(0.05)
+    assert pair.b.progress() is False and pair.got[1] == list(range(6)) + [10]
+    with pytest.raises(TransportError, match="no region 9"):
+        pair.a.write_many([(9, 0, small[0], 12)])
+    ring = pair.a._ring_out                   # the ring itself: how far one call goes
+    assert ring.write_many(pair.a._targets, writes, big)[0] == 3
+    assert ring.write_many(pair.a._targets, writes[5:] + writes[:3], big)[0] == 4
+    arena.close()
