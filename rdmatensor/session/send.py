@@ -89,7 +89,11 @@ class Sender:
         if st is None or not (st.spec.matches(array) if isinstance(array, np.ndarray) else _fits(st.spec, array)):
             self._refuse(name, array)
         imm = st.imm | tag_bits(tag) if tag else st.imm
-        self.credits.take(st, timeout)
+        live = self.live
+        if st.credit.is_set() and live.error is None and st.peer not in live.peer_errors:
+            st.credit.clear()            # Credits.take(), when the credit is here and nothing failed
+        else:
+            self.credits.take(st, timeout)
         # Counted per slot while this thread holds its credit (no other can),
         # and before the write, after which the credit may come back at once.
         st.writes += 1
