@@ -75,7 +75,8 @@ class VerbsChannel(Channel):
         self._stop = threading.Event()
         self._bye = False
         self._poller: threading.Thread | None = None
-        self._polled_at = 0.0             # when a waiter last polled the CQ itself
+        self._polled_at = 0.0             # when a waiter last polled the CQ itself (0: it went to sleep)
+        self._waiter_slept = threading.Event()    # ends the background thread's quiet at once
 
     # -- setup ------------------------------------------------------------
     def expose(self, region_id: int, arena: Arena) -> dict:
@@ -203,6 +204,8 @@ class VerbsChannel(Channel):
             self._polled_at = now
             left = spin_until - now
             if left <= 0:
+                self._polled_at = 0.0     # nobody polls now: the background thread takes events again
+                self._waiter_slept.set()
                 return sleep(max(0.0, deadline - now), ready)
             if not self._reap(left):
                 time.sleep(0)         # another thread is reaping: let it run
@@ -286,7 +289,8 @@ class VerbsChannel(Channel):
                 return
             quiet = self._polled_at + QUIET_SECONDS - time.monotonic()
             if quiet > 0:                 # a waiter polls the CQ itself: no events, no wake-ups
-                self._stop.wait(quiet)
+                self._waiter_slept.wait(quiet)
+                self._waiter_slept.clear()
                 continue
             with self._event_lock:
                 self.ep.wait_event(0.1)
@@ -298,6 +302,7 @@ class VerbsChannel(Channel):
         if self._stop.is_set():
             return
         self._stop.set()
+        self._waiter_slept.set()
         if self._poller is not None and self._poller is not threading.current_thread():
             self._poller.join(timeout=5)
         with self._poll_lock:
