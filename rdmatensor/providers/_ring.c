@@ -224,8 +224,10 @@ static PyObject *Ring_write_many(Ring *self, PyObject *const *args, Py_ssize_t n
         if (!PyTuple_Check(w) || PyTuple_GET_SIZE(w) != 4 || !PyObject_CheckBuffer(PyTuple_GET_ITEM(w, 2)))
             break;               /* Pieces, or not a write at all: the caller's path */
         PyObject *target = PyDict_GetItemWithError(args[0], PyTuple_GET_ITEM(w, 0));   /* borrowed */
-        if (!target || !PyTuple_Check(target) || PyTuple_GET_SIZE(target) != 3)
+        if (!target || !PyTuple_Check(target) || PyTuple_GET_SIZE(target) != 3) {
+            PyErr_Clear();       /* a lookup error: the caller's write() raises what is wrong */
             break;
+        }
         entry_t e;
         Py_ssize_t offset = PyLong_AsSsize_t(PyTuple_GET_ITEM(w, 1));
         Py_ssize_t size = PyLong_AsSsize_t(PyTuple_GET_ITEM(target, 1));
@@ -435,6 +437,8 @@ static PyObject *Ring_poll(Ring *self, PyObject *const *args, Py_ssize_t nargs) 
         Py_BEGIN_ALLOW_THREADS
         sched_yield();           /* a peer sharing this core runs now, not at the next tick */
         Py_END_ALLOW_THREADS
+        if (!live(self))         /* closed meanwhile (the channel waits for its reader first) */
+            return NULL;
     }
     return PyLong_FromLongLong(found);
 }
