@@ -31,8 +31,9 @@ tail and the capacity on every read, the consumer keeps its own tail, and
 each entry is copied out of shared memory, then checked as a NIC checks a
 write, before its immediate is reported.
 
-The per-message operations (push, drain) are compiled (`_ring.c`, built by
-`make setup`): in Python they were about a third of a round trip. The
+The per-message operations (push, write, write_many, drain, poll) are
+compiled (`_ring.c`, built by `make setup`): in Python they were about a
+third of a round trip. The
 Python ones below do the same where it is not built, or with
 RDMATENSOR_SHM_RING=python.
 """
