@@ -144,15 +144,18 @@ class Sender:
                 self._refuse(name, array)
             slots.append((st, name, array))
         live = self.live
-        queued: dict[int, tuple[SendSlot, np.ndarray]] = {}     # id(slot) -> (slot, source), in order
+        queued: dict[int, list] = {}        # peer -> [(slot, source, immediate)], in order
+        count = 0
         try:
             for st, name, array in slots:
                 if not st.raw:
                     self._write_queued(queued)
+                    count = 0
                     self.send(name, array, timeout, tag)
                     continue
-                if not st.credit.is_set() or id(st) in queued:
+                if not st.credit.is_set():         # (a queued slot's credit is taken: a repeat lands here too)
                     self._write_queued(queued)     # the receiver may need them to give this credit back
+                    count = 0
                 if st.credit.is_set() and live.error is None and st.peer not in live.peer_errors:
                     st.credit.clear()              # Credits.take(), when the credit is here and nothing failed
                 else:
@@ -162,27 +165,32 @@ class Sender:
                 except BaseException:
                     self.credits.keep(st)
                     raise
-                queued[id(st)] = (st, src, st.imm | bits)
-                if len(queued) >= BATCH:           # a full chain goes now: the receiver starts on it
+                pairs = queued.get(st.peer)
+                if pairs is None:
+                    pairs = queued[st.peer] = []
+                pairs.append((st, src, st.imm | bits))
+                count += 1
+                if count >= BATCH:                 # a full chain goes now: the receiver starts on it
                     self._write_queued(queued)
+                    count = 0
             self._write_queued(queued)
         finally:
-            for st, _, _ in queued.values():       # taken but not written (an error on the way)
-                self.credits.keep(st)
+            for pairs in queued.values():          # taken but not written (an error on the way)
+                for st, _, _ in pairs:
+                    self.credits.keep(st)
 
     def _write_queued(self, queued: dict) -> None:
-        """Write every queued (slot, source, immediate), one write_many() per peer;
-        a slot leaves `queued` once its write is posted."""
-        by_peer: dict[int, list] = {}
-        for st, src, imm in queued.values():
-            by_peer.setdefault(st.peer, []).append((st, src, imm))
-        for peer, pairs in by_peer.items():
-            for st, _, _ in pairs:                 # counted before the write, as send() does
+        """Write every queued (slot, source, immediate), one write_many() per
+        peer; a peer's slots leave `queued` once their writes are posted."""
+        for peer in list(queued):
+            pairs = queued[peer]
+            writes = []
+            for st, src, imm in pairs:             # counted before the write, as send() does
                 st.writes += 1
                 st.bytes_sent += st.spec.nbytes
+                writes.append((st.region, st.offset, src, imm))
             try:
-                handles = self.ctx.channels[peer].write_many(
-                    [(st.region, st.offset, src, imm) for st, src, imm in pairs])
+                handles = self.ctx.channels[peer].write_many(writes)
             except BaseException as exc:
                 for st, _, _ in pairs:
                     st.writes -= 1
@@ -192,9 +200,9 @@ class Sender:
                     self.live.check()
                     self.live.check(peer)
                 raise
+            del queued[peer]
             for (st, _, _), handle in zip(pairs, handles, strict=True):
                 st.pending = handle
-                del queued[id(st)]
 
     def _refuse(self, name: str, array) -> None:
         """Why send() cannot take `array` for `name`, as the error to raise."""
