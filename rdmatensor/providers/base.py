@@ -149,6 +149,12 @@ class Channel(ABC):
         """Deliver only an immediate (a zero-length write)."""
         self.write(-1, 0, _EMPTY, imm)
 
+    def notify_later(self, imm: int) -> None:
+        """Deliver only an immediate that may wait a little (a credit): with
+        this side's next write to the peer, when it next waits for the peer, or
+        within a few milliseconds. Default: at once (notify())."""
+        self.notify(imm)
+
     def peer_said_bye(self) -> None:
         """The peer closed in order; report it once everything it sent is in."""
         self.lost(PeerLost(f"peer {self.peer} closed the session", peer=self.peer))

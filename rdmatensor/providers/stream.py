@@ -185,6 +185,7 @@ class StreamChannel(Channel):
         hand-off from another thread on the fast path. Another thread taking
         them in already means just waiting for it."""
         deadline = time.monotonic() + timeout
+        self._before_wait()
         while True:
             if self._reader is None or self._lost or self._closing:
                 return event.is_set()
@@ -202,6 +203,9 @@ class StreamChannel(Channel):
                 return True
             if time.monotonic() >= deadline:
                 return False
+
+    def _before_wait(self) -> None:
+        """What a thread does before it waits for the peer. Default: nothing."""
 
     def progress(self, block_for: float = 0.0) -> bool:
         """Take in writes that arrived (shm: a batch of them), on the calling

@@ -37,6 +37,7 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
     return True
 
 
+DEFER_SECONDS = 0.005     # a credit may wait this long for a write to ride with (PARK_SECONDS)
 SPIN_SECONDS = 50e-6      # a waiter polls the socket without blocking this long before it sleeps
 SLEEP_SLICE = 0.05        # the longest sleep before a waiter looks at its own side again
 PARK_SECONDS = 0.005      # the background reader leaves the socket to a waiter this long after it waited
@@ -55,6 +56,8 @@ class TcpChannel(StreamChannel):
         self._rx = bytearray(RECEIVE_BUFFER)
         self._rx_view = memoryview(self._rx)
         self._rx_start = self._rx_end = 0        # what the buffer holds, not taken in yet
+        self._owed = bytearray()                 # credits not sent yet: they go first (under _send_lock)
+        self._looks_by = math.inf                # when the background thread next looks at the channel
 
     def _listen(self) -> socket.socket:
         sock = socket.create_server((self.host, 0))
@@ -113,6 +116,9 @@ class TcpChannel(StreamChannel):
             raise TransportError(f"{self.name} channel to peer {self.peer} is not connected")
         try:
             with self._send_lock:
+                if self._owed:                   # credits owed go first, in the same system call
+                    parts.insert(0, bytes(self._owed))
+                    self._owed = bytearray()
                 for i in range(0, len(parts), 2 * IOV_PAIRS):
                     _send_parts(sock, parts[i:i + 2 * IOV_PAIRS])
         except OSError as exc:
@@ -122,6 +128,63 @@ class TcpChannel(StreamChannel):
     def notify(self, imm: int) -> None:
         self._send(WRITE_HEADER.pack(WRITE_MAGIC, -1, 0, imm, 0, 0), None)
 
+    def notify_later(self, imm: int) -> None:
+        """A credit costs a system call of its own, as much as a small write:
+        it is owed instead, and goes with the next write to the peer (one
+        sendmsg for both), before this side next waits, or with the background
+        thread's next look, which is due within DEFER_SECONDS; when it is not,
+        at once."""
+        header = WRITE_HEADER.pack(WRITE_MAGIC, -1, 0, imm, 0, 0)
+        with self._send_lock:
+            if self._sock is not None and not (self._lost or self._closing) \
+                    and self._looks_by - time.monotonic() <= DEFER_SECONDS:
+                self._owed += header
+                return
+        self._send(header, None)
+
+    def _look_again(self, sleep: float) -> float:
+        """The background thread, before it sleeps: send what is owed (what the
+        kernel takes at once) and say when it looks again; how long it sleeps."""
+        with self._send_lock:
+            self._send_owed(block=False)
+            if self._owed:
+                sleep = min(sleep, PARK_SECONDS)     # the rest at the next look
+            self._looks_by = time.monotonic() + sleep
+        return sleep
+
+    def _before_wait(self) -> None:
+        try:
+            self._flush_owed(block=True)     # the peer may be waiting for one of them
+        except PeerLost as exc:
+            self._fail(exc)
+
+    def _half_close(self) -> None:
+        self._before_wait()
+        super()._half_close()
+
+    def _flush_owed(self, block: bool) -> None:
+        """Send the credits owed (not blocking: what the kernel takes at once)."""
+        if self._owed:
+            with self._send_lock:
+                self._send_owed(block)
+
+    def _send_owed(self, block: bool) -> None:
+        """_flush_owed(), under _send_lock."""
+        owed, sock = self._owed, self._sock
+        if not owed or sock is None:
+            return
+        try:
+            if block:
+                sock.sendall(owed)
+                sent = len(owed)
+            else:
+                sent = sock.send(owed, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            raise PeerLost(f"sending to peer {self.peer} failed: {exc}") from exc
+        del owed[:sent]
+
     def _send(self, header: bytes, payload: np.ndarray | None) -> None:
         """Header and payload in one system call (the rest, if the kernel took only part)."""
         sock = self._sock
@@ -129,6 +192,8 @@ class TcpChannel(StreamChannel):
             raise TransportError(f"{self.name} channel to peer {self.peer} is not connected")
         try:
             with self._send_lock:
+                if self._owed:                   # credits owed go first, in the same system call
+                    header, self._owed = bytes(self._owed) + header, bytearray()
                 if payload is None or not payload.nbytes:
                     sock.sendall(header)
                     return
@@ -219,14 +284,19 @@ class TcpChannel(StreamChannel):
         while not self._closing and not self._lost:
             parked = self._read_lock.locked() or time.monotonic() - self._last_inline < PARK_SECONDS
             try:
+                sleep = self._look_again(PARK_SECONDS if parked else 0.2)
                 if (hang_up if parked else readable) != events:
                     events = hang_up if parked else readable
                     watch.modify(self._sock, events)
-                ready = watch.poll(PARK_SECONDS * 1000 if parked else 200)
+                ready = watch.poll(sleep * 1000)
+            except PeerLost as exc:     # what was owed could not be sent
+                self._fail(exc)
+                break
             except (OSError, ValueError):
                 break
             if ready and not self.progress():
                 time.sleep(0.0005)      # a waiter is taking it in: let it finish
+        self._looks_by = math.inf
 
 
 def _send_parts(sock, parts: list) -> None:

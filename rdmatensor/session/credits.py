@@ -150,7 +150,7 @@ class Credits:
         if self.ctx.closed or st.peer in self.live.peer_errors:     # (live.is_lost(), inline)
             return
         try:
-            self.ctx.channels[st.peer].notify(st.credit_imm)
+            self.ctx.channels[st.peer].notify_later(st.credit_imm)
         except RdmaTensorError as exc:
             # The sender is gone; it needs no credit. Its loss is reported by
             # the channel once everything it sent has been taken in.

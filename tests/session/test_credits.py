@@ -30,6 +30,8 @@ class Recorder:
     def notify(self, imm):
         self.sent.append(imm)
 
+    notify_later = notify
+
     def lost(self, error):
         self.lost_with.append(error)
 
