@@ -6,7 +6,8 @@
 #     elsewhere rdmatensor.streaming uses numpy;
 #   - a slot's state and the immediates that move it (rdmatensor/session/_slots.c);
 #   - the shm completion ring (rdmatensor/providers/_ring.c), x86-64 only, as
-#     shm itself (it relies on x86-64's store order).
+#     shm itself (it relies on x86-64's store order);
+#   - tcp's inbox (rdmatensor/providers/_inbox.c).
 # Fails loudly: `make setup` installs what they need (gcc, libibverbs-dev, python3-dev).
 #
 #   scripts/build_native.sh [VENV]      (default: .venv next to this repository)
@@ -19,7 +20,9 @@ include=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
 build() {   # build SOURCE [LIBS...]
   local src=$1 out="${1%.c}$suffix"
   shift
-  if [ ! -f "$out" ] || [ "$src" -nt "$out" ]; then
+  local newer
+  newer=$(find "$(dirname "$src")" -maxdepth 1 -name '*.h' -newer "$out" 2>/dev/null | head -1 || true)
+  if [ ! -f "$out" ] || [ "$src" -nt "$out" ] || [ -n "$newer" ]; then
     echo "setup: compiling $out"
     cc -O2 -g -Wall -Wno-missing-field-initializers -shared -fPIC -I"$include" "$src" -o "$out.tmp" "$@"
     mv "$out.tmp" "$out"
@@ -34,6 +37,9 @@ build rdmatensor/providers/_verbs_native.c -libverbs
 build rdmatensor/session/_slots.c
 "$py" -c "from rdmatensor.session import slots as m; assert m.BUILD_ERROR is None, m.BUILD_ERROR" \
   || { echo "build_native: the compiled slots do not import" >&2; exit 1; }
+build rdmatensor/providers/_inbox.c
+"$py" -c "from rdmatensor.providers import inbox as m; assert m.BUILD_ERROR is None, m.BUILD_ERROR" \
+  || { echo "build_native: the compiled tcp inbox does not import" >&2; exit 1; }
 if [ "$(uname -m)" = x86_64 ]; then
   build rdmatensor/_streaming.c
   "$py" -c "from rdmatensor import streaming as m; assert m.BUILD_ERROR is None, m.BUILD_ERROR" \

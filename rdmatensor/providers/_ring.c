@@ -11,29 +11,14 @@
  * it in `refused`, so that the channel raises its own typed error for it.
  * Everything runs under the GIL, as the Python version did.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "_landing.h"
 #include <sched.h>
-#include <stdint.h>
 #include <string.h>
-#include <time.h>
 
-#define WRITE_MAGIC 0x52445457u
 #define HEAD_AT 64
 #define TAIL_AT 128
 #define SLEEPING_AT 192
 #define HEADER_BYTES 256
-
-typedef struct {            /* stream.py's WRITE_HEADER "<IiIIQQ" (x86-64 is little-endian) */
-    uint32_t magic;
-    int32_t region;
-    uint32_t key;
-    uint32_t imm;
-    uint64_t offset;
-    uint64_t length;
-} entry_t;
-
-_Static_assert(sizeof(entry_t) == 32, "one ring entry is 32 bytes");
 
 typedef struct {
     PyObject_HEAD
@@ -48,8 +33,6 @@ typedef struct {
     uint64_t tail;           /* the consumer's own count (never read back from shared memory) */
     PyObject *refused;       /* the entry drain() would not take in, as a tuple */
 } Ring;
-
-static PyObject *size_name;
 
 static int Ring_init(Ring *self, PyObject *args, PyObject *kw) {
     PyObject *buf;
@@ -264,38 +247,6 @@ static PyObject *Ring_write_many(Ring *self, PyObject *const *args, Py_ssize_t n
     return Py_BuildValue("(nO)", done, bell ? Py_True : Py_False);
 }
 
-/* Whether `local` (region id -> (arena, key)) lets the entry land. */
-static int lands(const entry_t *e, PyObject *local) {
-    if (e->magic != WRITE_MAGIC)
-        return 0;
-    if (!e->length)
-        return 1;                /* an immediate alone names no region, as in RDMA */
-    PyObject *id = PyLong_FromLong(e->region);
-    if (!id)
-        return -1;
-    PyObject *pair = PyDict_GetItemWithError(local, id);   /* borrowed */
-    Py_DECREF(id);
-    if (!pair)
-        return PyErr_Occurred() ? -1 : 0;
-    if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
-        PyErr_SetString(PyExc_TypeError, "the local regions map region ids to (arena, key)");
-        return -1;
-    }
-    unsigned long want = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(pair, 1));
-    if (want == (unsigned long)-1 && PyErr_Occurred())
-        return -1;
-    if (want != e->key)
-        return 0;
-    PyObject *size_obj = PyObject_GetAttr(PyTuple_GET_ITEM(pair, 0), size_name);
-    if (!size_obj)
-        return -1;
-    unsigned long long size = PyLong_AsUnsignedLongLong(size_obj);
-    Py_DECREF(size_obj);
-    if (size == (unsigned long long)-1 && PyErr_Occurred())
-        return -1;
-    return e->length <= size && e->offset <= size - e->length;
-}
-
 /* Take in up to `most` entries, each checked, then reported (on_imm(imm); a
  * true result means the channel is lost: take in nothing more).  How many
  * were taken in; -1 when the next entry, or head itself, is the producer's
@@ -320,8 +271,7 @@ static long long drain_some(Ring *self, uint64_t most, PyObject *local, PyObject
         if (ok < 0)
             goto done;
         if (!ok) {
-            Py_XSETREF(self->refused, Py_BuildValue("(IiIIKK)", e.magic, e.region, e.key, e.imm,
-                                                    (unsigned long long)e.offset, (unsigned long long)e.length));
+            Py_XSETREF(self->refused, entry_tuple(&e));
             result = self->refused ? -1 : -2;
             goto done;
         }
@@ -381,14 +331,6 @@ static PyObject *Ring_drain(Ring *self, PyObject *const *args, Py_ssize_t nargs)
     return n == -2 ? NULL : PyLong_FromLongLong(n);
 }
 
-static PyObject *is_set_name;
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + t.tv_nsec * 1e-9;
-}
-
 /* poll(event, most, local, on_imm, seconds): drain until event.is_set() (an
  * event of None: until any entry was taken in), the channel is lost, or
  * `seconds` passed, yielding the core between looks (with the GIL released,
@@ -421,15 +363,13 @@ static PyObject *Ring_poll(Ring *self, PyObject *const *args, Py_ssize_t nargs) 
             if (found)
                 break;
         } else {                 /* set by an entry, or by another thread (a loss wakes every waiter) */
-            PyObject *set = PyObject_CallMethodNoArgs(event, is_set_name);
-            if (!set)
+            int done = event_is_set(event);
+            if (done < 0)
                 return NULL;
-            int done = PyObject_IsTrue(set);
-            Py_DECREF(set);
             if (done)
                 break;
         }
-        double t = now();
+        double t = monotonic_now();
         if (!until)
             until = t + seconds;
         else if (t >= until)
@@ -545,10 +485,6 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_ring", "The shm com
 
 PyMODINIT_FUNC PyInit__ring(void) {
     if (PyType_Ready(&RingType) < 0)
-        return NULL;
-    size_name = PyUnicode_InternFromString("size");
-    is_set_name = PyUnicode_InternFromString("is_set");
-    if (!size_name || !is_set_name)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m)

@@ -1,42 +1,30 @@
 """tcp: one-sided writes emulated over a TCP connection: no serialization.
 
-A write is its header and payload in one sendmsg(). The receiver reads what
-the socket holds into a small buffer, so that many headers and small
-payloads come in with one system call; a payload larger than what is
-buffered is received straight into the target slot (recv_into). A waiting
-thread takes writes in itself, polling the socket for a short while before
-it sleeps on it; the background reader takes over only while nobody waits.
+A write is its header and payload in one sendmsg(). The receiver's inbox
+(inbox.py, compiled in _inbox.c) reads what the socket holds into a small
+buffer, so that many headers and small payloads come in with one system
+call, checks each header as a NIC would and lands its payload (a payload
+larger than what is buffered is received straight into the target slot). A
+waiting thread takes writes in itself, polling the socket for a short while
+before it sleeps on it; the background reader takes over only while nobody
+waits. A released slot's credit is owed rather than sent alone
+(notify_later): it rides with the next write to the peer.
 """
 from __future__ import annotations
 
 import math
-import os
 import select
 import socket
 import time
 
 import numpy as np
 
-from ..errors import PeerLost, TransportError
+from ..errors import PeerLost, RefusedWrite, TransportError
+from . import inbox
 from .base import WRITE_HEADER, WRITE_MAGIC, Pieces
 from .stream import StreamChannel
 
 IOV_PAIRS = 500            # writes per sendmsg (two parts each, more for Pieces; the kernel takes up to IOV_MAX = 1024)
-
-
-def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
-    """Fill `view` from the socket; False on a clean EOF before the first byte."""
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            if got == 0:
-                return False
-            raise PeerLost("connection closed in the middle of a message")
-        got += n
-    return True
-
-
 DEFER_SECONDS = 0.005     # a credit may wait this long for a write to ride with (PARK_SECONDS)
 SPIN_SECONDS = 50e-6      # a waiter polls the socket without blocking this long before it sleeps
 SLEEP_SLICE = 0.05        # the longest sleep before a waiter looks at its own side again
@@ -53,9 +41,7 @@ class TcpChannel(StreamChannel):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._rx = bytearray(RECEIVE_BUFFER)
-        self._rx_view = memoryview(self._rx)
-        self._rx_start = self._rx_end = 0        # what the buffer holds, not taken in yet
+        self._inbox = None                       # once connected
         self._owed = bytearray()                 # credits not sent yet: they go first (under _send_lock)
         self._looks_by = math.inf                # when the background thread next looks at the channel
 
@@ -89,6 +75,7 @@ class TcpChannel(StreamChannel):
         return sock
 
     def _connected(self, peer_params: dict) -> None:
+        self._inbox = inbox.make_inbox(self._sock, RECEIVE_BUFFER)
         self._inline_poller = select.poll()      # the waiters' (used under _read_lock); the thread has its own
         self._inline_poller.register(self._sock, select.POLLIN | select.POLLRDHUP)
 
@@ -162,6 +149,12 @@ class TcpChannel(StreamChannel):
         self._before_wait()
         super()._half_close()
 
+    def close(self) -> None:
+        super().close()
+        with self._read_lock:            # no poll() runs: its descriptor can go
+            if self._inbox is not None:
+                self._inbox.close()
+
     def _flush_owed(self, block: bool) -> None:
         """Send the credits owed (not blocking: what the kernel takes at once)."""
         if self._owed:
@@ -209,70 +202,30 @@ class TcpChannel(StreamChannel):
     # -- the receiver -----------------------------------------------------
     def _consume(self, event, deadline: float) -> int:
         """Under _read_lock: take in writes until `event` is set (None: until
-        there were any) or the deadline; how many were taken in."""
-        found = 0
-        spin_until = time.monotonic() + SPIN_SECONDS
+        there were any) or the deadline: polling the socket for SPIN_SECONDS,
+        then sleeping on it, and so on; how many were taken in."""
+        inbox, found = self._inbox, 0
         while True:
-            found += self._land_buffered()
+            n = inbox.poll(event, self.local, self.on_imm, max(0.0, min(SPIN_SECONDS, deadline - time.monotonic())))
+            if n < 0:
+                self._inbox_failed(n)
+            found += n
             if (event.is_set() if event is not None else found) or self._lost or self._closing:
                 return found
-            if self._fill():
-                continue
             now = time.monotonic()
             if now >= deadline:
                 return found
-            if now >= spin_until:
-                self._inline_poller.poll(math.ceil(min(deadline - now, SLEEP_SLICE) * 1000))
-                spin_until = time.monotonic() + SPIN_SECONDS
-            else:
-                os.sched_yield()         # a peer sharing this core runs now, not at the next tick
+            self._inline_poller.poll(math.ceil(min(deadline - now, SLEEP_SLICE) * 1000))
 
-    def _fill(self) -> int:
-        """Move what the socket holds into the receive buffer, never blocking;
-        how many bytes came (0: none yet)."""
-        start, end = self._rx_start, self._rx_end
-        if start == end:
-            start = end = self._rx_start = self._rx_end = 0
-        elif len(self._rx) - end < WRITE_HEADER.size:       # keep room for at least a header
-            self._rx[:end - start] = self._rx[start:end]
-            start, end = 0, end - start
-            self._rx_start, self._rx_end = start, end
-        try:
-            got = self._sock.recv_into(self._rx_view[end:], 0, socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            return 0
-        if got == 0:
-            if start == end:
-                raise PeerLost(f"peer {self.peer} closed the connection", peer=self.peer)
-            raise PeerLost(f"peer {self.peer} closed the connection in the middle of a message", peer=self.peer)
-        self._rx_end = end + got
-        return got
-
-    def _land_buffered(self) -> int:
-        """Take in every write whose header is in the receive buffer: check it
-        like a NIC, land its payload (the part already buffered copied, the
-        rest received straight into the region), report its immediate."""
-        found = 0
-        rx, view = self._rx, self._rx_view
-        while self._rx_end - self._rx_start >= WRITE_HEADER.size and not self._lost:
-            at = self._rx_start
-            magic, region, key, imm, offset, length = WRITE_HEADER.unpack_from(rx, at)
-            arena = self.land(magic, region, key, offset, length)
-            at += WRITE_HEADER.size
-            if arena is not None:
-                have = min(self._rx_end - at, length)
-                target = memoryview(arena.buf)[offset:offset + length]
-                target[:have] = view[at:at + have]
-                at += have
-                if have < length:
-                    self._rx_start = self._rx_end = 0
-                    if not _recv_exact(self._sock, target[have:]):
-                        raise PeerLost(f"peer {self.peer} closed the connection mid-payload", peer=self.peer)
-                    at = 0
-            self._rx_start = at
-            self.on_imm(imm)
-            found += 1
-        return found
+    def _inbox_failed(self, code: int) -> None:
+        """The typed error for what the inbox would not take in."""
+        if code == inbox.REFUSED:
+            magic, region, key, _, offset, length = self._inbox.refused
+            self.land(magic, region, key, offset, length)
+            raise RefusedWrite(f"peer {self.peer} sent a write that does not land", peer=self.peer)
+        if code == inbox.CLOSED:
+            raise PeerLost(f"peer {self.peer} closed the connection", peer=self.peer)
+        raise PeerLost(f"peer {self.peer} closed the connection in the middle of a message", peer=self.peer)
 
     def _background(self) -> None:
         """Take in writes while no thread waits for them. While one does (or
