@@ -407,6 +407,151 @@ static PyTypeObject ImmediatesType = {
     .tp_vectorcall_offset = offsetof(Immediates, vectorcall),
 };
 
+/* -- Received -------------------------------------------------------- */
+/* recv.py's Received: a received value lent out, its slot going back to the
+ * sender when it is released (credits.give_back). A C type so that the two
+ * calls every received tensor makes, building one and releasing it, run no
+ * interpreter frame of their own. */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *credits, *state, *array, *name, *tag;
+    PyObject *weakrefs;
+} Received;
+
+static PyObject *give_back_name, *name_name;
+
+static int Received_init(Received *self, PyObject *args, PyObject *kw) {
+    PyObject *credits, *state, *array;
+    static char *names[] = {"credits", "state", "array", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!O", names, &credits, &SlotStateType, &state, &array))
+        return -1;
+    PyObject *name = PyObject_GetAttr(state, name_name);
+    if (!name)
+        return -1;
+    PyObject *tag = PyLong_FromUnsignedLong(((SlotState *)state)->tag);
+    if (!tag) {
+        Py_DECREF(name);
+        return -1;
+    }
+    Py_INCREF(credits);
+    Py_INCREF(state);
+    Py_INCREF(array);
+    Py_XSETREF(self->credits, credits);
+    Py_XSETREF(self->state, state);
+    Py_XSETREF(self->array, array);
+    Py_XSETREF(self->name, name);
+    Py_XSETREF(self->tag, tag);
+    return 0;
+}
+
+static PyObject *Received_release(Received *self, PyObject *unused) {
+    if (!self->state || self->state == Py_None)
+        Py_RETURN_NONE;
+    PyObject *state = self->state;
+    self->state = NULL;
+    Py_INCREF(Py_None);
+    Py_XSETREF(self->array, Py_None);
+    PyObject *r = self->credits ? PyObject_CallMethodOneArg(self->credits, give_back_name, state) : NULL;
+    Py_DECREF(state);
+    return r;
+}
+
+static PyObject *Received_exit(Received *self, PyObject *const *args, Py_ssize_t nargs) {
+    return Received_release(self, NULL);
+}
+
+static PyObject *Received_enter(Received *self, PyObject *unused) {
+    if (!self->state) {          /* rdmatensor.errors.UsageError, naming the tensor */
+        PyObject *errors = PyImport_ImportModule("rdmatensor.errors");
+        PyObject *cls = errors ? PyObject_GetAttrString(errors, "UsageError") : NULL;
+        Py_XDECREF(errors);
+        if (!cls)
+            return NULL;
+        PyObject *msg = PyUnicode_FromFormat("tensor %R was already released", self->name ? self->name : Py_None);
+        PyObject *call_args = msg ? PyTuple_Pack(1, msg) : NULL;
+        PyObject *kwargs = call_args ? Py_BuildValue("{sO}", "tensor", self->name ? self->name : Py_None) : NULL;
+        PyObject *exc = kwargs ? PyObject_Call(cls, call_args, kwargs) : NULL;
+        if (exc) {
+            PyErr_SetObject(cls, exc);
+            Py_DECREF(exc);
+        }
+        Py_DECREF(cls);
+        Py_XDECREF(msg);
+        Py_XDECREF(call_args);
+        Py_XDECREF(kwargs);
+        return NULL;
+    }
+    Py_INCREF(self->array);
+    return self->array;
+}
+
+static PyObject *Received_released(Received *self, void *unused) {
+    return PyBool_FromLong(!self->state);
+}
+
+static int Received_traverse(Received *self, visitproc visit, void *arg) {
+    Py_VISIT(self->credits);
+    Py_VISIT(self->state);
+    Py_VISIT(self->array);
+    return 0;
+}
+
+static int Received_clear(Received *self) {
+    Py_CLEAR(self->credits);
+    Py_CLEAR(self->state);
+    Py_CLEAR(self->array);
+    Py_CLEAR(self->name);
+    Py_CLEAR(self->tag);
+    return 0;
+}
+
+static void Received_dealloc(Received *self) {
+    PyObject_GC_UnTrack(self);
+    if (self->weakrefs)
+        PyObject_ClearWeakRefs((PyObject *)self);
+    Received_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef Received_methods[] = {
+    {"release", (PyCFunction)Received_release, METH_NOARGS, "hand the slot back to the sender (idempotent)"},
+    {"__enter__", (PyCFunction)Received_enter, METH_NOARGS, "the array"},
+    {"__exit__", (PyCFunction)(void (*)(void))Received_exit, METH_FASTCALL, "release()"},
+    {NULL},
+};
+
+static PyMemberDef Received_members[] = {
+    {"array", T_OBJECT, offsetof(Received, array), READONLY, "the read-only view (None once released)"},
+    {"name", T_OBJECT, offsetof(Received, name), READONLY, "the tensor's name"},
+    {"tag", T_OBJECT, offsetof(Received, tag), READONLY, "the sender's tag of the value"},
+    {NULL},
+};
+
+static PyGetSetDef Received_getset[] = {
+    {"released", (getter)Received_released, NULL, "whether the slot went back", NULL},
+    {NULL},
+};
+
+static PyTypeObject ReceivedType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "rdmatensor.Received",
+    .tp_basicsize = sizeof(Received),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "A received tensor: a read-only view of the receive arena itself.\n\n"
+              "Use as a context manager (`with session.recv(name) as array:`); leaving\n"
+              "the block (or `release()`) hands the slot back to the sender.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Received_init,
+    .tp_dealloc = (destructor)Received_dealloc,
+    .tp_traverse = (traverseproc)Received_traverse,
+    .tp_clear = (inquiry)Received_clear,
+    .tp_weaklistoffset = offsetof(Received, weakrefs),
+    .tp_methods = Received_methods,
+    .tp_members = Received_members,
+    .tp_getset = Received_getset,
+};
+
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_slots", "Slot state and immediates, compiled.", -1, NULL};
 
 PyMODINIT_FUNC PyInit__slots(void) {
@@ -414,16 +559,19 @@ PyMODINIT_FUNC PyInit__slots(void) {
     empty_str = PyUnicode_InternFromString("empty");
     full_str = PyUnicode_InternFromString("full");
     held_str = PyUnicode_InternFromString("held");
-    if (!wake_name || !empty_str || !full_str || !held_str)
+    give_back_name = PyUnicode_InternFromString("give_back");
+    name_name = PyUnicode_InternFromString("name");
+    if (!wake_name || !empty_str || !full_str || !held_str || !give_back_name || !name_name)
         return NULL;
-    if (PyType_Ready(&FlagType) < 0 || PyType_Ready(&SlotStateType) < 0 || PyType_Ready(&ImmediatesType) < 0)
+    if (PyType_Ready(&FlagType) < 0 || PyType_Ready(&SlotStateType) < 0 || PyType_Ready(&ImmediatesType) < 0
+        || PyType_Ready(&ReceivedType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m)
         return NULL;
-    PyTypeObject *types[] = {&FlagType, &SlotStateType, &ImmediatesType};
-    const char *names[] = {"Flag", "SlotState", "Immediates"};
-    for (int i = 0; i < 3; i++) {
+    PyTypeObject *types[] = {&FlagType, &SlotStateType, &ImmediatesType, &ReceivedType};
+    const char *names[] = {"Flag", "SlotState", "Immediates", "Received"};
+    for (int i = 0; i < 4; i++) {
         Py_INCREF(types[i]);
         if (PyModule_AddObject(m, names[i], (PyObject *)types[i]) < 0) {
             Py_DECREF(types[i]);

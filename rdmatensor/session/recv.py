@@ -6,17 +6,19 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import CallMismatch, IntegrityError, RecvTimeout, TransportError, UnknownTensor, UsageError
-from . import wire
+from . import slots, wire
 from .context import SessionContext
 from .credits import Credits, RecvSlot
 from .liveness import Liveness
 
 
-class Received:
+class _Received:
     """A received tensor: a read-only view of the receive arena itself.
 
     Use as a context manager (`with session.recv(name) as array:`); leaving
-    the block (or `release()`) hands the slot back to the sender."""
+    the block (or `release()`) hands the slot back to the sender. (Compiled
+    in _slots.c, as the slots are: building one and releasing it are two
+    calls per received tensor.)"""
     __slots__ = ("_credits", "_state", "array", "name", "tag", "__weakref__")
 
     def __init__(self, credits: Credits, state: RecvSlot, array: np.ndarray):
@@ -41,6 +43,9 @@ class Received:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+Received = slots.compiled.Received if slots.compiled else _Received
 
 
 class Receiver:

@@ -93,3 +93,38 @@ def test_the_compiled_on_imm_moves_only_what_the_rules_allow():
             st.take()
             st.release()
             credits[rng.randrange(2)].clear()
+
+
+def test_both_received_kinds_lend_release_once_and_name_the_tensor():
+    import weakref
+
+    import pytest
+
+    from rdmatensor import UsageError
+    from rdmatensor.session import recv
+    assert recv.Received is slots.compiled.Received
+    for kind, state_kind in ((slots.compiled.Received, slots.compiled.SlotState), (recv._Received, slots._SlotState)):
+        class Credits:
+            given = []
+
+            def give_back(self, st):
+                self.given.append(st)
+                st.release()
+
+        class State(state_kind):
+            name = "w/kernel"
+        st = State(np.zeros(4, np.uint8), Flag())
+        assert st.arrive(7) and st.take()
+        array = np.arange(4.0)
+        credits = Credits()
+        got = kind(credits, st, array)
+        assert (got.name, got.tag, got.released) == ("w/kernel", 7, False)
+        assert weakref.ref(got)() is got
+        with got as view:
+            assert view is array
+        assert got.released and got.array is None and credits.given == [st] and st.state == "empty"
+        got.release()                                     # idempotent: the slot went back once
+        assert credits.given == [st]
+        with pytest.raises(UsageError, match="'w/kernel' was already released") as info:
+            got.__enter__()
+        assert info.value.tensor == "w/kernel", kind
