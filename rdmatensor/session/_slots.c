@@ -104,6 +104,8 @@ typedef struct {
     unsigned long tag;
     Flag *arrived;               /* set while FULL, or for good once woken */
     PyObject *memory, *view, *grown;
+    Py_ssize_t recvs;            /* values handed out (each Received built counts one) */
+    long long bytes_received;
 } SlotState;
 
 static int SlotState_init(SlotState *self, PyObject *args, PyObject *kw) {
@@ -120,6 +122,8 @@ static int SlotState_init(SlotState *self, PyObject *args, PyObject *kw) {
     self->state = EMPTY;
     self->woken = 0;
     self->tag = 0;
+    self->recvs = 0;
+    self->bytes_received = 0;
     return 0;
 }
 
@@ -257,6 +261,8 @@ static PyMemberDef SlotState_members[] = {
     {"memory", T_OBJECT, offsetof(SlotState, memory), 0, "the slot's bytes in the receive arena"},
     {"view", T_OBJECT, offsetof(SlotState, view), 0, "the read-only tensor in memory"},
     {"grown", T_OBJECT, offsetof(SlotState, grown), READONLY, "(region id, arena) once grown"},
+    {"recvs", T_PYSSIZET, offsetof(SlotState, recvs), 0, "values handed out"},
+    {"bytes_received", T_LONGLONG, offsetof(SlotState, bytes_received), 0, "their bytes"},
     {NULL},
 };
 
@@ -419,7 +425,7 @@ typedef struct {
     PyObject *weakrefs;
 } Received;
 
-static PyObject *give_back_name, *name_name;
+static PyObject *give_back_name, *name_name, *nbytes_name;
 
 static int Received_init(Received *self, PyObject *args, PyObject *kw) {
     PyObject *credits, *state, *array;
@@ -430,10 +436,16 @@ static int Received_init(Received *self, PyObject *args, PyObject *kw) {
     if (!name)
         return -1;
     PyObject *tag = PyLong_FromUnsignedLong(((SlotState *)state)->tag);
-    if (!tag) {
+    PyObject *nbytes = tag ? PyObject_GetAttr(array, nbytes_name) : NULL;
+    long long n = nbytes ? PyLong_AsLongLong(nbytes) : -1;
+    Py_XDECREF(nbytes);
+    if (n == -1 && (!tag || PyErr_Occurred())) {
         Py_DECREF(name);
+        Py_XDECREF(tag);
         return -1;
     }
+    ((SlotState *)state)->recvs++;          /* per slot: only the thread that took the value counts it */
+    ((SlotState *)state)->bytes_received += n;
     Py_INCREF(credits);
     Py_INCREF(state);
     Py_INCREF(array);
@@ -561,7 +573,8 @@ PyMODINIT_FUNC PyInit__slots(void) {
     held_str = PyUnicode_InternFromString("held");
     give_back_name = PyUnicode_InternFromString("give_back");
     name_name = PyUnicode_InternFromString("name");
-    if (!wake_name || !empty_str || !full_str || !held_str || !give_back_name || !name_name)
+    nbytes_name = PyUnicode_InternFromString("nbytes");
+    if (!wake_name || !empty_str || !full_str || !held_str || !give_back_name || !name_name || !nbytes_name)
         return NULL;
     if (PyType_Ready(&FlagType) < 0 || PyType_Ready(&SlotStateType) < 0 || PyType_Ready(&ImmediatesType) < 0
         || PyType_Ready(&ReceivedType) < 0)

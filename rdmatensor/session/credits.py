@@ -53,7 +53,6 @@ class RecvSlot(SlotState):
         super().__init__(memory, Flag())     # memory: this slot's bytes in the receive arena
         self.slot, self.peer, self.spec, self.name = slot, peer, slot.spec, slot.spec.name
         self.credit_imm = make_imm(IMM_CREDIT, slot.index)
-        self.recvs = self.bytes_received = 0
 
     def regrow(self, region_id: int, arena: Arena) -> tuple[int, Arena] | None:
         """Put the slot in a new region (only while EMPTY); returns the one it replaces."""
@@ -69,6 +68,7 @@ class Credits:
 
     def __init__(self, ctx: SessionContext, live: Liveness):
         self.ctx, self.live = ctx, live
+        self._channels, self._peer_errors = ctx.channels, live.peer_errors     # (never replaced)
         self.send: dict[str, SendSlot] = {}
         self.recv: dict[str, RecvSlot] = {}
         self._send_by_index: dict[int, list[SendSlot]] = {}
@@ -147,10 +147,10 @@ class Credits:
     def give_back(self, st: RecvSlot) -> None:
         """The user released the slot: return its credit to the sender."""
         st.release()
-        if self.ctx.closed or st.peer in self.live.peer_errors:     # (live.is_lost(), inline)
+        if self.ctx.closed or st.peer in self._peer_errors:     # (live.is_lost(), inline)
             return
         try:
-            self.ctx.channels[st.peer].notify_later(st.credit_imm)
+            self._channels[st.peer].notify_later(st.credit_imm)
         except RdmaTensorError as exc:
             # The sender is gone; it needs no credit. Its loss is reported by
             # the channel once everything it sent has been taken in.

@@ -24,6 +24,8 @@ class _Received:
     def __init__(self, credits: Credits, state: RecvSlot, array: np.ndarray):
         self._credits, self._state, self.array = credits, state, array
         self.name, self.tag = state.name, state.tag
+        state.recvs += 1                 # per slot: only the thread that took the value counts it
+        state.bytes_received += array.nbytes
 
     def release(self) -> None:
         if self._state is None:
@@ -58,8 +60,6 @@ class Receiver:
             # A value was waiting and nothing failed: the common case in a step.
             array = st.view
             if array is not None and tag is None:     # _hand_out's common case, inline
-                st.recvs += 1
-                st.bytes_received += array.nbytes
                 return Received(self.credits, st, array)
             return self._hand_out(st, tag)
         ctx = self.ctx
@@ -105,6 +105,4 @@ class Receiver:
             array.flags.writeable = False
             if wire.is_raw(st.spec, ctx.plan):
                 st.view = array          # the bytes alone, always in the same place: one view will do
-        st.recvs += 1                    # per slot: only the thread that took the value counts it
-        st.bytes_received += array.nbytes
         return Received(self.credits, st, array)

@@ -36,6 +36,7 @@ class _SlotState:
         self.grown = None            # (region id, arena) once grown
         self.state = self.EMPTY
         self.tag = 0                 # the sender's tag of the value in the slot
+        self.recvs = self.bytes_received = 0     # values handed out (each Received counts one), their bytes
         self._woken = False
         self._lock = threading.Lock()
 

@@ -119,6 +119,7 @@ def test_both_received_kinds_lend_release_once_and_name_the_tensor():
         credits = Credits()
         got = kind(credits, st, array)
         assert (got.name, got.tag, got.released) == ("w/kernel", 7, False)
+        assert (st.recvs, st.bytes_received) == (1, 32)           # counted where it is handed out
         assert weakref.ref(got)() is got
         with got as view:
             assert view is array

@@ -66,11 +66,13 @@ def test_sizes_from_one_byte_to_64_mib(provider, nbytes):
             s.send("blob", data)
             return s.stats()
         with s.recv("blob") as view:
-            return bool(np.array_equal(view, data))
+            same = bool(np.array_equal(view, data))
+        return same, s.stats()
 
     res = check(run_ranks(2, plan, provider, body))
-    assert res[1] is True
+    assert res[1][0] is True
     assert res[0]["bytes_sent"] == nbytes and res[0]["writes"] == 1
+    assert res[1][1]["bytes_received"] == nbytes and res[1][1]["recvs"] == 1
 
 
 @pytest.mark.parametrize("provider", SCALE_PROVIDERS)
