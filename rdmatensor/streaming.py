@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
-try:
-    from . import _streaming
-    BUILD_ERROR: str | None = None
-except ImportError as exc:
-    _streaming = None
-    BUILD_ERROR = str(exc)
+from . import native
+
+_streaming, BUILD_ERROR = native.load("rdmatensor._streaming")
 
 # Below this, the destination is read again soon from the cache it is in (and a
 # call into C costs more than it saves).

@@ -30,20 +30,17 @@ import os
 import socket
 import time
 
+from .. import native
 from .base import WRITE_HEADER, WRITE_MAGIC
 
 REFUSED, CLOSED, CLOSED_MID = -1, -2, -3
 INBOX_ENV = "RDMATENSOR_TCP_INBOX"   # "python" forces the Python inbox where the compiled one is built
-try:
-    from . import _inbox as _compiled
-    BUILD_ERROR = None
-except ImportError as exc:            # not built: the Python inbox does the same
-    _compiled, BUILD_ERROR = None, str(exc)
+_compiled, BUILD_ERROR = native.load("rdmatensor.providers._inbox")
 
 
 def compiled() -> bool:
     """Whether new inboxes are the compiled ones."""
-    return _compiled is not None and os.environ.get(INBOX_ENV, "") != "python"
+    return native.chosen(_compiled, INBOX_ENV)
 
 
 def make_inbox(sock: socket.socket, capacity: int):

@@ -48,6 +48,7 @@ import time
 
 import numpy as np
 
+from .. import native
 from ..errors import ForeignSegment
 from ..memory import Arena, MappedArena
 from .base import WRITE_HEADER, WRITE_MAGIC
@@ -66,16 +67,12 @@ ORDERED_CPU = platform.machine().lower() in ("x86_64", "amd64")
 _FENCE = threading.Lock()
 
 RING_ENV = "RDMATENSOR_SHM_RING"     # "python" forces the Python ring where the compiled one is built
-try:
-    from . import _ring as _compiled
-    BUILD_ERROR = None
-except ImportError as exc:            # not built: the Python ring does the same
-    _compiled, BUILD_ERROR = None, str(exc)
+_compiled, BUILD_ERROR = native.load("rdmatensor.providers._ring")
 
 
 def compiled() -> bool:
     """Whether new rings use the compiled operations."""
-    return _compiled is not None and os.environ.get(RING_ENV, "") != "python"
+    return native.chosen(_compiled, RING_ENV)
 
 
 def full_fence() -> None:

@@ -14,17 +14,13 @@ DATA or CREDIT immediate without leaving C and hands anything else to the
 Python on_imm (Credits.on_imm), which enforces the rules."""
 from __future__ import annotations
 
-import os
 import threading
 
-SLOTS_ENV = "RDMATENSOR_SLOTS"
-try:
-    from . import _slots as _built
-    BUILD_ERROR = None
-except ImportError as exc:            # not built: the Python ones do the same
-    _built, BUILD_ERROR = None, str(exc)
+from .. import native
 
-compiled = _built if os.environ.get(SLOTS_ENV, "") != "python" else None
+SLOTS_ENV = "RDMATENSOR_SLOTS"
+_built, BUILD_ERROR = native.load("rdmatensor.session._slots")
+compiled = _built if native.chosen(_built, SLOTS_ENV) else None
 
 
 class _SlotState:
