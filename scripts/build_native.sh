@@ -31,20 +31,24 @@ build() {   # build SOURCE [LIBS...]
 
 [ -f /usr/include/infiniband/verbs.h ] \
   || { echo "build_native: <infiniband/verbs.h> is missing: apt-get install libibverbs-dev" >&2; exit 1; }
+check() {   # check MODULE WHAT: the extension imports and the package says it is built
+  "$py" -c "import rdmatensor.$1 as m; assert m.BUILD_ERROR is None, m.BUILD_ERROR" \
+    || { echo "build_native: $2 does not import" >&2; exit 1; }
+}
+
+# Every extension first, then the checks: importing one imports the package,
+# which needs the others current (an older build of one would fail it).
 build rdmatensor/providers/_verbs_native.c -libverbs
-"$py" -c "from rdmatensor.providers import rc_native as m; assert m.BUILD_ERROR is None, m.BUILD_ERROR" \
-  || { echo "build_native: the verbs endpoint does not import" >&2; exit 1; }
 build rdmatensor/session/_slots.c
-"$py" -c "from rdmatensor.session import slots as m; assert m.BUILD_ERROR is None, m.BUILD_ERROR" \
-  || { echo "build_native: the compiled slots do not import" >&2; exit 1; }
 build rdmatensor/providers/_inbox.c
-"$py" -c "from rdmatensor.providers import inbox as m; assert m.BUILD_ERROR is None, m.BUILD_ERROR" \
-  || { echo "build_native: the compiled tcp inbox does not import" >&2; exit 1; }
 if [ "$(uname -m)" = x86_64 ]; then
   build rdmatensor/_streaming.c
-  "$py" -c "from rdmatensor import streaming as m; assert m.BUILD_ERROR is None, m.BUILD_ERROR" \
-    || { echo "build_native: the streaming extension does not import" >&2; exit 1; }
   build rdmatensor/providers/_ring.c
-  "$py" -c "from rdmatensor.providers import ring as m; assert m.BUILD_ERROR is None, m.BUILD_ERROR" \
-    || { echo "build_native: the compiled shm ring does not import" >&2; exit 1; }
+fi
+check providers.rc_native "the verbs endpoint"
+check session.slots "the compiled slots"
+check providers.inbox "the compiled tcp inbox"
+if [ "$(uname -m)" = x86_64 ]; then
+  check streaming "the streaming extension"
+  check providers.ring "the compiled shm ring"
 fi

@@ -165,8 +165,6 @@ class ShmChannel(StreamChannel):
         if ring_bell:
             self._ring_doorbell()
 
-    notify_later = notify                  # a credit costs no system call here: it goes at once
-
     def _post(self, region: int, key: int, imm: int, offset: int, length: int, payload: tuple | None = None) -> None:
         """Put a completion in the peer's ring, after copying `payload` (target,
         source) if given; ring the peer's doorbell only if it sleeps."""

@@ -176,8 +176,6 @@ class VerbsChannel(Channel):
     def notify(self, imm: int) -> None:
         self._post(self.ep.post_send_imm, imm)
 
-    notify_later = notify
-
     def wait(self, number: int, timeout: float | None = None) -> None:
         """Until send `number` completed: reap on this thread for a short spin, then
         sleep until the reaping thread says so."""
