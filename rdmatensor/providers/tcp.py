@@ -204,9 +204,9 @@ class TcpChannel(StreamChannel):
         """Under _read_lock: take in writes until `event` is set (None: until
         there were any) or the deadline: polling the socket for SPIN_SECONDS,
         then sleeping on it, and so on; how many were taken in."""
-        inbox, found = self._inbox, 0
+        box, found = self._inbox, 0
         while True:
-            n = inbox.poll(event, self.local, self.on_imm, max(0.0, min(SPIN_SECONDS, deadline - time.monotonic())))
+            n = box.poll(event, self.local, self.on_imm, max(0.0, min(SPIN_SECONDS, deadline - time.monotonic())))
             if n < 0:
                 self._inbox_failed(n)
             found += n
