@@ -126,6 +126,16 @@ class ShmChannel(StreamChannel):
 
     # -- the sender -------------------------------------------------------
     def write(self, region_id: int, offset: int, src: np.ndarray, imm: int) -> None:
+        ring = self._ring_out
+        if ring is not None and not (self._lost or self._closing or isinstance(src, Pieces)):
+            # A small write: looked up, checked, copied and posted in one compiled
+            # call; anything it does not take goes the way below, which raises.
+            done, ring_bell = ring.write_many(self._targets, [(region_id, offset, src, imm)],
+                                              streaming.STREAM_BYTES)
+            if done:
+                if ring_bell:
+                    self._ring_doorbell()
+                return
         n = src.nbytes
         key = self.check_remote(region_id, offset, n)["key"]
         target = self._mapped[region_id][1] if n else None
