@@ -166,14 +166,7 @@ class ShmChannel(StreamChannel):
         return [None] * len(writes)
 
     def notify(self, imm: int) -> None:
-        ring = self._ring_out              # one per received tensor: _post's push inline
-        if ring is None or self._lost or self._closing:
-            self._post(-1, 0, imm, 0, 0)   # raises
-        ring_bell = ring.push(-1, 0, imm, 0, 0)
-        if ring_bell is None:
-            ring_bell = self._push_when_room(ring, (-1, 0, imm, 0, 0))
-        if ring_bell:
-            self._ring_doorbell()
+        self._post(-1, 0, imm, 0, 0)
 
     def _post(self, region: int, key: int, imm: int, offset: int, length: int, payload: tuple | None = None) -> None:
         """Put a completion in the peer's ring, after copying `payload` (target,
