@@ -8,6 +8,9 @@
  *
  * - Work requests live in this struct or on the stack: nothing is allocated
  *   per post. Receives go back in chained batches of RECV_BATCH (one doorbell).
+ * - Credits may be owed (owe(), while `deferring`): they lead the next chain
+ *   posted, so a released slot's credit and the next write share a doorbell
+ *   (and, on SoftRoCE, the one system call a post costs).
  * - Every post is bounds-checked first: the source must lie inside memory
  *   registered local-only with this endpoint, the destination inside the
  *   remote region; otherwise TransportError and nothing is posted.
@@ -133,6 +136,9 @@ typedef struct {
     uint32_t max_inline;
     uint64_t sends_posted, sends_completed; /* numbered sends: room in the send queue */
     int recv_owed;                         /* consumed receives not yet given back */
+    uint32_t owed[MAX_CHAIN];              /* immediates owed (credits): they lead the next chain posted */
+    int n_owed;
+    int deferring;                         /* owe() takes immediates only while this is set */
     struct ibv_recv_wr recv_wrs[RECV_BATCH];
     struct ibv_sge recv_sges[RECV_BATCH];
 } Endpoint;
@@ -487,18 +493,53 @@ static PyObject *ep_connect_qp(Endpoint *self, PyObject *args)
 
 /* -- data path --------------------------------------------------------- */
 
-/* Post one numbered send; returns its number, 0 when the send queue is full. */
+/* The owed immediates as SEND WITH IMM work requests at the head of a chain:
+ * how many. They go with the next doorbell instead of one each. */
+static int owed_chain(Endpoint *self, struct ibv_send_wr *wrs)
+{
+    for (int i = 0; i < self->n_owed; i++)
+        wrs[i] = (struct ibv_send_wr){.opcode = IBV_WR_SEND_WITH_IMM, .send_flags = IBV_SEND_SIGNALED,
+                                      .imm_data = self->owed[i]};
+    return self->n_owed;
+}
+
+/* Post wrs[0..n) as one chain (one doorbell), numbered in order; the first's
+ * number, 0 when the send queue lacks room for all of them (nothing posted).
+ * The first `credits` of them are the owed immediates: posted, they are no
+ * longer owed. */
+static PyObject *post_chain(Endpoint *self, struct ibv_send_wr *wrs, int n, int credits, const char *what)
+{
+    if (self->sends_posted - self->sends_completed + (uint64_t)n > (uint64_t)self->depth)
+        return PyLong_FromLong(0);
+    for (int i = 0; i < n; i++) {
+        wrs[i].wr_id = self->sends_posted + 1 + (uint64_t)i;
+        wrs[i].next = i + 1 < n ? &wrs[i + 1] : NULL;
+    }
+    struct ibv_send_wr *bad = NULL;
+    int rc = ibv_post_send(self->qp, wrs, &bad);
+    if (credits)
+        self->n_owed = 0;             /* posted, or the queue pair failed and no credit matters any more */
+    if (rc) {
+        self->sends_posted += bad ? (uint64_t)(bad - wrs) : 0;   /* those before the bad one went */
+        return verbs_error(what, rc);
+    }
+    uint64_t first = self->sends_posted + 1;
+    self->sends_posted += (uint64_t)n;
+    return PyLong_FromUnsignedLongLong(first);
+}
+
+/* Post one numbered send, after the owed immediates; its number, 0 when the send queue is full. */
 static PyObject *post_numbered(Endpoint *self, struct ibv_send_wr *wr, const char *what)
 {
-    if (self->sends_posted - self->sends_completed >= (uint64_t)self->depth)
-        return PyLong_FromLong(0);
-    wr->wr_id = self->sends_posted + 1;
-    struct ibv_send_wr *bad = NULL;
-    int rc = ibv_post_send(self->qp, wr, &bad);
-    if (rc)
-        return verbs_error(what, rc);
-    self->sends_posted++;
-    return PyLong_FromUnsignedLongLong(wr->wr_id);
+    struct ibv_send_wr wrs[MAX_CHAIN + 1];
+    int credits = owed_chain(self, wrs);
+    wrs[credits] = *wr;
+    PyObject *first = post_chain(self, wrs, credits + 1, credits, what);
+    if (!first || !credits)
+        return first;
+    long room = PyLong_AsLong(first);
+    Py_DECREF(first);
+    return PyLong_FromUnsignedLongLong(room ? self->sends_posted : 0);
 }
 
 static int parse_imm(PyObject *obj, uint32_t *imm)
@@ -583,7 +624,8 @@ static PyObject *ep_post_writes(Endpoint *self, PyObject *arg)
         return NULL;
     }
     struct ibv_sge sges[MAX_CHAIN];
-    struct ibv_send_wr wrs[MAX_CHAIN];
+    struct ibv_send_wr wrs[2 * MAX_CHAIN];
+    int credits = owed_chain(self, wrs);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *src, *imm_obj;
         unsigned long long raddr;
@@ -591,25 +633,59 @@ static PyObject *ep_post_writes(Endpoint *self, PyObject *arg)
         unsigned int rkey;
         if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "O(KnI)nO;a write is (src, remote, offset, imm)",
                               &src, &raddr, &rlength, &rkey, &offset, &imm_obj) ||
-            build_write(self, src, raddr, rlength, rkey, offset, imm_obj, &wrs[i], &sges[i]) < 0) {
+            build_write(self, src, raddr, rlength, rkey, offset, imm_obj, &wrs[credits + i], &sges[i]) < 0) {
             Py_DECREF(seq);
             return NULL;
         }
-        wrs[i].wr_id = self->sends_posted + 1 + (uint64_t)i;
-        wrs[i].next = i + 1 < n ? &wrs[i + 1] : NULL;
     }
     Py_DECREF(seq);
-    if (self->sends_posted - self->sends_completed + (uint64_t)n > (uint64_t)self->depth)
-        return PyLong_FromLong(0);
-    struct ibv_send_wr *bad = NULL;
-    int rc = ibv_post_send(self->qp, wrs, &bad);
-    if (rc) {
-        self->sends_posted += bad ? (uint64_t)(bad - wrs) : 0;   /* those before the bad one went */
-        return verbs_error("posting a chain of writes", rc);
+    PyObject *first = post_chain(self, wrs, credits + (int)n, credits, "posting a chain of writes");
+    if (!first || !credits)
+        return first;
+    long room = PyLong_AsLong(first);
+    Py_DECREF(first);
+    return PyLong_FromUnsignedLongLong(room ? (uint64_t)room + (uint64_t)credits : 0);
+}
+
+/* An immediate (a credit) that may wait for the next chain: taken only while
+ * `deferring` is set; when MAX_CHAIN are owed, they are posted first. False:
+ * not taken (post it yourself). */
+static PyObject *ep_owe(Endpoint *self, PyObject *arg)
+{
+    uint32_t imm;
+    if (check_open(self) || parse_imm(arg, &imm) < 0)
+        return NULL;
+    if (!self->deferring)
+        Py_RETURN_FALSE;
+    if (self->n_owed == MAX_CHAIN) {
+        struct ibv_send_wr wrs[MAX_CHAIN];
+        PyObject *first = post_chain(self, wrs, owed_chain(self, wrs), MAX_CHAIN, "posting owed immediates");
+        if (!first)
+            return NULL;
+        long room = PyLong_AsLong(first);
+        Py_DECREF(first);
+        if (!room)
+            Py_RETURN_FALSE;
     }
-    uint64_t first = self->sends_posted + 1;
-    self->sends_posted += (uint64_t)n;
-    return PyLong_FromUnsignedLongLong(first);
+    self->owed[self->n_owed++] = imm;
+    Py_RETURN_TRUE;
+}
+
+/* Post the owed immediates now (one doorbell): True when none remain owed,
+ * False when the send queue lacks room for them. */
+static PyObject *ep_post_owed(Endpoint *self, PyObject *unused)
+{
+    if (check_open(self))
+        return NULL;
+    if (!self->n_owed)
+        Py_RETURN_TRUE;
+    struct ibv_send_wr wrs[MAX_CHAIN];
+    PyObject *first = post_chain(self, wrs, owed_chain(self, wrs), self->n_owed, "posting owed immediates");
+    if (!first)
+        return NULL;
+    long room = PyLong_AsLong(first);
+    Py_DECREF(first);
+    return PyBool_FromLong(room != 0);
 }
 
 static PyObject *ep_post_send_imm(Endpoint *self, PyObject *arg)
@@ -802,6 +878,16 @@ static PyObject *ep_get_in_flight(Endpoint *s, void *c)
 {
     return PyLong_FromUnsignedLongLong(s->sends_posted - s->sends_completed);
 }
+static PyObject *ep_get_owed(Endpoint *s, void *c) { return PyLong_FromLong(s->n_owed); }
+static PyObject *ep_get_deferring(Endpoint *s, void *c) { return PyBool_FromLong(s->deferring); }
+static int ep_set_deferring(Endpoint *s, PyObject *v, void *c)
+{
+    int on = v ? PyObject_IsTrue(v) : 0;
+    if (on < 0)
+        return -1;
+    s->deferring = on;
+    return 0;
+}
 static PyObject *ep_get_memory_regions(Endpoint *s, void *c)
 {
     return s->mrs ? PyList_GetSlice(s->mrs, 0, PyList_GET_SIZE(s->mrs)) : PyList_New(0);
@@ -816,6 +902,9 @@ static PyGetSetDef ep_getset[] = {
     {"gid_index", (getter)ep_get_gid_index, NULL, "GID index", NULL},
     {"max_inline", (getter)ep_get_max_inline, NULL, "writes up to this size go inline", NULL},
     {"in_flight", (getter)ep_get_in_flight, NULL, "sends posted and not yet completed", NULL},
+    {"owed", (getter)ep_get_owed, NULL, "immediates owed: they lead the next chain posted", NULL},
+    {"deferring", (getter)ep_get_deferring, (setter)ep_set_deferring,
+     "while set, owe() takes immediates; clear it, then post_owed(), and none stays owed", NULL},
     {"memory_regions", (getter)ep_get_memory_regions, NULL, "regions registered and not deregistered", NULL},
     {NULL},
 };
@@ -834,6 +923,10 @@ static PyMethodDef ep_methods[] = {
      "follow), 0 if the send queue lacks room; one doorbell, at most MAX_CHAIN writes, all checked first"},
     {"post_send_imm", (PyCFunction)ep_post_send_imm, METH_O,
      "post_send_imm(imm) -> send number (0: queue full): a zero-length SEND carrying an immediate"},
+    {"owe", (PyCFunction)ep_owe, METH_O,
+     "owe(imm) -> bool: while deferring, the immediate leads the next chain posted instead of a post of its own"},
+    {"post_owed", (PyCFunction)ep_post_owed, METH_NOARGS,
+     "post_owed() -> bool: post what is owed now; False if the send queue lacks room"},
     {"post_send", (PyCFunction)ep_post_send, METH_O, "post_send(src) -> send number (0: queue full): a SEND"},
     {"post_recv", (PyCFunction)ep_post_recv, METH_VARARGS,
      "post_recv(count=1): give back receives for immediates, in chained batches"},

@@ -19,13 +19,16 @@ The contract (both):
     post_writes([(src, RemoteRegion, offset, imm), ...]) -> the first's number, 0 without room
                                                  (up to MAX_CHAIN writes, one doorbell, all checked first)
     post_send_imm(imm) -> send number            post_send(src) -> send number
+    owe(imm) -> bool (taken only while .deferring)   post_owed() -> bool (False: no room)   owed
     post_recv(count=1)                           post_recv_into(dst, recv_id)
     poll(max_entries=32, spin=0.0) -> [(wr_id, status, is_receive, imm, byte_len)]
     wait_event(timeout) -> bool                  status_name(status) -> str
     close()                                      depth, recv_depth, device
 
 Sends are numbered 1, 2, 3... in the order they were posted and complete in
-that order (one RC send queue). Writes and sends go only from memory
+that order (one RC send queue). Owed immediates (credits) are posted as
+SEND WITH IMM ahead of the next post, in its chain, numbered before it; a
+post counts them when it checks for room. Writes and sends go only from memory
 registered LOCAL_ONLY (staging); a write outside the remote region is a
 TransportError and is not posted.
 """

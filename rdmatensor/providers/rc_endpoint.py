@@ -51,6 +51,8 @@ class RcEndpoint(EndpointHelpers):
         self._sources: list[tuple[int, int, MR]] = []     # local-only regions: (start, end, mr)
         self._post_lock = threading.Lock()               # posts mutate the shared work requests
         self._sends_posted = self._sends_completed = 0
+        self._owed: list[int] = []       # immediates owed (credits): posted before the next send
+        self.deferring = False           # while set, owe() takes immediates
         self._closed = False
         try:
             with CONTEXT_LOCK:
@@ -167,16 +169,57 @@ class RcEndpoint(EndpointHelpers):
                               send_flags=ev.IBV_SEND_SIGNALED)
 
     def _post_numbered(self, wr, what: str) -> int:
-        """Post a send with the next number; 0 (nothing posted) when the send queue is full."""
-        if self._sends_posted - self._sends_completed >= self.depth:
+        """Post the owed immediates, then a send with the next number; its number.
+        0 (nothing posted) when the send queue lacks room for them all."""
+        if not self._has_room(1):
             return 0
+        self._post_owed()
+        self._post_one(wr, what)
+        return self._sends_posted
+
+    def _has_room(self, sends: int) -> bool:
+        return self._sends_posted - self._sends_completed + len(self._owed) + sends <= self.depth
+
+    def _post_one(self, wr, what: str) -> None:
         wr.wr_id = self._sends_posted + 1
         try:
             self.qp.post_send(wr)
         except (PyverbsError, PyverbsRDMAError) as exc:
             raise VerbsError(f"{what} failed: {exc}") from exc
         self._sends_posted += 1
-        return self._sends_posted
+
+    def _post_owed(self) -> None:
+        """Post what is owed (under _post_lock, room checked)."""
+        owed, self._owed = self._owed, []
+        for imm in owed:
+            self._imm_wr.imm_data = imm
+            self._post_one(self._imm_wr, "posting an owed immediate")
+
+    def owe(self, imm: int) -> bool:
+        """While `deferring`, the immediate goes before the next send instead of
+        a post of its own (pyverbs has no chains: it saves nothing here but
+        keeps the contract); False: not taken, post it yourself."""
+        with self._post_lock:
+            if not self.deferring:
+                return False
+            if len(self._owed) == MAX_CHAIN:
+                if not self._has_room(0):
+                    return False
+                self._post_owed()
+            self._owed.append(imm)
+            return True
+
+    def post_owed(self) -> bool:
+        """Post what is owed now; False if the send queue lacks room for it."""
+        with self._post_lock:
+            if not self._has_room(0):
+                return False
+            self._post_owed()
+            return True
+
+    @property
+    def owed(self) -> int:
+        return len(self._owed)
 
     def post_recv(self, count: int = 1) -> None:
         """Give back `count` receives for the immediates of incoming writes (no
@@ -220,8 +263,9 @@ class RcEndpoint(EndpointHelpers):
             self._check_bounds(src, remote, offset)
             self._source_lkey(src.ctypes.data, src.nbytes)
         with self._post_lock:
-            if self._sends_posted - self._sends_completed + len(writes) > self.depth:
+            if not self._has_room(len(writes)):
                 return 0
+            self._post_owed()
             first = self._sends_posted + 1
             for w in writes:
                 self._post_write(*w)
@@ -248,8 +292,11 @@ class RcEndpoint(EndpointHelpers):
     def post_send_imm(self, imm: int) -> int:
         """A one-byte SEND carrying only an immediate (consumes one posted receive)."""
         with self._post_lock:
-            self._imm_wr.imm_data = imm
-            return self._post_numbered(self._imm_wr, "posting an immediate")
+            if not self._has_room(1):
+                return 0
+            self._owed.append(imm)            # the owed ones first, then this one, through the same request
+            self._post_owed()
+            return self._sends_posted
 
     def post_send(self, src) -> int:
         """A SEND of `src` (registered local-only) into the peer's next posted receive."""

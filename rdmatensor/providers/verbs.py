@@ -2,7 +2,9 @@
 
 A data write is RDMA WRITE WITH IMM from registered staging memory straight
 into the peer's registered receive arena: the receiver's CPU only sees the
-immediate. Credits go back as SENDs with an immediate. One RC queue pair per
+immediate. Credits go back as SENDs with an immediate, owed while this side
+is busy polling, so that they lead the next write's chain: one doorbell (on
+SoftRoCE one system call) for both. One RC queue pair per
 peer, through an RC endpoint (rc.py): the compiled one (`_verbs_native.c`)
 when it is built, else pyverbs; `RDMATENSOR_VERBS_ENDPOINT` forces either.
 
@@ -15,19 +17,22 @@ polls the CQ itself for a short spin (in C with the GIL released, on the
 compiled endpoint; no hand-off between threads on the fast path), then
 sleeps on an event; a background thread blocks on the CQ's completion
 channel (no CPU while idle) and reaps everything else. While a waiter has
-polled the CQ within the last QUIET_SECONDS, the background thread does not
+polled the CQ within the last DEFER_SECONDS, the background thread does not
 arm the completion channel: every completion would otherwise wake it and make
 it contend for the interpreter lock with the waiter that already reaped it
-(perftest's polling mode likewise takes no events).
+(perftest's polling mode likewise takes no events). It looks every
+DEFER_SECONDS meanwhile: it posts the credits owed (so none waits longer),
+and once nobody polls, it stops owing them and takes events again.
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 
 import numpy as np
 
-from ..errors import PeerLost, ProviderUnavailable, TransportError
+from ..errors import PeerLost, ProviderUnavailable, RdmaTensorError, TransportError
 from ..memory import Arena
 from .base import Capabilities, Channel
 from ..devices import MTU_ENUM
@@ -35,7 +40,8 @@ from .rc import LOCAL_ONLY, MAX_CHAIN, RECV_BATCH, REMOTE_WRITE, RcParams, Remot
 
 SEND_DEPTH = 256
 SPIN_SECONDS = 0.002       # a waiter polls the CQ itself this long before it sleeps
-QUIET_SECONDS = 0.001      # after a waiter's last poll, the background thread takes no events this long
+DEFER_SECONDS = 0.005      # after a waiter's last poll, the background thread takes no events this long,
+                           # and credits are owed: it looks this often, and posts them
 
 
 class VerbsChannel(Channel):
@@ -75,7 +81,7 @@ class VerbsChannel(Channel):
         self._stop = threading.Event()
         self._bye = False
         self._poller: threading.Thread | None = None
-        self._polled_at = 0.0             # when a waiter last polled the CQ itself (0: it went to sleep)
+        self._polled_at = -math.inf       # when a waiter last polled the CQ itself (-inf: it went to sleep)
         self._waiter_slept = threading.Event()    # ends the background thread's quiet at once
 
     # -- setup ------------------------------------------------------------
@@ -176,6 +182,13 @@ class VerbsChannel(Channel):
     def notify(self, imm: int) -> None:
         self._post(self.ep.post_send_imm, imm)
 
+    def notify_later(self, imm: int) -> None:
+        """Owed while a waiter polls (the endpoint is deferring): the credit leads
+        the next chain posted, or goes before this side next waits for the peer,
+        or with the background thread's next look, within DEFER_SECONDS."""
+        if not self.ep.owe(imm):
+            self.notify(imm)
+
     def wait(self, number: int, timeout: float | None = None) -> None:
         """Until send `number` completed: reap on this thread for a short spin, then
         sleep until the reaping thread says so."""
@@ -191,6 +204,10 @@ class VerbsChannel(Channel):
     def wait_for(self, event, timeout: float) -> bool:
         """Poll the CQ on this thread for up to SPIN_SECONDS, then sleep on `event`
         (set by whichever thread reaps the completion). Never sleep-polls."""
+        if event.is_set():
+            return True
+        if self.ep.owed:                  # the peer may be waiting for one of them
+            self._post(self.ep.post_owed)
         return self._until(event.is_set, lambda left, ready: event.wait(left), timeout)
 
     def _until(self, ready, sleep, timeout: float) -> bool:
@@ -204,7 +221,7 @@ class VerbsChannel(Channel):
             self._polled_at = now
             left = spin_until - now
             if left <= 0:
-                self._polled_at = 0.0     # nobody polls now: the background thread takes events again
+                self._polled_at = -math.inf   # nobody polls now: the background thread takes events again
                 self._waiter_slept.set()
                 return sleep(max(0.0, deadline - now), ready)
             if not self._reap(left):
@@ -280,14 +297,22 @@ class VerbsChannel(Channel):
 
     def _event_loop(self) -> None:
         """Background progress: reap what the CQ holds, then block on its
-        completion channel until it reports more."""
+        completion channel until it reports more; while a waiter polls, only
+        look every DEFER_SECONDS, posting the credits owed."""
+        ep = self.ep
         while not self._stop.is_set() and not self._lost:
             if self._reap():
                 continue
-            if self._bye and not self.ep.in_flight:
+            if self._bye and not ep.in_flight:
                 self.lost(PeerLost(f"peer {self.peer} closed the session", peer=self.peer))
                 return
-            quiet = self._polled_at + QUIET_SECONDS - time.monotonic()
+            quiet = self._polled_at + DEFER_SECONDS - time.monotonic()
+            ep.deferring = quiet > 0
+            try:
+                ep.post_owed()            # no room: the completions that make some wake this thread
+            except TransportError as exc:
+                self._fail_all(exc)
+                return
             if quiet > 0:                 # a waiter polls the CQ itself: no events, no wake-ups
                 self._waiter_slept.wait(quiet)
                 self._waiter_slept.clear()
@@ -301,6 +326,11 @@ class VerbsChannel(Channel):
     def close(self) -> None:
         if self._stop.is_set():
             return
+        try:
+            self.ep.deferring = False
+            self.ep.post_owed()           # what the peer may still wait for
+        except RdmaTensorError:           # already failed or closed: nobody waits for them
+            pass
         self._stop.set()
         self._waiter_slept.set()
         if self._poller is not None and self._poller is not threading.current_thread():

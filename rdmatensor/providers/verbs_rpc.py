@@ -119,6 +119,9 @@ class VerbsRpcChannel(VerbsChannel):
     def notify(self, imm: int) -> None:
         self._send_message(pb.PushRequest(rank=self.rank, region_id=-1, imm=imm).SerializeToString())
 
+    def notify_later(self, imm: int) -> None:
+        self.notify(imm)      # a credit is a message here, never a raw immediate to owe
+
     def _send_message(self, message: bytes, copied: bool = False) -> None:
         """Frame `message` and SEND it in chunks through the private send buffers."""
         data, total, pos, first = memoryview(message), len(message), 0, True

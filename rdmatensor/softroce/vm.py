@@ -245,7 +245,7 @@ def run(command: Sequence[str], hosts: int = 1, timeout: float = DEFAULT_TIMEOUT
                 qemu, "-accel", "tcg", "-cpu", "max", "-smp", str(cpus), "-m", str(memory_mb),
                 "-nodefaults", "-no-reboot", "-display", "none",
                 "-kernel", str(kernel.image), "-initrd", str(initrd),
-                "-append", (f"console=ttyS0 quiet panic=-1 rdt_job={job} "
+                "-append", (f"console=ttyS0 quiet panic=-1 clocksource=tsc tsc=reliable rdt_job={job} "
                             f"rdt_index={i} rdt_stage2={GUEST_INIT}"
                             + (f" rdt_shares={','.join(shares)}" if shares else "")),
                 "-serial", f"file:{job}/console-{i}.log",

@@ -164,6 +164,47 @@ def test_a_chain_of_writes_lands_whole_in_order_or_not_at_all(rdma_port, kind):
         b.close()
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_owed_immediates_lead_the_next_post_and_none_is_lost(rdma_port, kind):
+    """Credits owed while deferring go ahead of the next post, numbered before
+    it; post_owed() sends them alone; once deferring is off none is taken, so
+    clearing it and posting what is owed leaves nothing behind."""
+    a, b = connected(kind, "native")
+    try:
+        src = np.arange(64, dtype=np.uint8)
+        canary = np.zeros(4096, np.uint8)
+        a.register(src, LOCAL_ONLY)
+        region = b.remote_region(canary, b.register(canary, REMOTE_WRITE))
+        assert a.owe(1) is False and a.owed == 0                  # not deferring: post it yourself
+        a.deferring = True
+        assert a.owe(11) and a.owe(12) and a.owed == 2
+        time.sleep(0.2)
+        assert not b.poll(16)                                     # owed: nothing went yet
+        assert a.post_write(src[:8], region, 0, 500) == 3         # the two credits are sends 1 and 2
+        got = completions(a, b, want=6)
+        assert [c[1] for c in got if c[0] == 0] == [1, 2, 3]
+        assert [c[4] for c in got if c[0] == 1] == [11, 12, 500]             # in order
+        assert a.owed == 0 and np.array_equal(canary[:8], src[:8])
+        assert a.owe(13) and a.post_owed() and a.owed == 0        # alone
+        assert [c[4] for c in completions(a, b, want=2) if c[0] == 1] == [13]
+        assert a.owe(14) and a.post_writes([(src[8:16], region, 8, 501), (src[16:24], region, 16, 502)]) == 6
+        assert [c[4] for c in completions(a, b, want=6) if c[0] == 1] == [14, 501, 502]
+        for imm in range(100, 100 + MAX_CHAIN + 1):               # a full list goes out before the next is owed
+            assert a.owe(imm)
+        assert a.owed == 1
+        assert a.post_send_imm(7) == 7 + MAX_CHAIN + 2               # after 1..7 above, 32 and the one owed
+        want = list(range(100, 100 + MAX_CHAIN + 1)) + [7]
+        assert [c[4] for c in completions(a, b, want=2 * len(want)) if c[0] == 1] == want
+        assert a.owe(15)
+        a.deferring = False
+        assert a.owe(16) is False and a.post_owed() and a.owed == 0
+        assert [c[4] for c in completions(a, b, want=2) if c[0] == 1] == [15]
+        assert a.in_flight == 0
+    finally:
+        a.close()
+        b.close()
+
+
 def test_native_write_the_peer_refuses_fails_with_its_status_named(pair):
     """A write into memory the peer deregistered is refused by its NIC: the
     completion names the status, and the queue pair's later work is flushed.
