@@ -719,6 +719,22 @@ static PyObject *ep_post_send(Endpoint *self, PyObject *src)
     return post_numbered(self, &wr, "posting a send");
 }
 
+/* Give back `count` consumed receives, posted in chained batches of RECV_BATCH. */
+static int give_back_receives(Endpoint *self, int count)
+{
+    self->recv_owed += count;
+    while (self->recv_owed >= RECV_BATCH) {
+        struct ibv_recv_wr *bad = NULL;
+        int rc = ibv_post_recv(self->qp, &self->recv_wrs[0], &bad);
+        if (rc) {
+            verbs_error("posting receives", rc);
+            return -1;
+        }
+        self->recv_owed -= RECV_BATCH;
+    }
+    return 0;
+}
+
 static PyObject *ep_post_recv(Endpoint *self, PyObject *args)
 {
     int count = 1;
@@ -728,14 +744,8 @@ static PyObject *ep_post_recv(Endpoint *self, PyObject *args)
         PyErr_SetString(UsageError, "post_recv() takes a count of 0 or more");
         return NULL;
     }
-    self->recv_owed += count;
-    while (self->recv_owed >= RECV_BATCH) {
-        struct ibv_recv_wr *bad = NULL;
-        int rc = ibv_post_recv(self->qp, &self->recv_wrs[0], &bad);
-        if (rc)
-            return verbs_error("posting receives", rc);
-        self->recv_owed -= RECV_BATCH;
-    }
+    if (give_back_receives(self, count) < 0)
+        return NULL;
     Py_RETURN_NONE;
 }
 
@@ -776,18 +786,10 @@ static double now(void)
 /* Completed work as (wr_id, status, is_receive, imm, byte_len) tuples: a
  * receive's own id without the tag, a send's number. With `spin`, polls up
  * to that many seconds with the GIL released until something completes. */
-static PyObject *ep_poll(Endpoint *self, PyObject *args, PyObject *kw)
+/* Up to max_entries completions into wc; with `spin`, polls up to that many
+ * seconds with the GIL released until something completes. -1: poll failed. */
+static int poll_completions(Endpoint *self, struct ibv_wc *wc, int max_entries, double spin)
 {
-    static char *names[] = {"max_entries", "spin", NULL};
-    int max_entries = 32;
-    double spin = 0.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|id", names, &max_entries, &spin) || check_open(self))
-        return NULL;
-    if (max_entries < 1)
-        max_entries = 1;
-    if (max_entries > MAX_POLL)
-        max_entries = MAX_POLL;
-    struct ibv_wc wc[MAX_POLL];
     int n = ibv_poll_cq(self->cq, max_entries, wc);
     if (n == 0 && spin > 0) {
         __atomic_add_fetch(&self->busy, 1, __ATOMIC_ACQ_REL);
@@ -800,17 +802,37 @@ static PyObject *ep_poll(Endpoint *self, PyObject *args, PyObject *kw)
         Py_END_ALLOW_THREADS
         __atomic_sub_fetch(&self->busy, 1, __ATOMIC_ACQ_REL);
     }
-    if (n < 0) {
+    if (n < 0)
         PyErr_SetString(VerbsError, "polling the completion queue failed");
+    for (int i = 0; i < n; i++)
+        if (!(wc[i].wr_id & RECV_TAG))
+            self->sends_completed++;
+    return n;
+}
+
+/* Completed work as (wr_id, status, is_receive, imm, byte_len) tuples: a
+ * receive's own id without the tag, a send's number. With `spin`, polls up
+ * to that many seconds with the GIL released until something completes. */
+static PyObject *ep_poll(Endpoint *self, PyObject *args, PyObject *kw)
+{
+    static char *names[] = {"max_entries", "spin", NULL};
+    int max_entries = 32;
+    double spin = 0.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|id", names, &max_entries, &spin) || check_open(self))
         return NULL;
-    }
+    if (max_entries < 1)
+        max_entries = 1;
+    if (max_entries > MAX_POLL)
+        max_entries = MAX_POLL;
+    struct ibv_wc wc[MAX_POLL];
+    int n = poll_completions(self, wc, max_entries, spin);
+    if (n < 0)
+        return NULL;
     PyObject *out = PyList_New(n);
     if (!out)
         return NULL;
     for (int i = 0; i < n; i++) {
         int is_recv = (wc[i].wr_id & RECV_TAG) != 0;
-        if (!is_recv)
-            self->sends_completed++;
         PyObject *t = Py_BuildValue("(KiNII)", (unsigned long long)(wc[i].wr_id & ~RECV_TAG), (int)wc[i].status,
                                     PyBool_FromLong(is_recv), (unsigned int)wc[i].imm_data, (unsigned int)wc[i].byte_len);
         if (!t) {
@@ -820,6 +842,42 @@ static PyObject *ep_poll(Endpoint *self, PyObject *args, PyObject *kw)
         PyList_SET_ITEM(out, i, t);
     }
     return out;
+}
+
+/* poll() and the work on what it found, in one call: every receive given
+ * back and its immediate passed to on_imm(imm), in order, up to the first
+ * failed completion. (found, the last send number completed well, failed:
+ * None or (wr_id, status, is_receive)). */
+static PyObject *ep_reap(Endpoint *self, PyObject *args)
+{
+    PyObject *on_imm;
+    double spin = 0.0;
+    if (!PyArg_ParseTuple(args, "O|d", &on_imm, &spin) || check_open(self))
+        return NULL;
+    struct ibv_wc wc[32];
+    int n = poll_completions(self, wc, 32, spin);
+    if (n < 0)
+        return NULL;
+    unsigned long long last = 0;
+    for (int i = 0; i < n; i++) {
+        int is_recv = (wc[i].wr_id & RECV_TAG) != 0;
+        if (wc[i].status != IBV_WC_SUCCESS)
+            return Py_BuildValue("(iK(KiN))", n, last, (unsigned long long)(wc[i].wr_id & ~RECV_TAG),
+                                 (int)wc[i].status, PyBool_FromLong(is_recv));
+        if (!is_recv) {
+            last = wc[i].wr_id;
+            continue;
+        }
+        if (give_back_receives(self, 1) < 0)
+            return NULL;
+        PyObject *imm = PyLong_FromUnsignedLong(wc[i].imm_data);
+        PyObject *r = imm ? PyObject_CallOneArg(on_imm, imm) : NULL;
+        Py_XDECREF(imm);
+        if (!r)
+            return NULL;
+        Py_DECREF(r);
+    }
+    return Py_BuildValue("(iKO)", n, last, Py_None);
 }
 
 /* Block until the completion queue reports new work (at most `timeout` s),
@@ -934,6 +992,9 @@ static PyMethodDef ep_methods[] = {
      "post_recv_into(dst, recv_id): one receive into registered local-only memory"},
     {"poll", (PyCFunction)(void (*)(void))ep_poll, METH_VARARGS | METH_KEYWORDS,
      "poll(max_entries=32, spin=0.0) -> [(wr_id, status, is_receive, imm, byte_len)]"},
+    {"reap", (PyCFunction)ep_reap, METH_VARARGS,
+     "reap(on_imm, spin=0.0) -> (found, last_send_done, failed): poll(), receives given back and their "
+     "immediates passed to on_imm in order, up to the first failure, (wr_id, status, is_receive)"},
     {"wait_event", (PyCFunction)ep_wait_event, METH_VARARGS,
      "wait_event(timeout) -> bool: block on the completion channel, GIL released"},
     {"close", (PyCFunction)ep_close, METH_NOARGS, "free everything, children first; idempotent"},

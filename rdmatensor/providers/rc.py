@@ -22,6 +22,8 @@ The contract (both):
     owe(imm) -> bool (taken only while .deferring)   post_owed() -> bool (False: no room)   owed
     post_recv(count=1)                           post_recv_into(dst, recv_id)
     poll(max_entries=32, spin=0.0) -> [(wr_id, status, is_receive, imm, byte_len)]
+    reap(on_imm, spin=0.0) -> (found, last send done, None or (wr_id, status, is_receive))
+                                                 (poll(), receives given back, immediates to on_imm)
     wait_event(timeout) -> bool                  status_name(status) -> str
     close()                                      depth, recv_depth, device
 

@@ -341,6 +341,21 @@ class RcEndpoint(EndpointHelpers):
             out.append((wr_id & ~RECV_TAG, wc.status, is_recv, wc.imm_data, wc.byte_len))
         return out
 
+    def reap(self, on_imm, spin: float = 0.0) -> tuple:
+        """poll(), then every receive given back and its immediate passed to
+        on_imm(imm), in order, up to the first failed completion: (found, the
+        last send number completed well, None or (wr_id, status, is_receive))."""
+        done, last = self.poll(32, spin), 0
+        for wr_id, status, is_receive, imm, _ in done:
+            if status:
+                return len(done), last, (wr_id, status, is_receive)
+            if is_receive:
+                self.post_recv()
+                on_imm(imm)
+            else:
+                last = wr_id
+        return len(done), last, None
+
     @staticmethod
     def status_name(status: int) -> str:
         try:

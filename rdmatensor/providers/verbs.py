@@ -79,6 +79,7 @@ class VerbsChannel(Channel):
         self._poll_lock = threading.Lock()
         self._event_lock = threading.Lock()    # one thread at a time blocks on the completion channel
         self._stop = threading.Event()
+        self._closing = False             # close() began (read on the data path, where Event.is_set() costs a call)
         self._bye = False
         self._poller: threading.Thread | None = None
         self._polled_at = -math.inf       # when a waiter last polled the CQ itself (-inf: it went to sleep)
@@ -130,16 +131,17 @@ class VerbsChannel(Channel):
         self.ep.post_recv(self.ep.recv_depth)
 
     # -- data path --------------------------------------------------------
-    def _received(self, recv_id: int, nbytes: int, imm: int) -> None:
-        """A receive completed: an immediate arrived (its payload, if any, is in place)."""
-        self.ep.post_recv()
-        self.on_imm(imm)
+    def _take(self, spin: float) -> tuple:
+        """Poll the CQ (spinning up to `spin` s): every receive given back and its
+        immediate handed to on_imm, in C on the compiled endpoint; the endpoint's
+        reap() result."""
+        return self.ep.reap(self.on_imm, spin)
 
     def _post(self, post, *args) -> int:
         """post(*args) on the endpoint; its send number. While the send queue is full,
         waits for the oldest send to complete."""
         while True:
-            if self._lost or self._stop.is_set():
+            if self._lost or self._closing:
                 raise PeerLost(f"verbs channel to peer {self.peer} is down", peer=self.peer)
             number = post(*args)
             if number:
@@ -153,6 +155,10 @@ class VerbsChannel(Channel):
         if remote is None:
             self.check_remote(region_id, offset, src.nbytes)     # raises, naming the region
         try:
+            if not (self._lost or self._closing):
+                number = self.ep.post_write(src, remote, offset, imm)    # room in the queue: the common case
+                if number:
+                    return number
             return self._post(self.ep.post_write, src, remote, offset, imm)
         except TransportError as exc:
             if exc.peer is None:      # the endpoint refused it (bounds, source): say to whom
@@ -255,19 +261,17 @@ class VerbsChannel(Channel):
             return False
         sent = self._sent
         try:
-            if self._stop.is_set():
+            if self._closing:
                 return False
-            done = self.ep.poll(32, spin)
-            for wr_id, status, is_receive, imm, nbytes in done:
-                if status:
-                    what = "receive from" if is_receive else "write to"
-                    raise TransportError(f"{what} peer {self.peer}: work request {wr_id} failed: "
-                                         f"{self.ep.status_name(status)} (status {status})", peer=self.peer)
-                if is_receive:
-                    self._received(wr_id, nbytes, imm)
-                else:
-                    self._sent = wr_id
-            return bool(done)
+            found, last, failed = self._take(spin)
+            if last:
+                self._sent = last
+            if failed:
+                wr_id, status, is_receive = failed
+                what = "receive from" if is_receive else "write to"
+                raise TransportError(f"{what} peer {self.peer}: work request {wr_id} failed: "
+                                     f"{self.ep.status_name(status)} (status {status})", peer=self.peer)
+            return bool(found)
         except Exception as exc:  # noqa: BLE001 - becomes the channel's sticky error
             self._fail_all(exc if isinstance(exc, (TransportError, PeerLost)) else TransportError(str(exc)))
             return False
@@ -324,8 +328,9 @@ class VerbsChannel(Channel):
         self._bye = True   # the poller reports it once the CQ is drained
 
     def close(self) -> None:
-        if self._stop.is_set():
+        if self._closing:
             return
+        self._closing = True
         try:
             self.ep.deferring = False
             self.ep.post_owed()           # what the peer may still wait for

@@ -70,6 +70,18 @@ class VerbsRpcChannel(VerbsChannel):
         self.ep.post_recv_into(self._inbox.buf[index * CHUNK:(index + 1) * CHUNK], index)
 
     # -- receiving --------------------------------------------------------
+    def _take(self, spin: float) -> tuple:
+        """As the verbs channel's, but each receive carries a chunk of a message."""
+        done, last = self.ep.poll(32, spin), 0
+        for wr_id, status, is_receive, imm, nbytes in done:
+            if status:
+                return len(done), last, (wr_id, status, is_receive)
+            if is_receive:
+                self._received(wr_id, nbytes, imm)
+            else:
+                last = wr_id
+        return len(done), last, None
+
     def _received(self, index: int, length: int, imm: int) -> None:
         """One chunk landed in private buffer `index`: copy it out, re-post the buffer."""
         chunk = self._inbox.buf[index * CHUNK:index * CHUNK + length]

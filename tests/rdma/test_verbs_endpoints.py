@@ -205,6 +205,32 @@ def test_owed_immediates_lead_the_next_post_and_none_is_lost(rdma_port, kind):
         b.close()
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_reap_hands_every_immediate_over_in_order_and_gives_receives_back(rdma_port, kind):
+    """Three times the receive queue's depth of immediates: reap() passes each to
+    on_imm in order and gives its receive back (else the sender would stall
+    with no receive to consume), and reports the sender's last number."""
+    a, b = connected("native", kind)
+    try:
+        got, total, last = [], 3 * b.recv_depth, 0
+        end = time.monotonic() + 60
+        for imm in range(total):
+            while not a.post_send_imm(imm):                    # the send queue is full: take completions
+                last = max(last, a.reap(got.append)[1])
+            found, done, failed = b.reap(got.append)
+            assert failed is None and done == 0               # b sends nothing
+            assert time.monotonic() < end
+        while len(got) < total and time.monotonic() < end:
+            assert b.reap(got.append, 0.01)[2] is None
+        assert got == list(range(total))
+        while last < total and time.monotonic() < end:
+            last = max(last, a.reap(got.append, 0.01)[1])
+        assert last == total and len(got) == total             # a received nothing
+    finally:
+        a.close()
+        b.close()
+
+
 def test_native_write_the_peer_refuses_fails_with_its_status_named(pair):
     """A write into memory the peer deregistered is refused by its NIC: the
     completion names the status, and the queue pair's later work is flushed.
