@@ -5,6 +5,11 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
+from rdmatensor.errors import UsageError
+from tf_plugin.engine.timeline import Timeline
+
 from .processes import run_workers
 
 SCRIPT = Path(__file__).parent / "overlap_script.py"
@@ -24,7 +29,7 @@ def rounds_of(trace: list) -> dict:
 
 def test_gradients_reduced_while_backprop_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("RDMATENSOR_FUSION_THRESHOLD", str(16 << 10))
-    monkeypatch.setenv("RDMATENSOR_TIMELINE", str(tmp_path / "timeline-{rank}.json"))
+    monkeypatch.setenv("RDMATENSOR_TIMELINE", str(tmp_path / "new" / "timeline-{rank}.json"))   # its folder made
     run_workers(SCRIPT, 2, "shm", tmp_path, args=(STEPS,))
     reps = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for rep in reps:
@@ -41,7 +46,7 @@ def test_gradients_reduced_while_backprop_runs(tmp_path, monkeypatch):
         assert s["extensions"] == 1                          # fit's gradients are the tape's tensor set
         assert 0 < s["overlapped_seconds"] < s["ring_seconds"] <= s["comm_seconds"]
 
-        trace = json.loads((tmp_path / f"timeline-{rep['rank']}.json").read_text())    # valid JSON
+        trace = json.loads((tmp_path / "new" / f"timeline-{rep['rank']}.json").read_text())    # valid JSON
         assert {"TensorFlow", "communication"} <= {e["args"]["name"] for e in trace if e["name"] == "thread_name"}
         rounds = rounds_of(trace)
         assert sorted(rounds) == list(range(STEPS + EAGER_STEPS + FIT_STEPS + TWICE))
@@ -64,6 +69,12 @@ def test_gradients_reduced_while_backprop_runs(tmp_path, monkeypatch):
             started = [k for k in graph if rounds[k]["ring"][0][0] < last_ready[k]]
             assert len(started) >= len(graph) // 2, started
         assert [k for k in (*tape, *fit) if min(end for _, end in rounds[k]["ring"].values()) < last_ready[k]]
+
+
+def test_a_time_line_that_cannot_be_written_is_a_usage_error_naming_the_rank(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(UsageError, match="rank 3 cannot write its time line"):
+        Timeline(str(tmp_path / "a-file" / "timeline.json"), 3)
 
 
 def test_fusion_threshold_from_init_or_the_environment(monkeypatch):

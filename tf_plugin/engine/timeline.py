@@ -21,6 +21,8 @@ import os
 import threading
 import time
 
+from rdmatensor.errors import UsageError
+
 TENSORFLOW, COMMUNICATION = 1, 2
 
 
@@ -29,7 +31,12 @@ class Timeline:
         self.path, self.rank = path, rank
         self._origin = time.perf_counter()
         self._lock = threading.Lock()
-        self._file = open(path, "w")
+        try:                    # its folder is made, as a user of --timeline out/run.json expects
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            self._file = open(path, "w")
+        except OSError as exc:
+            raise UsageError(f"rank {rank} cannot write its time line (RDMATENSOR_TIMELINE) to {path!r}: "
+                             f"{exc.strerror or exc}") from exc
         self._file.write("[\n")
         self._write({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
         for tid, name in ((TENSORFLOW, "TensorFlow"), (COMMUNICATION, "communication")):
