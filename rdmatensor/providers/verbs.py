@@ -212,8 +212,11 @@ class VerbsChannel(Channel):
         (set by whichever thread reaps the completion). Never sleep-polls."""
         if event.is_set():
             return True
-        if self.ep.owed:                  # the peer may be waiting for one of them
-            self._post(self.ep.post_owed)
+        if self.ep.owed and not (self._lost or self._closing):    # the peer may be waiting for one of them
+            try:
+                self._post(self.ep.post_owed)
+            except (TransportError, PeerLost) as exc:     # reported like any failed post: waiters wake
+                self._fail_all(exc)
         return self._until(event.is_set, lambda left, ready: event.wait(left), timeout)
 
     def _until(self, ready, sleep, timeout: float) -> bool:
