@@ -503,14 +503,16 @@ static int owed_chain(Endpoint *self, struct ibv_send_wr *wrs)
     return self->n_owed;
 }
 
+#define POST_FAILED UINT64_MAX            /* post_chain(): the error is set */
+
 /* Post wrs[0..n) as one chain (one doorbell), numbered in order; the first's
  * number, 0 when the send queue lacks room for all of them (nothing posted).
  * The first `credits` of them are the owed immediates: posted, they are no
  * longer owed. */
-static PyObject *post_chain(Endpoint *self, struct ibv_send_wr *wrs, int n, int credits, const char *what)
+static uint64_t post_chain(Endpoint *self, struct ibv_send_wr *wrs, int n, int credits, const char *what)
 {
     if (self->sends_posted - self->sends_completed + (uint64_t)n > (uint64_t)self->depth)
-        return PyLong_FromLong(0);
+        return 0;
     for (int i = 0; i < n; i++) {
         wrs[i].wr_id = self->sends_posted + 1 + (uint64_t)i;
         wrs[i].next = i + 1 < n ? &wrs[i + 1] : NULL;
@@ -521,11 +523,20 @@ static PyObject *post_chain(Endpoint *self, struct ibv_send_wr *wrs, int n, int 
         self->n_owed = 0;             /* posted, or the queue pair failed and no credit matters any more */
     if (rc) {
         self->sends_posted += bad ? (uint64_t)(bad - wrs) : 0;   /* those before the bad one went */
-        return verbs_error(what, rc);
+        verbs_error(what, rc);
+        return POST_FAILED;
     }
     uint64_t first = self->sends_posted + 1;
     self->sends_posted += (uint64_t)n;
-    return PyLong_FromUnsignedLongLong(first);
+    return first;
+}
+
+/* The owed immediates alone, as post_chain() (1 when none are owed). */
+static uint64_t post_owed_chain(Endpoint *self)
+{
+    struct ibv_send_wr wrs[MAX_CHAIN];
+    int n = owed_chain(self, wrs);
+    return n ? post_chain(self, wrs, n, n, "posting owed immediates") : 1;
 }
 
 /* Post one numbered send, after the owed immediates; its number, 0 when the send queue is full. */
@@ -534,12 +545,10 @@ static PyObject *post_numbered(Endpoint *self, struct ibv_send_wr *wr, const cha
     struct ibv_send_wr wrs[MAX_CHAIN + 1];
     int credits = owed_chain(self, wrs);
     wrs[credits] = *wr;
-    PyObject *first = post_chain(self, wrs, credits + 1, credits, what);
-    if (!first || !credits)
-        return first;
-    long room = PyLong_AsLong(first);
-    Py_DECREF(first);
-    return PyLong_FromUnsignedLongLong(room ? self->sends_posted : 0);
+    uint64_t first = post_chain(self, wrs, credits + 1, credits, what);
+    if (first == POST_FAILED)
+        return NULL;
+    return PyLong_FromUnsignedLongLong(first ? first + (uint64_t)credits : 0);
 }
 
 static int parse_imm(PyObject *obj, uint32_t *imm)
@@ -639,12 +648,10 @@ static PyObject *ep_post_writes(Endpoint *self, PyObject *arg)
         }
     }
     Py_DECREF(seq);
-    PyObject *first = post_chain(self, wrs, credits + (int)n, credits, "posting a chain of writes");
-    if (!first || !credits)
-        return first;
-    long room = PyLong_AsLong(first);
-    Py_DECREF(first);
-    return PyLong_FromUnsignedLongLong(room ? (uint64_t)room + (uint64_t)credits : 0);
+    uint64_t first = post_chain(self, wrs, credits + (int)n, credits, "posting a chain of writes");
+    if (first == POST_FAILED)
+        return NULL;
+    return PyLong_FromUnsignedLongLong(first ? first + (uint64_t)credits : 0);     /* the first write's */
 }
 
 /* An immediate (a credit) that may wait for the next chain: taken only while
@@ -658,13 +665,10 @@ static PyObject *ep_owe(Endpoint *self, PyObject *arg)
     if (!self->deferring)
         Py_RETURN_FALSE;
     if (self->n_owed == MAX_CHAIN) {
-        struct ibv_send_wr wrs[MAX_CHAIN];
-        PyObject *first = post_chain(self, wrs, owed_chain(self, wrs), MAX_CHAIN, "posting owed immediates");
-        if (!first)
+        uint64_t first = post_owed_chain(self);
+        if (first == POST_FAILED)
             return NULL;
-        long room = PyLong_AsLong(first);
-        Py_DECREF(first);
-        if (!room)
+        if (!first)
             Py_RETURN_FALSE;
     }
     self->owed[self->n_owed++] = imm;
@@ -677,15 +681,10 @@ static PyObject *ep_post_owed(Endpoint *self, PyObject *unused)
 {
     if (check_open(self))
         return NULL;
-    if (!self->n_owed)
-        Py_RETURN_TRUE;
-    struct ibv_send_wr wrs[MAX_CHAIN];
-    PyObject *first = post_chain(self, wrs, owed_chain(self, wrs), self->n_owed, "posting owed immediates");
-    if (!first)
+    uint64_t first = post_owed_chain(self);
+    if (first == POST_FAILED)
         return NULL;
-    long room = PyLong_AsLong(first);
-    Py_DECREF(first);
-    return PyBool_FromLong(room != 0);
+    return PyBool_FromLong(first != 0);
 }
 
 static PyObject *ep_post_send_imm(Endpoint *self, PyObject *arg)
