@@ -149,3 +149,16 @@ def test_ring_cpu_measures_every_way_with_results_checked(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "bench.ring_cpu", "--rounds", "0"], capture_output=True, text=True,
                          timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and "--rounds and --calls must be at least 1" in bad.stderr
+
+
+def test_graph_boundary_times_every_way_with_the_flat_result_checked():
+    """bench.graph_boundary, short: MobileNetV2's gradients out of and back into a
+    tf.function every way, the flat way's members checked against the buffer first."""
+    res = subprocess.run([sys.executable, "-m", "bench.graph_boundary", "--models", "mobilenetv2",
+                          "--rounds", "1", "--calls", "1"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-2000:]
+    (row,) = [line.split() for line in res.stdout.splitlines() if line.startswith("mobilenetv2")]
+    assert row[1] == "158" and all(float(ms) > 0 for ms in row[3:6])
+    bad = subprocess.run([sys.executable, "-m", "bench.graph_boundary", "--models", "alexnet"], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode == 2 and "unknown model 'alexnet'" in bad.stderr

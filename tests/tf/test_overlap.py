@@ -95,3 +95,34 @@ def test_fusion_threshold_from_init_or_the_environment(monkeypatch):
     with pytest.raises(PlanError, match="fusion threshold -1"):
         hvd.init()
     assert not hvd.is_initialized()
+
+
+def test_a_bucket_comes_back_as_views_of_its_flat_output_and_odd_members_as_their_own():
+    """The wait op hands over one flat array per bucket, sliced in the graph: every
+    member whose start and length sit on TensorFlow's alignment is a view of that
+    array (no copy); one that does not (10 floats; 3 floats, even at the end) is its
+    own output, a view too; every value lands in the right member, in its shape."""
+    import numpy as np
+    import tensorflow as tf
+
+    from tf_plugin.engine import ingest, overlap
+
+    shapes = [(4, 4), (10,), (2, 8), (3,)]             # at offsets 0, 16, 32, 48
+    layout = [(p, 16 * p, int(np.prod(s))) for p, s in enumerate(shapes)]
+    flat = ingest.aligned_empty((51,), np.float32)
+    flat[:] = np.arange(51)
+    handed = []
+
+    @tf.function
+    def step():
+        grads = [tf.zeros(s) for s in shapes]
+        out = overlap.bucketed(grads, [layout], lambda j, arrays: handed.append(len(arrays)),
+                               lambda j: flat, "test_allreduce")
+        where = [tf.numpy_function(lambda a: np.int64(a.ctypes.data), [o], tf.int64, stateful=True) for o in out]
+        return out, where
+
+    out, where = step()
+    assert handed == [4]
+    for (p, offset, n), o, at in zip(layout, out, where, strict=True):
+        assert o.shape == shapes[p] and np.array_equal(o.numpy().reshape(-1), flat[offset:offset + n])
+        assert int(at) == flat.ctypes.data + 4 * offset, f"member {p} was copied"

@@ -54,7 +54,8 @@ def test_ring_sums_and_averages_on_every_rank(n, hosts, average):
                     ring.launch(j, [mine[key] for key, _, _ in b.members])
                 out = {}
                 for j, b in enumerate(a.buckets):
-                    out.update(zip((key for key, _, _ in b.members), ring.collect(j), strict=True))
+                    members = b.split(ring.collect(j), ring.shapes)
+                    out.update(zip((key for key, _, _ in b.members), members, strict=True))
                 got.append([np.array(out[k]) for k in keys])
         finally:
             ring.close()

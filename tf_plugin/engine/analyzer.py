@@ -226,6 +226,11 @@ class Bucket:
     members: tuple
     size: int
 
+    def split(self, flat: np.ndarray, shapes) -> list[np.ndarray]:
+        """Each member's view of the bucket's flat array, in order, in its shape
+        (shapes: member key -> shape)."""
+        return [flat[offset:offset + n].reshape(shapes[key]) for key, offset, n in self.members]
+
 
 @dataclass
 class Analysis:

@@ -103,12 +103,12 @@ class CheckedCollectives(Collectives):
         with self._naming(kind, op, names, described):
             super().launch(group, j, arrays)
 
-    def collect(self, group, j: int) -> list[np.ndarray]:
+    def collect(self, group, j: int) -> np.ndarray:
         kind, op, names, described = group.request
         with self._naming(kind, op, names, described):
             out = super().collect(group, j)
         if self.check_finite:
-            self._check_outputs(group, j, out)
+            self._check_outputs(group, j, group.members(j, out))
         return out
 
     def allreduce(self, names, arrays, op: str = "average"):

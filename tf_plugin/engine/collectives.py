@@ -80,6 +80,11 @@ class AllreduceGroup:
     key: tuple
     buckets: list
 
+    def members(self, j: int, flat: np.ndarray) -> list[np.ndarray]:
+        """Bucket j's members, in order, as views of its flat output."""
+        described = self.request[3]
+        return self.buckets[j].split(flat, {key: described[int(key)].shape for key, _, _ in self.buckets[j].members})
+
 
 ROWS_VARY = ("allgather", "alltoall")    # kinds whose tensors' first dimension may differ between ranks and calls
 REDUCTIONS = ("average", "sum", "min", "max", "product")
@@ -452,8 +457,8 @@ class Collectives:
 
             self.comm.launch(ts.index, j, arrays, len(ts.analysis.buckets), run, self._ring(ts).describe)
 
-    def collect(self, group: AllreduceGroup, j: int) -> list[np.ndarray]:
-        """Bucket j's results (its members, in order), once its ring is done."""
+    def collect(self, group: AllreduceGroup, j: int) -> np.ndarray:
+        """Bucket j's result (its flat output: group.members splits it), once its ring is done."""
         ts = self._sets.get(group.key)
         if ts is None:
             raise UsageError(f"rank {self.rank}: bucket {j} of an all-reduce collected before any launch")
@@ -472,7 +477,7 @@ class Collectives:
             self.launch(group, j, [arrays[p] for p in positions])
         out = [None] * len(arrays)
         for j, positions in enumerate(members):
-            for p, result in zip(positions, self.collect(group, j), strict=True):
+            for p, result in zip(positions, group.members(j, self.collect(group, j)), strict=True):
                 out[p] = result
         return [o if o is not None else np.zeros_like(a) for o, a in zip(out, arrays, strict=True)]
 

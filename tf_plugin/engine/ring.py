@@ -141,18 +141,19 @@ class RingAllReduce:
                               [self._outputs[b.key].lease() for b in buckets], [d for _, d in flats])
         result = {}
         for b, out in zip(buckets, outs, strict=True):
-            result.update(zip((key for key, _, _ in b.members), self._members(b, out), strict=True))
+            result.update(zip((key for key, _, _ in b.members), b.split(out, self.shapes), strict=True))
         return [result[k] if k in result else np.zeros_like(by_key[k]) for k in keys]
 
-    def reduce_bucket(self, j: int, arrays: list, tag: int = 0) -> list[np.ndarray]:
+    def reduce_bucket(self, j: int, arrays: list, tag: int = 0) -> np.ndarray:
         """Bucket j's ring alone (its members' arrays in order), averaged unless the
         ring was made with average=False: what the communication thread runs.
         Every write carries `tag`, and only values with it are taken (the call's
-        number: see collectives.py). Returns the members' results."""
+        number: see collectives.py). Returns the bucket's flat output (its
+        members: Bucket.split)."""
         b = self.analysis.buckets[j]
         flat, divide = self._flat(b, [np.ascontiguousarray(a) for a in arrays], self.average)
         (out,) = self._ring([b.key], [flat], [self._outputs[b.key].lease()], [divide], tag)
-        return self._members(b, out)
+        return out
 
     def _flat(self, bucket, arrays: list, average: bool) -> tuple[BucketView, bool]:
         """The bucket as one flat array (a view over its members where they are),
@@ -165,9 +166,6 @@ class RingAllReduce:
             np.copyto(buf[offset:offset + n], a.reshape(-1))
         self.meter.tally["fused"] += len(bucket.members)
         return BucketView.of(buf), average
-
-    def _members(self, bucket, out: np.ndarray) -> list[np.ndarray]:
-        return [out[offset:offset + n].reshape(self.shapes[key]) for key, offset, n in bucket.members]
 
     def _ring(self, keys: list, flats: list, outs: list, divide: list, tag: int = 0) -> list[np.ndarray]:
         """Sum the flat arrays over the ranks into `outs` (divided by N where
@@ -266,8 +264,8 @@ class RingAllReduce:
             self._comm = CommThread(self.rank, self.session.timeout, self.meter, Timeline.from_env(self.rank))
         self._comm.launch("gradients", j, arrays, len(self.analysis.buckets), self.reduce_bucket, self.describe)
 
-    def collect(self, j: int) -> list[np.ndarray]:
-        """Bucket j's averaged gradients, once its ring is done."""
+    def collect(self, j: int) -> np.ndarray:
+        """Bucket j's averaged gradients, once its ring is done: its flat output."""
         return self._comm.collect("gradients", j)
 
     def describe(self, j: int) -> dict:
@@ -337,5 +335,5 @@ class RingGradientTape:
         if tf.executing_eagerly():
             return ring.allreduce(grads, sources)
         position = {k: p for p, k in enumerate(ring._keys(sources, len(grads)))}
-        members = [[position[key] for key, _, _ in b.members] for b in ring.analysis.buckets]
-        return overlap.bucketed(grads, members, ring.launch, ring.collect, "rdmatensor_allreduce")
+        layouts = [[(position[key], offset, n) for key, offset, n in b.members] for b in ring.analysis.buckets]
+        return overlap.bucketed(grads, layouts, ring.launch, ring.collect, "rdmatensor_allreduce")

@@ -138,9 +138,9 @@ def _allreduce_many(tensors, names, op: str, compression) -> list:
     else:
         group = collectives.allreduce_group(names, [tuple(t.shape) for t in sent],
                                             [t.dtype.as_numpy_dtype for t in sent], op)
-        members = [[int(key) for key, _, _ in b.members] for b in group.buckets]
+        layouts = [[(int(key), offset, n) for key, offset, n in b.members] for b in group.buckets]
         # world() looked up at run time: an elastic reset replaces the collectives under a traced graph
-        reduced = overlap.bucketed(sent, members, lambda *a: world().collectives.launch(group, *a),
+        reduced = overlap.bucketed(sent, layouts, lambda *a: world().collectives.launch(group, *a),
                                    lambda *a: world().collectives.collect(group, *a), "rdmatensor_allreduce")
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, packed, strict=True)]
 
