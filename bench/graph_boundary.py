@@ -47,7 +47,7 @@ def measure(model: str, calls: int, rounds: int) -> dict:
     outputs = [ingest.aligned_empty((b.size,), b.dtype) for b in buckets]
     for o in outputs:
         o[...] = np.arange(o.size) % 251
-    layouts = [[(int(key), offset, n) for key, offset, n in b.members] for b in buckets]
+    layouts = [[(int(key), offset, shapes[int(key)]) for key, offset, _ in b.members] for b in buckets]
     seeds = [tf.Variable(tf.ones(s)) for s in shapes]
 
     def grads():
@@ -72,7 +72,7 @@ def measure(model: str, calls: int, rounds: int) -> dict:
                                       stateful=True)
             with tf.control_dependencies([token]):
                 results = tf.numpy_function(
-                    lambda j=j, layout=layout: [outputs[j][o:o + n] for _, o, n in layout], [],
+                    lambda j=j, layout=layout: [outputs[j][o:o + int(np.prod(s))] for _, o, s in layout], [],
                     [gs[p].dtype for p, _, _ in layout], stateful=True)
             for (p, _, _), r in zip(layout, results, strict=True):
                 out[p] = tf.reshape(r, shapes[p])
@@ -80,8 +80,8 @@ def measure(model: str, calls: int, rounds: int) -> dict:
 
     got = flat()
     for j, layout in enumerate(layouts):
-        for p, offset, n in layout:
-            if not np.array_equal(got[p].numpy().reshape(-1), outputs[j][offset:offset + n]):
+        for p, offset, shape in layout:
+            if not np.array_equal(got[p].numpy(), outputs[j][offset:offset + int(np.prod(shape))].reshape(shape)):
                 raise AssertionError(f"{model}: gradient {p} came back wrong")
     ways = {"none": none, "flat": flat, "per-tensor": per_tensor}
     times = {w: [] for w in ways}

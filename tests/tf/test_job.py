@@ -118,6 +118,23 @@ def test_transformer_lm_two_workers_match_one_process_on_the_global_batch(monkey
     assert s.writes_per_step == 2 * 2 * buckets("lm")        # per fused float32 bucket, rs + ag per rank
 
 
+def test_transformer_lm_in_graph_over_processes_matches_one_process(tmp_path, monkeypatch):
+    """rdmatensor-train's default: ranks as processes, the ring inside the step's
+    tf.function. The embedding's gradient, made dense, has a shape the graph only
+    partly knows (the plan knows it whole); every bucket's members come back in the
+    plan's shapes and the losses are those of one process on the global batch."""
+    from tf_plugin.training import models
+    monkeypatch.setenv("RDMATENSOR_FUSION_THRESHOLD", str(4 << 20))      # several buckets
+    out = tmp_path / "lm.json"
+    proc = subprocess.run([sys.executable, "-m", "tf_plugin.training.launch", "--workers", "2", "--provider", "tcp",
+                           "--model", "lm", "--steps", "4", "--batch", "8", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (job,) = json.loads(out.read_text())["jobs"]
+    np.testing.assert_allclose(job["summary"]["losses"], models.train_local("lm", 4, global_batch=8), rtol=1e-4)
+    assert job["summary"]["writes_per_step"] == 2 * 2 * buckets("lm")
+
+
 def test_mobilenetv2_trains_over_shm():
     """The smallest keras.applications model, 32x32: its ~160 gradients go as a few fused buckets."""
     from tf_plugin.training import runner

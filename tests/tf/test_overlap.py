@@ -108,7 +108,7 @@ def test_a_bucket_comes_back_as_views_of_its_flat_output_and_odd_members_as_thei
     from tf_plugin.engine import ingest, overlap
 
     shapes = [(4, 4), (10,), (2, 8), (3,)]             # at offsets 0, 16, 32, 48
-    layout = [(p, 16 * p, int(np.prod(s))) for p, s in enumerate(shapes)]
+    layout = [(p, 16 * p, s) for p, s in enumerate(shapes)]
     flat = ingest.aligned_empty((51,), np.float32)
     flat[:] = np.arange(51)
     handed = []
@@ -123,6 +123,6 @@ def test_a_bucket_comes_back_as_views_of_its_flat_output_and_odd_members_as_thei
 
     out, where = step()
     assert handed == [4]
-    for (p, offset, n), o, at in zip(layout, out, where, strict=True):
-        assert o.shape == shapes[p] and np.array_equal(o.numpy().reshape(-1), flat[offset:offset + n])
+    for (p, offset, shape), o, at in zip(layout, out, where, strict=True):
+        assert o.shape == shape and np.array_equal(o.numpy(), flat[offset:offset + int(np.prod(shape))].reshape(shape))
         assert int(at) == flat.ctypes.data + 4 * offset, f"member {p} was copied"

@@ -70,9 +70,11 @@ def static(tensors) -> bool:
 
 def bucketed(tensors: list, layouts: list[list[tuple]], launch, collect, name: str) -> list:
     """The all-reduced tensors, in a graph. `layouts[j]`: bucket j's members, in
-    order, as (position in `tensors`, offset, elements) in the bucket's flat
-    output; `launch(j, arrays)` hands bucket j over, `collect(j)` returns its
-    flat output. A tensor in no bucket (zero elements) comes back as zeros."""
+    order, as (position in `tensors`, offset in the bucket's flat output, shape:
+    the plan's, which the tensor's static shape may only partly know, as a
+    sparse gradient made dense); `launch(j, arrays)` hands bucket j over,
+    `collect(j)` returns its flat output. A tensor in no bucket (zero elements)
+    comes back as zeros."""
     tokens, out = [], [None] * len(tensors)
     with in_program_order() as done:
         previous = []
@@ -85,19 +87,20 @@ def bucketed(tensors: list, layouts: list[list[tuple]], launch, collect, name: s
     with tf.control_dependencies(tokens):
         for j, layout in enumerate(layouts):
             dtype = tensors[layout[0][0]].dtype
-            size = max(offset + n for _, offset, n in layout)
-            odd = [m for m in layout if not _sliced_in_place(m[1], m[2], size, dtype.size)]
-            results = numpy_function(_collector(collect, j, [(offset, n) for _, offset, n in odd]), [tokens[j]],
+            members = [(p, offset, tuple(shape), int(np.prod(shape))) for p, offset, shape in layout]
+            size = max(offset + n for _, offset, _, n in members)
+            odd = [m for m in members if not _sliced_in_place(m[1], m[3], size, dtype.size)]
+            results = numpy_function(_collector(collect, j, [(offset, n) for _, offset, _, n in odd]), [tokens[j]],
                                      [dtype] * (1 + len(odd)), f"{name}_wait",
                                      lambda _, dtype=dtype, odd=odd, size=size: [
-                                         np.zeros(k, dtype.as_numpy_dtype) for k in (size, *(n for _, _, n in odd))])
-            flat, separate = results[0], dict(zip((p for p, _, _ in odd), results[1:], strict=True))
+                                         np.zeros(k, dtype.as_numpy_dtype) for k in (size, *(m[3] for m in odd))])
+            flat, separate = results[0], dict(zip((m[0] for m in odd), results[1:], strict=True))
             flat.set_shape([size])
-            for p, offset, n in layout:
+            for p, offset, shape, n in members:
                 whole = separate.get(p)
                 if whole is None:
                     whole = flat if n == size else tf.slice(flat, [offset], [n])
-                out[p] = tf.reshape(whole, tensors[p].shape.as_list())
+                out[p] = tf.reshape(whole, shape)
             done(flat.op)
     return [t if t is not None else tf.zeros_like(tensors[p]) for p, t in enumerate(out)]
 

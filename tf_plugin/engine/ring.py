@@ -335,5 +335,6 @@ class RingGradientTape:
         if tf.executing_eagerly():
             return ring.allreduce(grads, sources)
         position = {k: p for p, k in enumerate(ring._keys(sources, len(grads)))}
-        layouts = [[(position[key], offset, n) for key, offset, n in b.members] for b in ring.analysis.buckets]
+        layouts = [[(position[key], offset, ring.shapes[key]) for key, offset, _ in b.members]
+                   for b in ring.analysis.buckets]
         return overlap.bucketed(grads, layouts, ring.launch, ring.collect, "rdmatensor_allreduce")

@@ -138,7 +138,7 @@ def _allreduce_many(tensors, names, op: str, compression) -> list:
     else:
         group = collectives.allreduce_group(names, [tuple(t.shape) for t in sent],
                                             [t.dtype.as_numpy_dtype for t in sent], op)
-        layouts = [[(int(key), offset, n) for key, offset, n in b.members] for b in group.buckets]
+        layouts = [[(int(key), offset, sent[int(key)].shape) for key, offset, _ in b.members] for b in group.buckets]
         # world() looked up at run time: an elastic reset replaces the collectives under a traced graph
         reduced = overlap.bucketed(sent, layouts, lambda *a: world().collectives.launch(group, *a),
                                    lambda *a: world().collectives.collect(group, *a), "rdmatensor_allreduce")
