@@ -126,3 +126,11 @@ def test_a_bucket_comes_back_as_views_of_its_flat_output_and_odd_members_as_thei
     for (p, offset, shape), o, at in zip(layout, out, where, strict=True):
         assert o.shape == shape and np.array_equal(o.numpy(), flat[offset:offset + int(np.prod(shape))].reshape(shape))
         assert int(at) == flat.ctypes.data + 4 * offset, f"member {p} was copied"
+
+    @tf.function
+    def misfit():       # a result laid out otherwise than the graph expects is refused, never sliced
+        return overlap.bucketed([tf.zeros(s) for s in shapes], [layout], lambda j, arrays: None,
+                                lambda j: flat[:48], "test_allreduce")
+
+    with pytest.raises(tf.errors.OpError, match=r"bucket 0's result is \(48,\) float32; the graph lays out \(51,\)"):
+        misfit()

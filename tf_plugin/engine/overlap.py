@@ -90,7 +90,8 @@ def bucketed(tensors: list, layouts: list[list[tuple]], launch, collect, name: s
             members = [(p, offset, tuple(shape), int(np.prod(shape))) for p, offset, shape in layout]
             size = max(offset + n for _, offset, _, n in members)
             odd = [m for m in members if not _sliced_in_place(m[1], m[3], size, dtype.size)]
-            results = numpy_function(_collector(collect, j, [(offset, n) for _, offset, _, n in odd]), [tokens[j]],
+            results = numpy_function(_collector(collect, j, size, dtype.as_numpy_dtype,
+                                                [(offset, n) for _, offset, _, n in odd]), [tokens[j]],
                                      [dtype] * (1 + len(odd)), f"{name}_wait",
                                      lambda _, dtype=dtype, odd=odd, size=size: [
                                          np.zeros(k, dtype.as_numpy_dtype) for k in (size, *(m[3] for m in odd))])
@@ -120,8 +121,11 @@ def _launcher(launch, j: int):
     return run
 
 
-def _collector(collect, j: int, odd: list):
+def _collector(collect, j: int, size: int, dtype, odd: list):
     def run(_token):
         flat = collect(j)
+        if flat.shape != (size,) or flat.dtype != dtype:    # sliced by the graph's layout: never a wrong value
+            raise RuntimeError(f"bucket {j}'s result is {flat.shape} {flat.dtype}; the graph lays out "
+                               f"({size},) {np.dtype(dtype)}")
         return [flat, *(flat[offset:offset + n] for offset, n in odd)]
     return run
