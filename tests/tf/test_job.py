@@ -133,6 +133,9 @@ def test_transformer_lm_in_graph_over_processes_matches_one_process(tmp_path, mo
     (job,) = json.loads(out.read_text())["jobs"]
     np.testing.assert_allclose(job["summary"]["losses"], models.train_local("lm", 4, global_batch=8), rtol=1e-4)
     assert job["summary"]["writes_per_step"] == 2 * 2 * buckets("lm")
+    # every gradient reached TensorFlow as a view of its bucket's output, on both ranks
+    assert job["summary"]["zero_copy_ingest_per_step"] == 2 * len(models.build("lm").trainable_variables)
+    assert job["summary"]["copies_per_step"] == 0
 
 
 def test_mobilenetv2_trains_over_shm():

@@ -265,8 +265,12 @@ class RingAllReduce:
         self._comm.launch("gradients", j, arrays, len(self.analysis.buckets), self.reduce_bucket, self.describe)
 
     def collect(self, j: int) -> np.ndarray:
-        """Bucket j's averaged gradients, once its ring is done: its flat output."""
-        return self._comm.collect("gradients", j)
+        """Bucket j's averaged gradients, once its ring is done: its flat output,
+        which TensorFlow takes with no copy (64-byte aligned), its members as views:
+        each counted as a zero-copy receive, as allreduce() counts them."""
+        out = self._comm.collect("gradients", j)
+        self.meter.tally["zero_copy"] += len(self.analysis.buckets[j].members)
+        return out
 
     def describe(self, j: int) -> dict:
         """What bucket j holds, for the time line and errors."""
