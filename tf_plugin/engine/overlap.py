@@ -10,8 +10,9 @@ them), two small stateful ops:
 - wait: returns the bucket's flat output once its ring is done (a 64-byte
   aligned, reused buffer: TensorFlow takes it with no copy), which the graph
   slices into the members, each a view. One output per bucket, not one per
-  tensor: numpy_function converts each output on its own, about 5 us apiece,
-  on the step's critical path (2 ms for DenseNet121's 364 gradients).
+  tensor: numpy_function converts each output on its own, about 9 us apiece
+  here, on the step's critical path (3.3 ms for DenseNet121's 364 gradients,
+  bench/graph_boundary.py).
 
 Every wait runs after every launch of its all-reduce (control dependencies):
 a wait blocks one of TensorFlow's inter-op threads, and it must never hold
