@@ -10,7 +10,9 @@
  *   per post. Receives go back in chained batches of RECV_BATCH (one doorbell).
  * - Credits may be owed (owe(), while `deferring`): they lead the next chain
  *   posted, so a released slot's credit and the next write share a doorbell
- *   (and, on SoftRoCE, the one system call a post costs).
+ *   (and, on SoftRoCE, the one system call a post costs). An owed credit
+ *   rides inside a write's own immediate where both fit a PAIR immediate
+ *   (providers/base.py's pair_imm): one work request, one packet, not two.
  * - Every post is bounds-checked first: the source must lie inside memory
  *   registered local-only with this endpoint, the destination inside the
  *   remote region; otherwise TransportError and nothing is posted.
@@ -50,6 +52,9 @@
 #define MAX_REGION (4ULL << 30)
 #define INLINE_WANTED 64                   /* small writes go inline when the device allows */
 #define SCRATCH_BYTES 64                   /* receives need an SGE; immediates never fill it */
+#define IMM_CREDIT 1u                      /* providers/base.py's immediates: kind (2 bits), tag, index */
+#define IMM_PAIR 2u
+#define PAIR_BITS 15
 
 static PyObject *DeviceError, *VerbsError, *TransportError, *UsageError;
 
@@ -493,23 +498,50 @@ static PyObject *ep_connect_qp(Endpoint *self, PyObject *args)
 
 /* -- data path --------------------------------------------------------- */
 
-/* The owed immediates as SEND WITH IMM work requests at the head of a chain:
- * how many. They go with the next doorbell instead of one each. */
-static int owed_chain(Endpoint *self, struct ibv_send_wr *wrs)
+/* A tag-0 DATA immediate and a CREDIT as one PAIR immediate (base.py's
+ * pair_imm); 0 when they cannot pair (no PAIR immediate is 0). */
+static uint32_t pair_imm(uint32_t data, uint32_t credit)
 {
-    for (int i = 0; i < self->n_owed; i++)
+    uint32_t index = credit & ((1u << 30) - 1);
+    if (data >> PAIR_BITS || credit >> 30 != IMM_CREDIT || index >> PAIR_BITS)
+        return 0;
+    return IMM_PAIR << 30 | index << PAIR_BITS | data;
+}
+
+/* Owed credits ride in the writes' immediates where they pair, the last owed
+ * first: how many did (they stay owed until the chain is posted). */
+static int pair_owed(Endpoint *self, struct ibv_send_wr *writes, int n)
+{
+    int paired = 0;
+    for (int i = 0; i < n && paired < self->n_owed; i++) {
+        if (writes[i].opcode != IBV_WR_RDMA_WRITE_WITH_IMM)
+            continue;
+        uint32_t both = pair_imm(writes[i].imm_data, self->owed[self->n_owed - 1 - paired]);
+        if (both) {
+            writes[i].imm_data = both;
+            paired++;
+        }
+    }
+    return paired;
+}
+
+/* The first `count` owed immediates as SEND WITH IMM work requests at the head
+ * of a chain: they go with the next doorbell instead of one each. */
+static int owed_chain(Endpoint *self, struct ibv_send_wr *wrs, int count)
+{
+    for (int i = 0; i < count; i++)
         wrs[i] = (struct ibv_send_wr){.opcode = IBV_WR_SEND_WITH_IMM, .send_flags = IBV_SEND_SIGNALED,
                                       .imm_data = self->owed[i]};
-    return self->n_owed;
+    return count;
 }
 
 #define POST_FAILED UINT64_MAX            /* post_chain(): the error is set */
 
 /* Post wrs[0..n) as one chain (one doorbell), numbered in order; the first's
  * number, 0 when the send queue lacks room for all of them (nothing posted).
- * The first `credits` of them are the owed immediates: posted, they are no
- * longer owed. */
-static uint64_t post_chain(Endpoint *self, struct ibv_send_wr *wrs, int n, int credits, const char *what)
+ * With `owed` set, the chain carries every owed immediate (leading it, or
+ * paired): posted, they are no longer owed. */
+static uint64_t post_chain(Endpoint *self, struct ibv_send_wr *wrs, int n, int owed, const char *what)
 {
     if (self->sends_posted - self->sends_completed + (uint64_t)n > (uint64_t)self->depth)
         return 0;
@@ -519,7 +551,7 @@ static uint64_t post_chain(Endpoint *self, struct ibv_send_wr *wrs, int n, int c
     }
     struct ibv_send_wr *bad = NULL;
     int rc = ibv_post_send(self->qp, wrs, &bad);
-    if (credits)
+    if (owed)
         self->n_owed = 0;             /* posted, or the queue pair failed and no credit matters any more */
     if (rc) {
         self->sends_posted += bad ? (uint64_t)(bad - wrs) : 0;   /* those before the bad one went */
@@ -535,17 +567,19 @@ static uint64_t post_chain(Endpoint *self, struct ibv_send_wr *wrs, int n, int c
 static uint64_t post_owed_chain(Endpoint *self)
 {
     struct ibv_send_wr wrs[MAX_CHAIN];
-    int n = owed_chain(self, wrs);
-    return n ? post_chain(self, wrs, n, n, "posting owed immediates") : 1;
+    int n = owed_chain(self, wrs, self->n_owed);
+    return n ? post_chain(self, wrs, n, 1, "posting owed immediates") : 1;
 }
 
-/* Post one numbered send, after the owed immediates; its number, 0 when the send queue is full. */
+/* Post one numbered send, after the owed immediates (one may ride in it); its
+ * number, 0 when the send queue is full. */
 static PyObject *post_numbered(Endpoint *self, struct ibv_send_wr *wr, const char *what)
 {
     struct ibv_send_wr wrs[MAX_CHAIN + 1];
-    int credits = owed_chain(self, wrs);
+    int owed = self->n_owed;
+    int credits = owed_chain(self, wrs, owed - pair_owed(self, wr, 1));
     wrs[credits] = *wr;
-    uint64_t first = post_chain(self, wrs, credits + 1, credits, what);
+    uint64_t first = post_chain(self, wrs, credits + 1, owed, what);
     if (first == POST_FAILED)
         return NULL;
     return PyLong_FromUnsignedLongLong(first ? first + (uint64_t)credits : 0);
@@ -633,8 +667,7 @@ static PyObject *ep_post_writes(Endpoint *self, PyObject *arg)
         return NULL;
     }
     struct ibv_sge sges[MAX_CHAIN];
-    struct ibv_send_wr wrs[2 * MAX_CHAIN];
-    int credits = owed_chain(self, wrs);
+    struct ibv_send_wr writes[MAX_CHAIN], wrs[2 * MAX_CHAIN];
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *src, *imm_obj;
         unsigned long long raddr;
@@ -642,13 +675,16 @@ static PyObject *ep_post_writes(Endpoint *self, PyObject *arg)
         unsigned int rkey;
         if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "O(KnI)nO;a write is (src, remote, offset, imm)",
                               &src, &raddr, &rlength, &rkey, &offset, &imm_obj) ||
-            build_write(self, src, raddr, rlength, rkey, offset, imm_obj, &wrs[credits + i], &sges[i]) < 0) {
+            build_write(self, src, raddr, rlength, rkey, offset, imm_obj, &writes[i], &sges[i]) < 0) {
             Py_DECREF(seq);
             return NULL;
         }
     }
     Py_DECREF(seq);
-    uint64_t first = post_chain(self, wrs, credits + (int)n, credits, "posting a chain of writes");
+    int owed = self->n_owed;
+    int credits = owed_chain(self, wrs, owed - pair_owed(self, writes, (int)n));
+    memcpy(&wrs[credits], writes, (size_t)n * sizeof writes[0]);
+    uint64_t first = post_chain(self, wrs, credits + (int)n, owed, "posting a chain of writes");
     if (first == POST_FAILED)
         return NULL;
     return PyLong_FromUnsignedLongLong(first ? first + (uint64_t)credits : 0);     /* the first write's */
@@ -1037,8 +1073,26 @@ static PyObject *status_name(PyObject *mod, PyObject *arg)
     return PyUnicode_FromString(status_enum_name((int)status));
 }
 
+/* The pairing posts use, for the test that it is base.py's. */
+static PyObject *module_pair_imm(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "pair_imm(data, credit)");
+        return NULL;
+    }
+    uint32_t data, credit;
+    if (parse_imm(args[0], &data) < 0 || parse_imm(args[1], &credit) < 0)
+        return NULL;
+    uint32_t both = pair_imm(data, credit);
+    if (!both)
+        Py_RETURN_NONE;
+    return PyLong_FromUnsignedLong(both);
+}
+
 static PyMethodDef module_methods[] = {
     {"status_name", status_name, METH_O, "a work completion status, as verbs names it"},
+    {"pair_imm", (PyCFunction)(void (*)(void))module_pair_imm, METH_FASTCALL,
+     "pair_imm(data, credit) -> the PAIR immediate posts use, or None (providers/base.py's pair_imm)"},
     {NULL},
 };
 

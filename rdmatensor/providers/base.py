@@ -220,10 +220,16 @@ class Pieces(tuple):
 # is the sender's label for the write (a DATA immediate's: which call it
 # belongs to, see Session.send), so a receiver can tell one call's value from
 # another's with no extra byte on the wire.
-IMM_DATA, IMM_CREDIT = 0, 1
+#
+# A PAIR immediate is a credit riding in a write: a CREDIT's slot index and a
+# tag-0 DATA's, PAIR_BITS each. An RC endpoint sends a credit it owes this
+# way, instead of as a send of its own, when both indices fit (see pair_imm):
+# on SoftRoCE every work request costs the kernel a packet.
+IMM_DATA, IMM_CREDIT, IMM_PAIR = 0, 1, 2
 INDEX_BITS = MAX_SLOTS.bit_length() - 1
 TAG_BITS = 30 - INDEX_BITS
 MAX_TAG = (1 << TAG_BITS) - 1
+PAIR_BITS = 15
 
 
 def make_imm(kind: int, index: int, tag: int = 0) -> int:
@@ -233,6 +239,19 @@ def make_imm(kind: int, index: int, tag: int = 0) -> int:
 def split_imm(imm: int) -> tuple[int, int, int]:
     """(kind, tag, slot index)."""
     return imm >> 30, (imm >> INDEX_BITS) & MAX_TAG, imm & (MAX_SLOTS - 1)
+
+
+def pair_imm(data: int, credit: int) -> int | None:
+    """One PAIR immediate for a DATA immediate of tag 0 and a CREDIT, or None
+    when they cannot pair (another kind, a tag, an index beyond PAIR_BITS)."""
+    if data >> PAIR_BITS or credit >> 30 != IMM_CREDIT or (credit & ((1 << 30) - 1)) >> PAIR_BITS:
+        return None
+    return (IMM_PAIR << 30) | ((credit & ((1 << PAIR_BITS) - 1)) << PAIR_BITS) | data
+
+
+def unpair_imm(imm: int) -> tuple[int, int]:
+    """A PAIR immediate's (CREDIT slot index, DATA slot index)."""
+    return (imm >> PAIR_BITS) & ((1 << PAIR_BITS) - 1), imm & ((1 << PAIR_BITS) - 1)
 
 
 # The header of an emulated write on a stream (tcp payload follows it; shm has

@@ -30,7 +30,9 @@ The contract (both):
 Sends are numbered 1, 2, 3... in the order they were posted and complete in
 that order (one RC send queue). Owed immediates (credits) are posted as
 SEND WITH IMM ahead of the next post, in its chain, numbered before it; a
-post counts them when it checks for room. Writes and sends go only from memory
+post counts them when it checks for room. A write's immediate carries the
+last one owed instead where the two pair (base.pair_imm: one work request,
+not two). Writes and sends go only from memory
 registered LOCAL_ONLY (staging); a write outside the remote region is a
 TransportError and is not posted.
 """

@@ -21,6 +21,7 @@ import time
 
 from ..devices import CONTEXT_LOCK, MTU_BYTES, MTU_ENUM
 from ..errors import DeviceError, TransportError, UsageError, VerbsError
+from .base import pair_imm
 from .rc import (LOCAL_ONLY, MAX_CHAIN, MAX_REGION, RECV_BATCH, REMOTE_WRITE, EndpointHelpers, RcParams,
                  RemoteRegion, find_port)
 
@@ -265,6 +266,12 @@ class RcEndpoint(EndpointHelpers):
         with self._post_lock:
             if not self._has_room(len(writes)):
                 return 0
+            writes, owed = [list(w) for w in writes], len(self._owed)
+            for w in writes:                  # the last credits owed ride in the first writes they pair with
+                both = pair_imm(w[3], self._owed[owed - 1]) if owed and w[3] is not None else None
+                if both is not None:
+                    w[3], owed = both, owed - 1
+            del self._owed[owed:]
             self._post_owed()
             first = self._sends_posted + 1
             for w in writes:
@@ -285,9 +292,16 @@ class RcEndpoint(EndpointHelpers):
         sge.addr, sge.length, sge.lkey = addr, length, self._source_lkey(addr, length)
         wr.sg_list = sge
         wr.opcode = ev.IBV_WR_RDMA_WRITE if imm is None else ev.IBV_WR_RDMA_WRITE_WITH_IMM
-        wr.imm_data = imm or 0
+        both = pair_imm(imm, self._owed[-1]) if imm is not None and self._owed else None
+        wr.imm_data = (imm or 0) if both is None else both
         wr.set_wr_rdma(remote.rkey, remote.addr + remote_offset)
-        return self._post_numbered(wr, f"posting a {length}-byte write")
+        if both is None:
+            return self._post_numbered(wr, f"posting a {length}-byte write")
+        credit = self._owed.pop()           # the last credit owed rides in this write
+        number = self._post_numbered(wr, f"posting a {length}-byte write")
+        if not number:
+            self._owed.append(credit)
+        return number
 
     def post_send_imm(self, imm: int) -> int:
         """A one-byte SEND carrying only an immediate (consumes one posted receive)."""

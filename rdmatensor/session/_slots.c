@@ -12,7 +12,7 @@
  *                 a thread sleeps on it (flag.py's Flag adds wait()).
  *   SlotState     EMPTY --arrive--> FULL --take--> HELD --release--> EMPTY,
  *                 wake(), and replace() of its memory only while EMPTY.
- *   Immediates    a channel's on_imm: DATA and CREDIT for a bound slot, in C;
+ *   Immediates    a channel's on_imm: DATA, CREDIT and PAIR for bound slots, in C;
  *                 anything else goes to the Python on_imm, which raises what
  *                 the rules say (credits.py).
  */
@@ -23,6 +23,8 @@
 
 #define IMM_DATA 0               /* providers/base.py's kinds */
 #define IMM_CREDIT 1
+#define IMM_PAIR 2
+#define PAIR_BITS 15
 
 /* -- Flag ------------------------------------------------------------ */
 
@@ -361,6 +363,20 @@ static PyObject *Immediates_vectorcall(Immediates *self, PyObject *const *args, 
         if (flag_set((Flag *)PyTuple_GET_ITEM(self->credits, index)) < 0)
             return NULL;
         Py_RETURN_NONE;
+    } else if (kind == IMM_PAIR) {        /* a credit, then a tag-0 value: both valid, or the rules decide */
+        unsigned long credit = (imm >> PAIR_BITS) & ((1ul << PAIR_BITS) - 1), data = imm & ((1ul << PAIR_BITS) - 1);
+        if (credit < (unsigned long)PyTuple_GET_SIZE(self->credits) &&
+            data < (unsigned long)PyTuple_GET_SIZE(self->recv)) {
+            SlotState *s = (SlotState *)PyTuple_GET_ITEM(self->recv, data);
+            if (s->state == EMPTY) {
+                if (flag_set((Flag *)PyTuple_GET_ITEM(self->credits, credit)) < 0)
+                    return NULL;
+                slot_arrive(s, 0);
+                if (flag_set(s->arrived) < 0)
+                    return NULL;
+                Py_RETURN_NONE;
+            }
+        }
     }
     return PyObject_CallOneArg(self->fallback, args[0]);     /* against the rules: the rules say how */
 }

@@ -17,7 +17,8 @@ import numpy as np
 from ..errors import CreditViolation, RdmaTensorError, RemoteError, SendTimeout
 from ..memory import Arena
 from ..plan import Slot
-from ..providers.base import IMM_CREDIT, IMM_DATA, INDEX_BITS, MAX_SLOTS, MAX_TAG, make_imm
+from ..providers.base import (IMM_CREDIT, IMM_DATA, IMM_PAIR, INDEX_BITS, MAX_SLOTS, MAX_TAG, make_imm,
+                              unpair_imm)
 from .context import SessionContext
 from .flag import Flag
 from .slots import SlotState, compiled
@@ -106,16 +107,24 @@ class Credits:
 
     # -- immediates -------------------------------------------------------
     def on_imm(self, peer: int, imm: int) -> bool | None:
-        """An immediate from `peer`: DATA hands a slot to this side, CREDIT gives one back.
+        """An immediate from `peer`: DATA hands a slot to this side, CREDIT gives one back,
+        PAIR does both (the credit first, as when it led the write's chain).
         True when it broke the rules: the channel is reported lost, and takes in no more."""
-        kind, index = imm >> 30, imm & (MAX_SLOTS - 1)      # split_imm(), inline: once per tensor
+        kind, index, tag = imm >> 30, imm & (MAX_SLOTS - 1), (imm >> INDEX_BITS) & MAX_TAG    # split_imm()
         try:
-            slots = (self._recv_by_index if kind == IMM_DATA else self._send_by_index).get(peer, ())
-            if kind > IMM_CREDIT or index >= len(slots):
+            credit = None
+            if kind == IMM_PAIR:
+                credit, index = unpair_imm(imm)
+                tag, kind = 0, IMM_DATA
+            sending, receiving = self._send_by_index.get(peer, ()), self._recv_by_index.get(peer, ())
+            slots = receiving if kind == IMM_DATA else sending
+            if kind > IMM_CREDIT or index >= len(slots) or (credit is not None and credit >= len(sending)):
                 raise CreditViolation(f"rank {peer} sent immediate {imm:#x} for no slot", peer=peer)
+            if credit is not None:
+                sending[credit].credit.set()
             if kind == IMM_DATA:
                 st = slots[index]
-                if not st.arrive((imm >> INDEX_BITS) & MAX_TAG):
+                if not st.arrive(tag):
                     raise CreditViolation(f"rank {peer} wrote {st.name!r} without a credit",
                                           peer=peer, tensor=st.name)
             else:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from rdmatensor import PeerLost, Plan, TensorSpec, TransportError, UsageError, connect
+from rdmatensor.providers.base import IMM_CREDIT, IMM_DATA, make_imm, pair_imm
 from rdmatensor.providers.rc import ENDPOINT_ENV, LOCAL_ONLY, MAX_CHAIN, REMOTE_WRITE, endpoint_class
 from rdmatensor.providers.rc_endpoint import RcEndpoint
 from rdmatensor.providers.rc_native import NativeEndpoint
@@ -200,6 +201,44 @@ def test_owed_immediates_lead_the_next_post_and_none_is_lost(rdma_port, kind):
         assert a.owe(16) is False and a.post_owed() and a.owed == 0
         assert [c[4] for c in completions(a, b, want=2) if c[0] == 1] == [15]
         assert a.in_flight == 0
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_an_owed_credit_rides_in_the_next_write_where_it_pairs(rdma_port, kind):
+    """A credit owed and a tag-0 DATA write go as one work request (a PAIR
+    immediate); a write that cannot carry it (a tag) lets it lead the chain; in
+    a chain the last credits owed ride in the first writes that pair; with no
+    room in the send queue nothing goes and the credit stays owed."""
+    a, b = connected(kind, "native")
+    try:
+        src = np.arange(64, dtype=np.uint8)
+        canary = np.zeros(4096, np.uint8)
+        a.register(src, LOCAL_ONLY)
+        region = b.remote_region(canary, b.register(canary, REMOTE_WRITE))
+        a.deferring = True
+        credit, data = make_imm(IMM_CREDIT, 4), make_imm(IMM_DATA, 9)
+        assert a.owe(credit) and a.post_write(src[:8], region, 0, data) == 1      # one send, not two
+        got = completions(a, b, want=2)
+        assert [c[4] for c in got if c[0] == 1] == [pair_imm(data, credit)] and a.owed == 0
+        tagged = make_imm(IMM_DATA, 9, tag=3)
+        assert a.owe(credit) and a.post_write(src[:8], region, 0, tagged) == 3
+        assert [c[4] for c in completions(a, b, want=4) if c[0] == 1] == [credit, tagged]
+        c1, c2, c3 = (make_imm(IMM_CREDIT, i) for i in (1, 2, 3))
+        assert a.owe(c1) and a.owe(c2) and a.owe(c3)
+        first = a.post_writes([(src[:8], region, 0, tagged), (src[8:16], region, 8, make_imm(IMM_DATA, 5)),
+                               (src[16:24], region, 16, make_imm(IMM_DATA, 6))])
+        assert first == 5 and a.owed == 0                 # c1 leads: send 4; the writes are 5, 6, 7
+        assert [c[4] for c in completions(a, b, want=8) if c[0] == 1] == [
+            c1, tagged, pair_imm(make_imm(IMM_DATA, 5), c3), pair_imm(make_imm(IMM_DATA, 6), c2)]
+        assert np.array_equal(canary[:24], src[:24])
+        filled = 0
+        while a.post_send_imm(make_imm(IMM_DATA, 0)):    # b does not give receives back: they pile up in a's queue
+            filled += 1
+        assert filled and a.in_flight == a.depth and a.owe(credit)
+        assert a.post_write(src[:8], region, 0, data) == 0 and a.owed == 1    # no room: the credit stays owed
     finally:
         a.close()
         b.close()

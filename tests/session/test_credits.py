@@ -11,7 +11,7 @@ import pytest
 from rdmatensor.errors import CreditViolation, PeerLost, SendTimeout
 from rdmatensor.memory import Arena
 from rdmatensor.plan import Plan, TensorSpec
-from rdmatensor.providers.base import IMM_CREDIT, IMM_DATA, make_imm
+from rdmatensor.providers.base import IMM_CREDIT, IMM_DATA, make_imm, pair_imm
 from rdmatensor.providers.tcp import TcpChannel
 from rdmatensor.session.context import SessionContext
 from rdmatensor.session.credits import Credits, RecvSlot, SendSlot
@@ -81,7 +81,32 @@ def test_data_without_a_credit_is_a_credit_violation_and_loses_the_peer(held):
     assert st.state == (st.HELD if held else st.FULL), "the value in the slot is kept"
 
 
-@pytest.mark.parametrize("imm", [make_imm(IMM_DATA, 1), make_imm(IMM_CREDIT, 7), make_imm(3, 0)])
+@pytest.mark.parametrize("rules", ["compiled where built", "python"])
+def test_a_pair_immediate_gives_a_credit_back_and_hands_a_value_over(rules):
+    ctx, _, credits = rank1()
+    deliver = credits.deliver if rules != "python" else (lambda imm: credits.on_imm(0, imm))
+    a, b = credits.recv["a"], credits.send["b"]
+    b.credit.clear()
+    deliver(pair_imm(make_imm(IMM_DATA, a.slot.index), make_imm(IMM_CREDIT, b.slot.index)))
+    assert b.credit.is_set() and a.state == a.FULL and a.tag == 0 and a.arrived.is_set()
+    assert not ctx.channels[0].lost_with
+    deliver(pair_imm(make_imm(IMM_DATA, a.slot.index), make_imm(IMM_CREDIT, b.slot.index)))
+    [error] = ctx.channels[0].lost_with        # its value is still there: written without a credit
+    assert isinstance(error, CreditViolation) and error.tensor == "a" and a.state == a.FULL
+
+
+def test_pairing_is_refused_where_it_would_lose_a_tag_or_an_index():
+    data, credit = make_imm(IMM_DATA, 3), make_imm(IMM_CREDIT, 9)
+    assert pair_imm(data, credit) is not None
+    assert pair_imm(make_imm(IMM_DATA, 3, tag=1), credit) is None
+    assert pair_imm(make_imm(IMM_DATA, 1 << 15), credit) is None
+    assert pair_imm(data, make_imm(IMM_CREDIT, 1 << 15)) is None
+    assert pair_imm(data, make_imm(IMM_DATA, 9)) is None and pair_imm(credit, credit) is None
+
+
+@pytest.mark.parametrize("imm", [make_imm(IMM_DATA, 1), make_imm(IMM_CREDIT, 7), make_imm(3, 0),
+                                 pair_imm(make_imm(IMM_DATA, 1), make_imm(IMM_CREDIT, 0)),
+                                 pair_imm(make_imm(IMM_DATA, 0), make_imm(IMM_CREDIT, 7))])
 def test_an_immediate_for_no_slot_loses_the_peer(imm):
     ctx, _, credits = rank1()
     credits.deliver(imm)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rdmatensor.providers.base import IMM_CREDIT, IMM_DATA, INDEX_BITS, MAX_TAG, make_imm
+from rdmatensor.providers.base import IMM_CREDIT, IMM_DATA, IMM_PAIR, INDEX_BITS, MAX_TAG, make_imm, pair_imm
 from rdmatensor.session import slots
 from rdmatensor.session.flag import Flag
 
@@ -59,8 +59,8 @@ def test_both_state_machines_agree_on_any_sequence():
 
 
 def test_the_compiled_on_imm_moves_only_what_the_rules_allow():
-    """Valid DATA and CREDIT immediates never reach the rules; every other one
-    reaches them with the slots as they were."""
+    """Valid DATA, CREDIT and PAIR immediates never reach the rules; every
+    other one reaches them with the slots as they were."""
     rng = random.Random(5)
     recv = [slots.compiled.SlotState(np.zeros(4, np.uint8), Flag()) for _ in range(3)]
     credits = [Flag() for _ in range(2)]
@@ -73,18 +73,23 @@ def test_the_compiled_on_imm_moves_only_what_the_rules_allow():
     on_imm = slots.compiled.Immediates(rules, INDEX_BITS)
     on_imm.bind(recv, credits)
     for _ in range(3000):
-        kind, index, tag = rng.choice([IMM_DATA, IMM_DATA, IMM_CREDIT, 2, 3]), rng.randrange(5), rng.randrange(8)
-        imm = make_imm(kind, index, tag)
+        kind = rng.choice([IMM_DATA, IMM_DATA, IMM_CREDIT, IMM_PAIR, IMM_PAIR, 3])
+        index, tag, credit = rng.randrange(5), rng.randrange(8), rng.randrange(3)
+        if kind == IMM_PAIR:
+            imm, tag = pair_imm(make_imm(IMM_DATA, index), make_imm(IMM_CREDIT, credit)), 0
+        else:
+            imm = make_imm(kind, index, tag)
         before = ([_observe(st)[:3] for st in recv], [f.is_set() for f in credits])
         said = on_imm(imm)
-        valid = ((kind == IMM_DATA and index < 3 and before[0][index][0] == "empty")
+        valid = ((kind in (IMM_DATA, IMM_PAIR) and index < 3 and before[0][index][0] == "empty"
+                  and (kind == IMM_DATA or credit < 2))
                  or (kind == IMM_CREDIT and index < 2))
         if valid:
             assert said is None and not to_rules
-            if kind == IMM_DATA:
+            if kind != IMM_CREDIT:
                 assert recv[index].state == "full" and recv[index].tag == tag and recv[index].arrived.is_set()
-            else:
-                assert credits[index].is_set()
+            if kind != IMM_DATA:
+                assert credits[credit if kind == IMM_PAIR else index].is_set()
         else:
             assert said is True and to_rules[-1] == (imm, *before)
             to_rules.clear()

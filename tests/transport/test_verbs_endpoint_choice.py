@@ -16,6 +16,27 @@ def test_the_compiled_endpoint_is_built_and_imports():
     assert (rc_native._verbs_native.MAX_CHAIN, rc_native._verbs_native.RECV_BATCH) == (rc.MAX_CHAIN, rc.RECV_BATCH)
 
 
+def test_the_compiled_endpoint_pairs_immediates_as_the_layout_says():
+    """A credit rides in a write's immediate by base.pair_imm's rule: the
+    compiled endpoint's copy of it agrees on every kind, tag and index edge."""
+    import random
+
+    from rdmatensor.providers.base import IMM_CREDIT, IMM_DATA, IMM_PAIR, MAX_SLOTS, make_imm, pair_imm
+    rng = random.Random(3)
+    edges = [0, 1, (1 << 15) - 1, 1 << 15, MAX_SLOTS - 1]
+    cases = [(make_imm(dk, di, dt), make_imm(ck, ci, ct))
+             for dk in (IMM_DATA, IMM_CREDIT, IMM_PAIR, 3) for ck in (IMM_DATA, IMM_CREDIT, IMM_PAIR, 3)
+             for di in edges for ci in edges for dt in (0, 1) for ct in (0, 5)]
+    cases += [(rng.getrandbits(32), rng.getrandbits(32)) for _ in range(2000)]
+    cases += [(make_imm(IMM_DATA, rng.randrange(1 << 16)), make_imm(IMM_CREDIT, rng.randrange(1 << 16)))
+              for _ in range(1000)]
+    paired = 0
+    for data, credit in cases:
+        assert rc_native._verbs_native.pair_imm(data, credit) == pair_imm(data, credit), (hex(data), hex(credit))
+        paired += pair_imm(data, credit) is not None
+    assert paired > 100
+
+
 def test_opening_a_device_that_is_not_there_is_a_device_error():
     with pytest.raises(DeviceError, match="no-such-device|no RDMA device"):
         rc_native.NativeEndpoint("no-such-device")
