@@ -144,6 +144,7 @@ typedef struct {
     uint32_t owed[MAX_CHAIN];              /* immediates owed (credits): they lead the next chain posted */
     int n_owed;
     int deferring;                         /* owe() takes immediates only while this is set */
+    int halted;                            /* prepared writes post nothing while this is set */
     struct ibv_recv_wr recv_wrs[RECV_BATCH];
     struct ibv_sge recv_sges[RECV_BATCH];
 } Endpoint;
@@ -601,7 +602,7 @@ static int parse_imm(PyObject *obj, uint32_t *imm)
 /* Fill one write's work request and SGE: bounds and source checked, nothing posted. */
 static int build_write(Endpoint *self, PyObject *src, unsigned long long raddr, Py_ssize_t rlength,
                        unsigned int rkey, Py_ssize_t offset, PyObject *imm_obj,
-                       struct ibv_send_wr *wr, struct ibv_sge *sge)
+                       struct ibv_send_wr *wr, struct ibv_sge *sge, MemoryRegion **source)
 {
     Py_buffer view;
     if (PyObject_GetBuffer(src, &view, PyBUF_SIMPLE) < 0)
@@ -622,6 +623,8 @@ static int build_write(Endpoint *self, PyObject *src, unsigned long long raddr, 
         MemoryRegion *mr = find_source(self, addr, length);
         if (!mr)
             return -1;
+        if (source)
+            *source = mr;
         sge->lkey = mr->lkey;
         if (length <= self->max_inline)
             wr->send_flags |= IBV_SEND_INLINE;
@@ -646,9 +649,115 @@ static PyObject *ep_post_write(Endpoint *self, PyObject *args, PyObject *kw)
         return NULL;
     struct ibv_sge sge;
     struct ibv_send_wr wr;
-    if (build_write(self, src, raddr, rlength, rkey, offset, imm_obj, &wr, &sge) < 0)
+    if (build_write(self, src, raddr, rlength, rkey, offset, imm_obj, &wr, &sge, NULL) < 0)
         return NULL;
     return post_numbered(self, &wr, "posting a write");
+}
+
+/* -- prepared writes ---------------------------------------------------- */
+
+/* One write built and checked once, posted by calling it: a static tensor's
+ * staging to its slot, the session's most frequent call. Posting it parses,
+ * looks up and checks nothing: on SoftRoCE under emulation that is a good part
+ * of a small write's cost. It posts nothing and returns 0, for the caller to
+ * take the checked path, while the endpoint is halted or closed, its source is
+ * deregistered, or the send queue is full. */
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    Endpoint *ep;
+    PyObject *src;                         /* kept alive: the memory the write reads */
+    MemoryRegion *source;                  /* the write's lkey is this region's */
+    struct ibv_send_wr wr;
+    struct ibv_sge sge;
+} PreparedWrite;
+
+static PyTypeObject PreparedWriteType;
+
+static PyObject *prepared_vectorcall(PreparedWrite *self, PyObject *const *args, size_t nargsf, PyObject *kw)
+{
+    if (PyVectorcall_NARGS(nargsf) || kw) {
+        PyErr_SetString(PyExc_TypeError, "a prepared write takes no arguments");
+        return NULL;
+    }
+    Endpoint *ep = self->ep;
+    if (ep->halted || ep->closed || ep->closing || !self->source->mr)
+        return PyLong_FromLong(0);
+    struct ibv_send_wr wr = self->wr;      /* an owed credit may pair into this copy's immediate */
+    return post_numbered(ep, &wr, "posting a write");
+}
+
+static int prepared_traverse(PreparedWrite *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->ep);
+    Py_VISIT(self->src);
+    Py_VISIT(self->source);
+    return 0;
+}
+
+static int prepared_clear(PreparedWrite *self)
+{
+    Py_CLEAR(self->ep);
+    Py_CLEAR(self->src);
+    Py_CLEAR(self->source);
+    return 0;
+}
+
+static void prepared_dealloc(PreparedWrite *self)
+{
+    PyObject_GC_UnTrack(self);
+    prepared_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject PreparedWriteType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "rdmatensor.providers._verbs_native.PreparedWrite",
+    .tp_doc = "Endpoint.prepare_write(...)(): post the write; its send number, 0 if it did not post",
+    .tp_basicsize = sizeof(PreparedWrite),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(PreparedWrite, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_traverse = (traverseproc)prepared_traverse,
+    .tp_clear = (inquiry)prepared_clear,
+    .tp_dealloc = (destructor)prepared_dealloc,
+};
+
+static PyObject *ep_prepare_write(Endpoint *self, PyObject *args, PyObject *kw)
+{
+    static char *names[] = {"src", "remote", "remote_offset", "imm", NULL};
+    PyObject *src, *imm_obj = Py_None;
+    unsigned long long raddr;
+    Py_ssize_t rlength, offset;
+    unsigned int rkey;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O(KnI)n|O", names, &src, &raddr, &rlength, &rkey, &offset,
+                                     &imm_obj) || check_open(self))
+        return NULL;
+    PreparedWrite *p = PyObject_GC_New(PreparedWrite, &PreparedWriteType);
+    if (!p)
+        return NULL;
+    p->vectorcall = (vectorcallfunc)prepared_vectorcall;
+    p->ep = NULL;
+    p->src = NULL;
+    p->source = NULL;
+    if (build_write(self, src, raddr, rlength, rkey, offset, imm_obj, &p->wr, &p->sge, &p->source) < 0) {
+        p->source = NULL;
+        Py_DECREF(p);
+        return NULL;
+    }
+    if (!p->source) {
+        Py_DECREF(p);
+        PyErr_SetString(UsageError, "a prepared write has bytes to write");
+        return NULL;
+    }
+    p->wr.sg_list = &p->sge;
+    Py_INCREF(self);
+    p->ep = self;
+    Py_INCREF(src);
+    p->src = src;
+    Py_INCREF(p->source);
+    PyObject_GC_Track(p);
+    return (PyObject *)p;
 }
 
 /* Several writes as one chain of work requests: one doorbell. Every one is
@@ -675,7 +784,7 @@ static PyObject *ep_post_writes(Endpoint *self, PyObject *arg)
         unsigned int rkey;
         if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "O(KnI)nO;a write is (src, remote, offset, imm)",
                               &src, &raddr, &rlength, &rkey, &offset, &imm_obj) ||
-            build_write(self, src, raddr, rlength, rkey, offset, imm_obj, &writes[i], &sges[i]) < 0) {
+            build_write(self, src, raddr, rlength, rkey, offset, imm_obj, &writes[i], &sges[i], NULL) < 0) {
             Py_DECREF(seq);
             return NULL;
         }
@@ -981,6 +1090,15 @@ static int ep_set_deferring(Endpoint *s, PyObject *v, void *c)
     s->deferring = on;
     return 0;
 }
+static PyObject *ep_get_halted(Endpoint *s, void *c) { return PyBool_FromLong(s->halted); }
+static int ep_set_halted(Endpoint *s, PyObject *v, void *c)
+{
+    int on = v ? PyObject_IsTrue(v) : 0;
+    if (on < 0)
+        return -1;
+    s->halted = on;
+    return 0;
+}
 static PyObject *ep_get_memory_regions(Endpoint *s, void *c)
 {
     return s->mrs ? PyList_GetSlice(s->mrs, 0, PyList_GET_SIZE(s->mrs)) : PyList_New(0);
@@ -998,6 +1116,8 @@ static PyGetSetDef ep_getset[] = {
     {"owed", (getter)ep_get_owed, NULL, "immediates owed: they lead the next chain posted", NULL},
     {"deferring", (getter)ep_get_deferring, (setter)ep_set_deferring,
      "while set, owe() takes immediates; clear it, then post_owed(), and none stays owed", NULL},
+    {"halted", (getter)ep_get_halted, (setter)ep_set_halted,
+     "while set, prepared writes post nothing (they return 0: take the checked path)", NULL},
     {"memory_regions", (getter)ep_get_memory_regions, NULL, "regions registered and not deregistered", NULL},
     {NULL},
 };
@@ -1011,6 +1131,9 @@ static PyMethodDef ep_methods[] = {
     {"local", (PyCFunction)ep_local, METH_NOARGS, "(qpn, psn, gid16, active_mtu_enum) of this side"},
     {"post_write", (PyCFunction)(void (*)(void))ep_post_write, METH_VARARGS | METH_KEYWORDS,
      "post_write(src, (addr, length, rkey), offset, imm=None) -> send number, 0 if the send queue is full"},
+    {"prepare_write", (PyCFunction)(void (*)(void))ep_prepare_write, METH_VARARGS | METH_KEYWORDS,
+     "prepare_write(src, (addr, length, rkey), offset, imm=None) -> PreparedWrite: checked now; calling it "
+     "posts it (its send number, 0 if it did not post: halted, closed, source gone, queue full)"},
     {"post_writes", (PyCFunction)ep_post_writes, METH_O,
      "post_writes([(src, (addr, length, rkey), offset, imm), ...]) -> the first's send number (the others "
      "follow), 0 if the send queue lacks room; one doorbell, at most MAX_CHAIN writes, all checked first"},
@@ -1112,7 +1235,8 @@ PyMODINIT_FUNC PyInit__verbs_native(void)
     Py_DECREF(errors);
     if (!DeviceError || !VerbsError || !TransportError || !UsageError)
         return NULL;
-    if (PyType_Ready(&MemoryRegionType) < 0 || PyType_Ready(&EndpointType) < 0)
+    if (PyType_Ready(&MemoryRegionType) < 0 || PyType_Ready(&EndpointType) < 0 ||
+        PyType_Ready(&PreparedWriteType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m)

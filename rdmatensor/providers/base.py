@@ -118,6 +118,13 @@ class Channel(ABC):
         deliver `imm`. Returns None once `src` may be reused, or (posted_writes)
         a handle to pass to wait() before reusing it."""
 
+    def prepare_write(self, region_id: int, offset: int, src: np.ndarray, imm: int):
+        """write() of these arguments, built and checked once, for a slot written
+        again and again from the same registered memory: a callable that posts
+        it and returns its handle, or a false value when it did not post (call
+        write() then, which waits or raises as it must). None: no such path here."""
+        return None
+
     def write_many(self, writes: list) -> list:
         """Several (region_id, offset, src, imm) writes, in order; their handles.
         Default: one write() each. verbs posts them with one doorbell."""

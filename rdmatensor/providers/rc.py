@@ -18,6 +18,8 @@ The contract (both):
     post_write(src, RemoteRegion, offset, imm=None) -> send number, 0 if the send queue is full
     post_writes([(src, RemoteRegion, offset, imm), ...]) -> the first's number, 0 without room
                                                  (up to MAX_CHAIN writes, one doorbell, all checked first)
+    prepare_write(src, RemoteRegion, offset, imm=None) -> post: post() -> number, 0 if it did not post
+                                                 (checked once; .halted makes every post() return 0)
     post_send_imm(imm) -> send number            post_send(src) -> send number
     owe(imm) -> bool (taken only while .deferring)   post_owed() -> bool (False: no room)   owed
     post_recv(count=1)                           post_recv_into(dst, recv_id)

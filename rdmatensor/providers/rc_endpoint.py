@@ -54,6 +54,7 @@ class RcEndpoint(EndpointHelpers):
         self._sends_posted = self._sends_completed = 0
         self._owed: list[int] = []       # immediates owed (credits): posted before the next send
         self.deferring = False           # while set, owe() takes immediates
+        self.halted = False              # while set, prepared writes post nothing
         self._closed = False
         try:
             with CONTEXT_LOCK:
@@ -253,6 +254,20 @@ class RcEndpoint(EndpointHelpers):
         self._check_bounds(src, remote, remote_offset)
         with self._post_lock:
             return self._post_write(src, remote, remote_offset, imm)
+
+    def prepare_write(self, src, remote: RemoteRegion, remote_offset: int, imm: int | None = None):
+        """post_write() of these arguments, checked now: calling it posts it (its
+        number, 0 if it did not: halted, closed or no room). The compiled
+        endpoint builds the work request once; pyverbs reuses one anyway."""
+        self._check_bounds(src, remote, remote_offset)
+        self._source_lkey(src.ctypes.data, src.nbytes)
+
+        def post() -> int:
+            if self.halted or self._closed:
+                return 0
+            with self._post_lock:
+                return self._post_write(src, remote, remote_offset, imm)
+        return post
 
     def post_writes(self, writes) -> int:
         """Several (src, remote, offset, imm) writes, every one checked before any

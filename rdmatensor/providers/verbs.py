@@ -165,6 +165,15 @@ class VerbsChannel(Channel):
                 raise type(exc)(f"write to peer {self.peer}'s region {region_id}: {exc}", peer=self.peer) from exc
             raise
 
+    def prepare_write(self, region_id: int, offset: int, src: np.ndarray, imm: int):
+        """The endpoint's prepared write (None on pyverbs' or for no region): it
+        posts nothing once this channel is lost or closing (the endpoint is halted)."""
+        remote = self._regions.get(region_id)
+        prepare = getattr(self.ep, "prepare_write", None)
+        if remote is None or prepare is None:
+            return None
+        return prepare(src, remote, offset, imm)
+
     def write_many(self, writes: list) -> list[int]:
         """Post the writes as chains of up to MAX_CHAIN work requests (one
         doorbell each); their numbers. A chain is checked whole before it goes."""
@@ -299,6 +308,7 @@ class VerbsChannel(Channel):
     def lost(self, error: Exception) -> None:
         """Once the peer is lost (also when the session's heartbeat says so) no
         thread reaps any more: a writer waiting for a completion gets the error."""
+        self.ep.halted = True             # prepared writes go through write(), which raises
         super().lost(error)
         self._release_sends(error)
 
@@ -334,6 +344,7 @@ class VerbsChannel(Channel):
         if self._closing:
             return
         self._closing = True
+        self.ep.halted = True
         try:
             self.ep.deferring = False
             self.ep.post_owed()           # what the peer may still wait for

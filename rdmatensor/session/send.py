@@ -66,6 +66,8 @@ class Sender:
         self.source_free(st)
         if st.view is None:              # one array, so that send() knows it at a glance
             st.staging_bytes = st.staging[:spec.nbytes]
+            if st.raw:
+                st.post = self.ctx.channels[st.peer].prepare_write(st.region, st.offset, st.staging_bytes, st.imm)
             st.view = st.staging_bytes.view(spec.dtype).reshape(spec.shape)
         return st.view
 
@@ -100,7 +102,8 @@ class Sender:
         st.bytes_sent += array.nbytes
         try:
             if array is st.view and st.raw:      # the common case, kept short: filled in place, no header
-                st.pending = self.ctx.channels[st.peer].write(st.region, st.offset, st.staging_bytes, imm)
+                st.pending = ((not tag and st.post is not None and st.post())
+                              or self.ctx.channels[st.peer].write(st.region, st.offset, st.staging_bytes, imm))
             else:
                 self._write(st, st.spec, array, imm)
         except BaseException as exc:

@@ -245,6 +245,45 @@ def test_an_owed_credit_rides_in_the_next_write_where_it_pairs(rdma_port, kind):
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
+def test_a_prepared_write_posts_as_post_write_and_nothing_once_halted(rdma_port, kind):
+    """prepare_write() checks once (a write outside the region is refused then);
+    each call posts the same write, carrying an owed credit where it pairs;
+    it posts nothing (returns 0) while halted, with no room, or once the
+    endpoint is closed."""
+    a, b = connected(kind, "native")
+    try:
+        src = np.zeros(64, np.uint8)
+        canary = np.zeros(4096, np.uint8)
+        a.register(src, LOCAL_ONLY)
+        region = b.remote_region(canary, b.register(canary, REMOTE_WRITE))
+        with pytest.raises(TransportError, match="outside"):
+            a.prepare_write(src, region, 4090, 1)
+        data = make_imm(IMM_DATA, 2)
+        post = a.prepare_write(src[:16], region, 32, data)
+        for i in (1, 2, 3):
+            src[:16] = i
+            assert post() == i
+            [(_, _, _, _, imm, _)] = [c for c in completions(a, b, want=2) if c[0] == 1]
+            assert imm == data and (canary[32:48] == i).all()
+        a.deferring = True
+        assert a.owe(make_imm(IMM_CREDIT, 6)) and post() == 4 and a.owed == 0
+        assert [c[4] for c in completions(a, b, want=2) if c[0] == 1] == [pair_imm(data, make_imm(IMM_CREDIT, 6))]
+        a.halted = True
+        src[:16] = 9
+        assert post() == 0 and a.in_flight == 0
+        time.sleep(0.2)
+        assert not b.poll(16) and (canary[32:48] == 3).all()
+        a.halted = False
+        while a.post_send_imm(make_imm(IMM_CREDIT, 0)):   # fill the send queue: no completion is taken
+            pass
+        assert a.in_flight == a.depth and post() == 0
+    finally:
+        a.close()
+        b.close()
+    assert post() == 0                                  # closed: the caller's checked path raises
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_reap_hands_every_immediate_over_in_order_and_gives_receives_back(rdma_port, kind):
     """Three times the receive queue's depth of immediates: reap() passes each to
     on_imm in order and gives its receive back (else the sender would stall
