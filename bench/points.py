@@ -129,37 +129,39 @@ def _hear(s) -> int:
         return int(v[0])
 
 
+LAST = 1        # the tag of the last ping: the loop reads no payload, as perftest's does not
+
+
 def _lat(s, rank: int, p: Point) -> Result | None:
     if rank == 1:
         pong = s.buffer("pong")
         more = True
         while more:
-            with s.recv("ping") as v:
-                more = bool(v[0])          # rank 0 zeroes the last ping's first byte
+            got = s.recv("ping")
+            more = got.tag != LAST
+            got.release()
             s.send("pong", pong)
         return None
     ping = s.buffer("ping")
     ping[:] = 1
     clock = time.perf_counter
-
-    def round_trip() -> None:
-        s.send("ping", ping)
-        s.recv("pong").release()
+    send, recv = s.send, s.recv
 
     t0, n = clock(), 0
     while n < p.warmup or clock() - t0 < max(MIN_WARM_SECONDS, p.seconds / 5):
-        round_trip()
+        send("ping", ping)
+        recv("pong").release()
         n += 1
     samples = []
     end = clock() + max(MIN_LAT_SECONDS, p.seconds)
-    while True:
+    tag = 0
+    while not tag:
         t = clock()
         if len(samples) + 1 >= p.max_iters or (len(samples) + 1 >= MIN_LAT_ITERS and t >= end):
-            ping[0] = 0
-        round_trip()
+            tag = LAST
+        send("ping", ping, tag=tag)
+        recv("pong").release()
         samples.append((clock() - t) / 2)
-        if not ping[0]:
-            break
     return Result("lat", p.provider, p.size, len(samples), lat_us=_lat_stats(samples))
 
 
