@@ -61,6 +61,7 @@ class VerbsRpcChannel(VerbsChannel):
     expose = Channel.expose
     unexpose = Channel.unexpose
     register_source = Channel.register_source
+    prepare_write = Channel.prepare_write           # a write is a message here: write() sends it
 
     def _post_receives(self) -> None:
         for index in range(RECV_BUFFERS):
