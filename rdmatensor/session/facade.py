@@ -213,7 +213,7 @@ class Session:
                 log.warning("closing channel to rank %d: %s", ch.peer, exc)
         self._credits.wake_all()
         for st in self._credits.send.values():
-            st.staging = None
+            st.staging = st.post = None
         for st in self._credits.recv.values():
             st.memory = None
         for arena in ctx.arenas:
