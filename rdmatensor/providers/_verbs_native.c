@@ -637,19 +637,28 @@ static int build_write(Endpoint *self, PyObject *src, unsigned long long raddr, 
     return 0;
 }
 
-static PyObject *ep_post_write(Endpoint *self, PyObject *args, PyObject *kw)
+/* (src, remote, remote_offset, imm=None), as post_write() and prepare_write()
+ * take them, into a checked work request; `*src` is borrowed. */
+static int parse_write(Endpoint *self, PyObject *args, PyObject *kw, PyObject **src,
+                       struct ibv_send_wr *wr, struct ibv_sge *sge, MemoryRegion **source)
 {
     static char *names[] = {"src", "remote", "remote_offset", "imm", NULL};
-    PyObject *src, *imm_obj = Py_None;
+    PyObject *imm_obj = Py_None;
     unsigned long long raddr;
     Py_ssize_t rlength, offset;
     unsigned int rkey;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O(KnI)n|O", names, &src, &raddr, &rlength, &rkey, &offset,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O(KnI)n|O", names, src, &raddr, &rlength, &rkey, &offset,
                                      &imm_obj) || check_open(self))
-        return NULL;
+        return -1;
+    return build_write(self, *src, raddr, rlength, rkey, offset, imm_obj, wr, sge, source);
+}
+
+static PyObject *ep_post_write(Endpoint *self, PyObject *args, PyObject *kw)
+{
+    PyObject *src;
     struct ibv_sge sge;
     struct ibv_send_wr wr;
-    if (build_write(self, src, raddr, rlength, rkey, offset, imm_obj, &wr, &sge, NULL) < 0)
+    if (parse_write(self, args, kw, &src, &wr, &sge, NULL) < 0)
         return NULL;
     return post_numbered(self, &wr, "posting a write");
 }
@@ -725,14 +734,6 @@ static PyTypeObject PreparedWriteType = {
 
 static PyObject *ep_prepare_write(Endpoint *self, PyObject *args, PyObject *kw)
 {
-    static char *names[] = {"src", "remote", "remote_offset", "imm", NULL};
-    PyObject *src, *imm_obj = Py_None;
-    unsigned long long raddr;
-    Py_ssize_t rlength, offset;
-    unsigned int rkey;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O(KnI)n|O", names, &src, &raddr, &rlength, &rkey, &offset,
-                                     &imm_obj) || check_open(self))
-        return NULL;
     PreparedWrite *p = PyObject_GC_New(PreparedWrite, &PreparedWriteType);
     if (!p)
         return NULL;
@@ -740,7 +741,8 @@ static PyObject *ep_prepare_write(Endpoint *self, PyObject *args, PyObject *kw)
     p->ep = NULL;
     p->src = NULL;
     p->source = NULL;
-    if (build_write(self, src, raddr, rlength, rkey, offset, imm_obj, &p->wr, &p->sge, &p->source) < 0) {
+    PyObject *src;
+    if (parse_write(self, args, kw, &src, &p->wr, &p->sge, &p->source) < 0) {
         p->source = NULL;
         Py_DECREF(p);
         return NULL;

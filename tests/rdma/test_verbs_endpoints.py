@@ -40,6 +40,13 @@ def connected(a_kind: str = "native", b_kind: str = "native"):
     return a, b
 
 
+def source_and_target(a, b, src: np.ndarray):
+    """`src` registered as a's staging, and a zeroed page of b's a may write: (page, its remote region)."""
+    canary = np.zeros(4096, np.uint8)
+    a.register(src, LOCAL_ONLY)
+    return canary, b.remote_region(canary, b.register(canary, REMOTE_WRITE))
+
+
 @pytest.fixture
 def pair(rdma_port):
     """Two compiled endpoints joined to each other, closed after the test."""
@@ -173,9 +180,7 @@ def test_owed_immediates_lead_the_next_post_and_none_is_lost(rdma_port, kind):
     a, b = connected(kind, "native")
     try:
         src = np.arange(64, dtype=np.uint8)
-        canary = np.zeros(4096, np.uint8)
-        a.register(src, LOCAL_ONLY)
-        region = b.remote_region(canary, b.register(canary, REMOTE_WRITE))
+        canary, region = source_and_target(a, b, src)
         assert a.owe(1) is False and a.owed == 0                  # not deferring: post it yourself
         a.deferring = True
         assert a.owe(11) and a.owe(12) and a.owed == 2
@@ -215,9 +220,7 @@ def test_an_owed_credit_rides_in_the_next_write_where_it_pairs(rdma_port, kind):
     a, b = connected(kind, "native")
     try:
         src = np.arange(64, dtype=np.uint8)
-        canary = np.zeros(4096, np.uint8)
-        a.register(src, LOCAL_ONLY)
-        region = b.remote_region(canary, b.register(canary, REMOTE_WRITE))
+        canary, region = source_and_target(a, b, src)
         a.deferring = True
         credit, data = make_imm(IMM_CREDIT, 4), make_imm(IMM_DATA, 9)
         assert a.owe(credit) and a.post_write(src[:8], region, 0, data) == 1      # one send, not two
@@ -253,9 +256,7 @@ def test_a_prepared_write_posts_as_post_write_and_nothing_once_halted(rdma_port,
     a, b = connected(kind, "native")
     try:
         src = np.zeros(64, np.uint8)
-        canary = np.zeros(4096, np.uint8)
-        a.register(src, LOCAL_ONLY)
-        region = b.remote_region(canary, b.register(canary, REMOTE_WRITE))
+        canary, region = source_and_target(a, b, src)
         with pytest.raises(TransportError, match="outside"):
             a.prepare_write(src, region, 4090, 1)
         data = make_imm(IMM_DATA, 2)
