@@ -929,9 +929,6 @@ static double now(void)
     return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-/* Completed work as (wr_id, status, is_receive, imm, byte_len) tuples: a
- * receive's own id without the tag, a send's number. With `spin`, polls up
- * to that many seconds with the GIL released until something completes. */
 /* Up to max_entries completions into wc; with `spin`, polls up to that many
  * seconds with the GIL released until something completes. -1: poll failed. */
 static int poll_completions(Endpoint *self, struct ibv_wc *wc, int max_entries, double spin)
