@@ -233,6 +233,7 @@ class Pieces(tuple):
 # way, instead of as a send of its own, when both indices fit (see pair_imm):
 # on SoftRoCE every work request costs the kernel a packet.
 IMM_DATA, IMM_CREDIT, IMM_PAIR = 0, 1, 2
+WIRE_VERSION = 2        # this format (2: with PAIR); a pair of ranks checks it agrees before any write
 INDEX_BITS = MAX_SLOTS.bit_length() - 1
 TAG_BITS = 30 - INDEX_BITS
 MAX_TAG = (1 << TAG_BITS) - 1

@@ -19,7 +19,7 @@ from functools import partial
 
 from ..control.service import pb
 from ..errors import AuthenticationError, BadRequest, PeerLost, PlanMismatch, RdmaTensorError
-from ..providers.base import ControlPlane
+from ..providers.base import WIRE_VERSION, ControlPlane
 from . import wire
 from .barrier import ranks_and_coordinator
 from .context import SessionContext
@@ -106,9 +106,10 @@ class Exchange:
             req = pb.ExchangeRequest(rank=ctx.rank, peer=peer, plan_digest=ctx.plan.digest, plan_specs=specs_json,
                                      channel=params_msg(ctx.provider_name(peer), params),
                                      regions=self._local_regions(peer),
-                                     pair_secret=ctx.credentials.draw(peer))
+                                     pair_secret=ctx.credentials.draw(peer), wire=WIRE_VERSION)
             reply = ctx.call(peer, "Exchange", req, timeout=max(1.0, deadline - time.monotonic()),
                              wait_for_ready=True)
+            self._check_wire(peer, reply.wire)
             if ch is None:
                 continue
             ch.accept_peer(params_dict(reply.channel))
@@ -126,6 +127,16 @@ class Exchange:
             if peer in ctx.channels:
                 ctx.channels[peer].connect(self.exchanged[peer], initiator=False,
                                        timeout=max(1.0, deadline - time.monotonic()))
+
+    def _check_wire(self, peer: int, theirs: int) -> None:
+        """Both ranks of a pair write the same data path format, or neither starts."""
+        if theirs != WIRE_VERSION:
+            ctx = self.ctx
+            said = f"format {theirs}" if theirs else "a release older than format numbers"
+            error = PlanMismatch(f"rank {peer} writes the data path in {said}, rank {ctx.rank} in format "
+                                 f"{WIRE_VERSION}: run the same rdmatensor on every rank", peer=peer)
+            self.live.fail(error)
+            raise error
 
     # -- the higher rank's side (a control-server thread) -----------------
     def on_exchange(self, request) -> pb.ExchangeReply:
@@ -146,6 +157,7 @@ class Exchange:
                                  f"{ctx.plan.first_difference(theirs)}", peer=peer)
             self.live.fail(error)
             raise error
+        self._check_wire(peer, request.wire)
         if request.channel.provider != ctx.provider_name(peer):
             error = PlanMismatch(f"provider mismatch: rank {peer} uses {request.channel.provider!r} with rank "
                                  f"{ctx.rank}, rank {ctx.rank} uses {ctx.provider_name(peer)!r} with it", peer=peer)
@@ -154,7 +166,7 @@ class Exchange:
         ch = ctx.channels.get(peer)
         if ch is None:                       # the coordinator, for the pair credential alone
             self._events[peer].set()
-            return pb.ExchangeReply()
+            return pb.ExchangeReply(wire=WIRE_VERSION)
         try:
             ch.accept_peer(params_dict(request.channel))
         except RdmaTensorError as exc:
@@ -169,6 +181,6 @@ class Exchange:
             raise BadRequest(f"rank {peer}'s regions are unusable: {exc}", peer=peer) from exc
         self.exchanged[peer] = params_dict(request.channel)
         reply = pb.ExchangeReply(channel=params_msg(ctx.provider_name(peer), ch.params()),
-                                 regions=self._local_regions(peer))
+                                 regions=self._local_regions(peer), wire=WIRE_VERSION)
         self._events[peer].set()
         return reply

@@ -29,6 +29,7 @@ from rdmatensor import AuthenticationError, Plan, TensorSpec
 from rdmatensor.control import control_pb2 as pb
 from rdmatensor.control import control_pb2_grpc as pb_grpc
 from rdmatensor.control.service import TOKEN_KEY, ControlClient
+from rdmatensor.providers.base import WIRE_VERSION
 
 from ..support.ranks import TOKEN, check, run_ranks
 from .helpers import LivePair, fd_count
@@ -86,7 +87,8 @@ def exchange_request(rank=0, peer=1, digest=None, provider="tcp", regions=()):
         rank=rank, peer=peer, plan_digest=PLAN.digest if digest is None else digest,
         plan_specs=PLAN.to_json(),
         channel=pb.ChannelParams(provider=provider, host="127.0.0.1", port=9, key="00" * 32),
-        regions=list(regions) or [pb.Region(region_id=0, size=8192, key=12345)], pair_secret="5e" * 16)
+        regions=list(regions) or [pb.Region(region_id=0, size=8192, key=12345)], pair_secret="5e" * 16,
+        wire=WIRE_VERSION)
 
 
 def secrets_of(session, peer: int) -> list[str]:
@@ -426,7 +428,7 @@ def test_a_thousand_malformed_calls_with_the_token_are_refused_or_harmless():
         duplicate = pb.ExchangeRequest(rank=0, peer=1, plan_digest=PLAN.digest, plan_specs=PLAN.to_json(),
                                        channel=pb.ChannelParams(provider="tcp", host="127.0.0.1", port=1,
                                                                 key=s0.debug_state()["channels"][1]._key.hex()),
-                                       pair_secret="5e" * 16,
+                                       pair_secret="5e" * 16, wire=WIRE_VERSION,
                                        regions=[pb.Region(region_id=rid, size=a.size, key=k)
                                                 for rid, (a, k) in s0.debug_state()["channels"][1].local.items()])
         named = [(1, EXCHANGE, duplicate, "ALREADY_EXISTS"),                # duplicated exchange
@@ -757,7 +759,9 @@ def test_hostile_exchange_replies_give_typed_errors_and_leave_nothing(provider, 
             cases = _hostile_replies(provider, tmp_path)
         else:
             cases, extra, planted = _hostile_replies(provider, tmp_path)
-        for name, reply, want in cases:
+        for reply in (reply for _, reply, _ in cases):
+            reply.wire = WIRE_VERSION          # a hostile peer of this release (an older one: the last case)
+        for name, reply, want in [*cases, ("an older release", pb.ExchangeReply(), "PlanMismatch")]:
             fake.reply = reply
             peers = {0: f"127.0.0.1:{free_ports(1)[0]}", 1: f"127.0.0.1:{port}"}
             t0 = time.monotonic()

@@ -30,7 +30,7 @@ from rdmatensor.control import control_pb2 as pb
 from rdmatensor.control import control_pb2_grpc as pb_grpc
 from rdmatensor.control.service import ControlClient, start_server
 from rdmatensor.memory import PAGE, Arena, MappedArena
-from rdmatensor.providers.base import IMM_DATA, WRITE_HEADER, WRITE_MAGIC, make_imm
+from rdmatensor.providers.base import IMM_DATA, WIRE_VERSION, WRITE_HEADER, WRITE_MAGIC, make_imm
 from rdmatensor.providers.ring import ENTRY, HEAD_AT, HEADER_BYTES, INFO, CompletionRing
 from rdmatensor.providers.shm import ShmChannel, host_id
 from rdmatensor.providers.stream import AUTH_BYTES, HANDSHAKE_TIMEOUT
@@ -474,7 +474,7 @@ def test_a_hostile_rank_cannot_write_outside_its_slots(provider):
         reply = client.call(client.control.Exchange, pb.ExchangeRequest(
             rank=0, peer=1, plan_digest=PLAN.digest, plan_specs=PLAN.to_json(), channel=params,
             regions=[pb.Region(region_id=0, size=own.size, key=1, shm_name=own.name)],
-            pair_secret="5e" * 16), timeout=20,
+            pair_secret="5e" * 16, wire=WIRE_VERSION), timeout=20,
             wait_for_ready=True)
         ch = {f.name: v for f, v in reply.channel.ListFields()}
         region = reply.regions[0]

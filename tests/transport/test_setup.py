@@ -162,3 +162,33 @@ def test_a_peer_on_this_host_in_another_pid_namespace_is_refused_at_once_saying_
     assert outs[1].strip().splitlines()[-1].startswith("TransportError: peer 0 runs on this host but in another "
                                                        "PID namespace"), outs
     assert "RDMATENSOR_PROVIDER=tcp" in outs[0] and "ForeignSegment" not in "".join(outs)
+
+
+OLDER_RANK = """
+import sys
+import rdmatensor.session.exchange as x
+x.WIRE_VERSION = 0                                    # sends no format, and checks none: a release before it
+x.Exchange._check_wire = lambda self, peer, theirs: None
+""" + PIDNS_RANK.replace("timeout=30", "timeout=5")   # (it waits for a peer that already refused it)
+
+
+@pytest.mark.parametrize("older", [0, 1])
+def test_a_rank_of_an_older_release_is_refused_before_any_write(older):
+    """Ranks that would write immediates the other cannot read (PAIR is data path
+    format 2) never start: the Exchange says which rank runs what, on the side
+    that asks (rank 0) and on the side that answers (rank 1) alike, even when
+    the older rank checks nothing itself."""
+    import sys
+    import time
+
+    from ..support.ranks import free_ports
+    ports = [str(p) for p in free_ports(2)]
+    t0 = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, "-c", OLDER_RANK if r == older else PIDNS_RANK, str(r), *ports],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    newer = 1 - older
+    out = procs[newer].communicate(timeout=90)[0].strip().splitlines()[-1]
+    assert time.monotonic() - t0 < 25, out                     # not the 30 s setup timeout
+    assert out == (f"PlanMismatch: rank {older} writes the data path in a release older than format "
+                   f"numbers, rank {newer} in format 2: run the same rdmatensor on every rank")
+    assert procs[older].communicate(timeout=90)[0].strip().splitlines()[-1] != "connected"
