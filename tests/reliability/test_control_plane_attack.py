@@ -760,8 +760,8 @@ def test_hostile_exchange_replies_give_typed_errors_and_leave_nothing(provider, 
         else:
             cases, extra, planted = _hostile_replies(provider, tmp_path)
         for reply in (reply for _, reply, _ in cases):
-            reply.wire = WIRE_VERSION          # a hostile peer of this release (an older one: the last case)
-        for name, reply, want in [*cases, ("an older release", pb.ExchangeReply(), "PlanMismatch")]:
+            reply.wire = WIRE_VERSION          # a hostile peer of this release (an older one: the first case)
+        for name, reply, want in [("an older release", pb.ExchangeReply(), "PlanMismatch"), *cases]:
             fake.reply = reply
             peers = {0: f"127.0.0.1:{free_ports(1)[0]}", 1: f"127.0.0.1:{port}"}
             t0 = time.monotonic()
