@@ -7,7 +7,8 @@ by rdmatensor-run). Writes OUT_DIR/rank{R}.json.
 1. Integer pre/postscale as Horovod computes it: in float64, truncated back.
 2. Two allgathers of one name with different dtypes, both already planned,
    called one per rank: every rank raises within seconds, and the next
-   agreeing call returns its own values (never the failed call's).
+   agreeing call returns its own values (never the failed call's). Then a planned
+   call on rank 0 finds its peers' values already in when it looks up its set.
 3. CALLS random collectives (allreduce sum/average, allgather, broadcast from
    any root, over a small pool of names, dtypes and shapes, so most calls hit
    tensor sets already planned). One in eight is changed on one rank (dtype,
@@ -22,6 +23,8 @@ import numpy as np
 import tensorflow as tf
 
 import tf_plugin as hvd
+from tf_plugin.engine.collectives import Collectives
+from tf_plugin.horovod.world import world
 
 out_dir, calls, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 hvd.init()
@@ -53,6 +56,28 @@ except Exception as exc:  # noqa: BLE001 - the point of the case
 out = hvd.allgather(tf.constant(gathered(np.int32, rank)), name="leftover").numpy()
 report["after"] = bool(np.array_equal(out, np.concatenate([gathered(np.int32, r) for r in range(size)])))
 report["after_shape"] = list(out.shape)
+
+# 2b. A planned call on rank 0 whose peers' values are in before it looks up its set:
+# the watchdog, judging at that instant, sees no divergence (it once took the lookup
+# for a proposal of a new set, and failed a call every rank made alike).
+judged = []
+if rank == 0:
+    engine = world().collectives
+    lookup = Collectives.ensure
+
+    def judging(self, requests, number=None):
+        if self is engine and not judged:
+            deadline = time.monotonic() + 10
+            while len(engine.session.arrived()) < size - 1 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            judged.append(repr(engine._divergence({})))
+        return lookup(self, requests, number)
+    Collectives.ensure = judging
+out = hvd.allgather(tf.constant(gathered(np.int32, rank)), name="leftover").numpy()
+if rank == 0:
+    Collectives.ensure = lookup
+report["judged"] = judged
+report["judged_ok"] = bool(np.array_equal(out, np.concatenate([gathered(np.int32, r) for r in range(size)])))
 
 # 3. Random collectives, some changed on one rank.
 NAMES, DTYPES, SHAPES = ["a", "b", "c"], [np.float32, np.int32, np.float64], [(4, 3), (6, 3), (5,)]

@@ -29,6 +29,7 @@ def check(rep, size, calls):
     assert "float32" in d["message"] and "int32" in d["message"]
     assert d["seconds"] < 10, d
     assert rep["after"] is True and rep["after_shape"] == [sum(17 + 15 * r for r in range(size)), 17, 17]
+    assert rep["judged"] == ([] if rep["rank"] else ["None"]) and rep["judged_ok"], rep["judged"]
     random = rep["random"]
     assert random["wrong"] == [], random["wrong"]
     assert random["agreed_ok"] == random["agreed"] and random["agreed"] + random["changed"] == calls

@@ -63,7 +63,7 @@ def finite_check_from_env() -> bool:
 
 @dataclass
 class Planning:
-    """This rank proposing tensor sets for call `number` (the requests given to ensure)."""
+    """This rank proposing new tensor sets for call `number` (kind, op, names, arrays each)."""
     requests: list
     number: int
     generation: int
@@ -89,10 +89,14 @@ class CheckedCollectives(Collectives):
             self._watchdog.start()
 
     # ----------------------------------------------------------- the calls
-    def ensure(self, requests, number=None):
-        self._planning = Planning(list(requests), self.calls if number is None else number, self.generations)
+    def _next_generation(self, number, missing, failed=None, cause=False):
+        # Marked only while this rank proposes, never while it looks up a planned set: a
+        # faster peer's values of that call may already lie in its slots.
+        if failed is not None:
+            return super()._next_generation(number, missing, failed, cause)
+        self._planning = Planning([request for _, request in missing], number, self.generations)
         try:
-            return super().ensure(requests, number)
+            return super()._next_generation(number, missing, failed, cause)
         finally:
             self._planning = None
 
