@@ -33,7 +33,7 @@ _WORLD = ("init", "shutdown", "is_initialized", "rank", "size", "local_rank", "l
 _HOROVOD = ("DistributedGradientTape", "PartialDistributedGradientTape", "broadcast_variables", "allreduce",
             "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_",
             "broadcast_global_variables", "alltoall", "reducescatter", "grouped_reducescatter", "join", "rank_op",
-            "local_rank_op", "size_op", "local_size_op", "Compression")
+            "local_rank_op", "size_op", "local_size_op", "process_set_included_op", "Compression")
 _API = {**dict.fromkeys(_WORLD, "horovod.world"), **dict.fromkeys(_HOROVOD, "horovod.tensors"),
         "_executing_eagerly": "horovod.util", "SyncBatchNormalization": "horovod.sync_batch_norm"}
 __all__ = list(_API) + ["elastic", "util"]

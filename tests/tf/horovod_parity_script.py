@@ -124,8 +124,9 @@ case("built", lambda: (hvd.mpi_built(), hvd.gloo_built(), hvd.nccl_built(), hvd.
                        hvd.cuda_built()) == (False, False, 0, False, False))
 case("executing_eagerly", lambda: hvd._executing_eagerly() is True and hvd.util._executing_eagerly() is True)
 case("global_variables_eager", lambda: isinstance(_raises(lambda: hvd.broadcast_global_variables(0)), RuntimeError))
-case("process_set", lambda: hvd.add_process_set(list(range(n))) is hvd.global_process_set and isinstance(
-    _raises(lambda: hvd.add_process_set([0])), NotImplementedError) if n > 1 else True)
+# Every rank is the global set already: a duplicate (ValueError), and it is never removed (False), as Horovod.
+case("process_set", lambda: isinstance(_raises(lambda: hvd.add_process_set(list(range(n)))), ValueError)
+     and hvd.remove_process_set(hvd.global_process_set) is False and hvd.global_process_set.size() == n)
 
 
 def inplace_case():

@@ -25,12 +25,17 @@ class JobFailure:
         self._sessions: list = []
         self._lock = threading.Lock()
 
-    def watch(self, session) -> None:
-        """Fail `session` with the job when a rank is lost (at once if one already was)."""
+    def watch(self, session, ranks=None) -> None:
+        """Fail `session` with the job when a rank is lost (at once if one already was).
+        `ranks`: the job's rank of each of the session's (a process set's session)."""
         with self._lock:
             self._sessions = [s for s in self._sessions if not s.closed] + [session]
             first = self.first
-        session.on_peer_failure(self._failed)
+        if ranks is None:
+            session.on_peer_failure(self._failed)
+        else:
+            session.on_peer_failure(lambda e: self._failed(PeerLost(str(e), peer=ranks[e.peer])
+                                                           if e.peer is not None else e))
         if first is not None:
             session.abort(first)
 

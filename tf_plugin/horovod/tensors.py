@@ -27,6 +27,7 @@ from ..engine import overlap
 from ..engine.analyzer import var_key
 from ..engine.collectives import allreduce_op
 from ..engine.tf_errors import InvalidArgument, as_horovod_errors, numpy_function
+from .process_sets import Group, group_of
 from .world import Adasum, Average, Max, Min, Product, ReduceOp, Sum, allgather_object, world
 
 __all__ = ["Compression", "DistributedGradientTape", "PartialDistributedGradientTape", "allreduce",
@@ -123,7 +124,7 @@ def _through_numpy(fn, tensors: list, shapes: list, name: str) -> list:
     return list(outs)
 
 
-def _allreduce_many(tensors, names, op: str, compression) -> list:
+def _allreduce_many(tensors, names, op: str, compression, group: Group) -> list:
     """Eagerly: every bucket handed to the communication thread, then collected.
     In a graph, with static shapes: one launch op per bucket, fed only by that
     bucket's tensors, and one wait op per bucket (tf_plugin.engine.overlap), so rings run
@@ -131,50 +132,52 @@ def _allreduce_many(tensors, names, op: str, compression) -> list:
     `op`: a reduction of collectives.REDUCTIONS."""
     packed = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
     sent = [p[0] for p in packed]
-    collectives = world().collectives
-    if tf.executing_eagerly() or not overlap.static(sent) or world().size == 1:
-        reduced = _through_numpy(lambda arrays: world().collectives.allreduce(names, arrays, op),
+    collectives = group.collectives
+    if tf.executing_eagerly() or not overlap.static(sent) or group.size == 1:
+        reduced = _through_numpy(lambda arrays: group.collectives.allreduce(names, arrays, op),
                                  sent, [t.shape for t in sent], "rdmatensor_allreduce")
     else:
-        group = collectives.allreduce_group(names, [tuple(t.shape) for t in sent],
-                                            [t.dtype.as_numpy_dtype for t in sent], op)
-        layouts = [[(int(key), offset, sent[int(key)].shape) for key, offset, _ in b.members] for b in group.buckets]
-        # world() looked up at run time: an elastic reset replaces the collectives under a traced graph
-        reduced = overlap.bucketed(sent, layouts, lambda *a: world().collectives.launch(group, *a),
-                                   lambda *a: world().collectives.collect(group, *a), "rdmatensor_allreduce")
+        buckets = collectives.allreduce_group(names, [tuple(t.shape) for t in sent],
+                                              [t.dtype.as_numpy_dtype for t in sent], op)
+        layouts = [[(int(key), offset, sent[int(key)].shape) for key, offset, _ in b.members]
+                   for b in buckets.buckets]
+        # looked up at run time: an elastic reset replaces the collectives under a traced graph
+        reduced = overlap.bucketed(sent, layouts, lambda *a: group.collectives.launch(buckets, *a),
+                                   lambda *a: group.collectives.collect(buckets, *a), "rdmatensor_allreduce")
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, packed, strict=True)]
 
 
-def _allgather_many(tensors, names) -> list:
+def _allgather_many(tensors, names, group: Group) -> list:
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     for n, t in zip(names, tensors, strict=True):
         if t.shape.rank == 0:
             raise InvalidArgument(f"allgather of {n!r}: a scalar has no first dimension to concatenate")
-    return _through_numpy(lambda arrays: world().collectives.allgather(names, arrays), tensors,
+    return _through_numpy(lambda arrays: group.collectives.allgather(names, arrays), tensors,
                           [tf.TensorShape([None]).concatenate(t.shape[1:]) for t in tensors], "rdmatensor_allgather")
 
 
-def _allgather_slices(slices: list, names: list, average: bool) -> list:
+def _allgather_slices(slices: list, names: list, average: bool, group: Group) -> list:
     """Sparse gradients, as Horovod: every rank's rows and indices, concatenated;
     averaging divides the values by the number of ranks."""
     parts = [t for s in slices for t in (s.values, s.indices)]
     part_names = [f"{n}/{p}" for n in names for p in ("values", "indices")]
-    gathered = _allgather_many(parts, part_names)
+    gathered = _allgather_many(parts, part_names, group)
     out = []
     for k, s in enumerate(slices):
         values, indices = gathered[2 * k], gathered[2 * k + 1]
         if average:
-            values = values / tf.cast(world().size, values.dtype)
+            values = values / tf.cast(group.size, values.dtype)
         out.append(tf.IndexedSlices(values, indices, s.dense_shape))
     return out
 
 
 def reduce_gradients(grads, sources, compression=NoneCompressor, sparse_as_dense: bool = False, op=Average,
-                     prescale_factor: float = 1.0, postscale_factor: float = 1.0):
-    """Gradients (any nest matching `sources`, None kept) combined over the ranks:
+                     prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set=None):
+    """Gradients (any nest matching `sources`, None kept) combined over the ranks (of the set):
     dense ones by one all-reduce, sparse ones (tf.IndexedSlices) by allgather unless
     `sparse_as_dense`. Shared by DistributedGradientTape and the Keras optimizer."""
     reduction = _reduction(op)
+    group = _group(process_set)
     flat = tf.nest.flatten(grads)
     names = _names(tf.nest.flatten(sources))
     if len(names) != len(flat):
@@ -191,28 +194,30 @@ def reduce_gradients(grads, sources, compression=NoneCompressor, sparse_as_dense
                                       "(as in Horovod): pass sparse_as_dense=True, or scale the values yourself")
     if dense:
         scaled = [_scaled(tf.convert_to_tensor(flat[j]), prescale_factor) for j in dense]
-        reduced = _allreduce_many(scaled, [names[j] for j in dense], reduction, compression)
+        reduced = _allreduce_many(scaled, [names[j] for j in dense], reduction, compression, group)
         for j, r in zip(dense, reduced, strict=True):
             out[j] = _scaled(r, postscale_factor)
     if sparse:
-        gathered = _allgather_slices([flat[j] for j in sparse], [names[j] for j in sparse], reduction == "average")
+        gathered = _allgather_slices([flat[j] for j in sparse], [names[j] for j in sparse], reduction == "average",
+                                     group)
         for j, r in zip(sparse, gathered, strict=True):
             out[j] = r
     return tf.nest.pack_sequence_as(grads, out)
 
 
 def reduce_shared(grads: list, sources: list, local: set, compression, sparse_as_dense: bool, op,
-                  predivide: float = 1.0, scale_local: bool = True) -> list:
+                  predivide: float = 1.0, scale_local: bool = True, process_set=None) -> list:
     """Gradients combined over the ranks but those of the sources whose id() is in
     `local`, which stay this rank's (divided by the number of ranks with
     `scale_local`), as Horovod's tape and optimizer treat local sources. With
     `predivide`, an average is split around the sum as Horovod does."""
     shared = [j for j, s in enumerate(sources) if id(s) not in local]
+    n = _group(process_set).size
     pre, post = 1.0, 1.0
     if predivide != 1.0:
-        op, pre, post = Sum, 1.0 / predivide, predivide / world().size
+        op, pre, post = Sum, 1.0 / predivide, predivide / n
     reduced = reduce_gradients([grads[j] for j in shared], [sources[j] for j in shared], compression,
-                               sparse_as_dense, op, pre, post)
+                               sparse_as_dense, op, pre, post, process_set)
     out = list(grads)
     for j, g in zip(shared, reduced, strict=True):
         out[j] = g
@@ -220,8 +225,8 @@ def reduce_shared(grads: list, sources: list, local: set, compression, sparse_as
         for j, s in enumerate(sources):
             if id(s) in local and out[j] is not None:
                 g = out[j]
-                out[j] = (tf.IndexedSlices(g.values / world().size, g.indices, g.dense_shape)
-                          if isinstance(g, tf.IndexedSlices) else g / world().size)
+                out[j] = (tf.IndexedSlices(g.values / n, g.indices, g.dense_shape)
+                          if isinstance(g, tf.IndexedSlices) else g / n)
     return out
 
 
@@ -277,8 +282,9 @@ class DistributedGradientTape:
             raise ValueError("gradient_predivide_factor not supported with op != Average")
         if groups is not None and not (isinstance(groups, list) or groups > 0):
             raise ValueError("groups should be a non-negative integer or a list of list of tf.Variable.")
-        _global_only(process_set)
+        _group(process_set)
         self._tape, self._compression, self._sparse_as_dense = gradtape, compression, sparse_as_dense
+        self._process_set = process_set
         self._op, self._predivide, self._scale_local = op, gradient_predivide_factor, scale_local_gradients
         self._local_sources: set[int] = set()
 
@@ -300,7 +306,8 @@ class DistributedGradientTape:
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
         grads = self._tape.gradient(target, sources, output_gradients, unconnected_gradients)
         out = reduce_shared(tf.nest.flatten(grads), tf.nest.flatten(sources), self._local_sources,
-                            self._compression, self._sparse_as_dense, self._op, self._predivide, self._scale_local)
+                            self._compression, self._sparse_as_dense, self._op, self._predivide, self._scale_local,
+                            self._process_set)
         return tf.nest.pack_sequence_as(grads, out)
 
     def get_local_and_global_gradients(self, target, sources, output_gradients=None):
@@ -358,22 +365,22 @@ def grouped_allreduce(tensors, average=None, device_dense: str = "", device_spar
                       name: str | None = None) -> list:
     """allreduce of several tensors in one collective (one ring over fused buckets)."""
     op = _op(average, op)
-    _global_only(process_set)
+    group = _group(process_set)
     tensors = list(tensors)
     base = name or "allreduce"
     names = [base if len(tensors) == 1 else f"{base}/{j}" for j in range(len(tensors))]
     if any(isinstance(t, tf.IndexedSlices) for t in tensors):
         return reduce_gradients(tensors, [types.SimpleNamespace(name=n) for n in names], compression, False, op,
-                                prescale_factor, postscale_factor)
+                                prescale_factor, postscale_factor, process_set)
     reduction = _reduction(op)
     tensors = [tf.convert_to_tensor(t) for t in tensors]
 
     def forward(*xs):
-        return _allreduce_many([_scaled(x, prescale_factor) for x in xs], names, reduction, compression)
+        return _allreduce_many([_scaled(x, prescale_factor) for x in xs], names, reduction, compression, group)
 
     def backward(upstream, inputs, outputs):
         out = _allreduce_many([_scaled(tf.convert_to_tensor(g), prescale_factor) for g in upstream],
-                              [f"{n}/grad" for n in names], reduction, compression)
+                              [f"{n}/grad" for n in names], reduction, compression, group)
         return [_scaled(g, postscale_factor) for g in out]
 
     out = _with_gradient(lambda *xs: [_scaled(t, postscale_factor) for t in forward(*xs)], backward)(*tensors)
@@ -391,19 +398,20 @@ def allgather(tensor, device_dense: str = "", device_sparse: str = "", name: str
 
 def grouped_allgather(tensors, name: str | None = None, ignore_name_scope: bool = False, process_set=None) -> list:
     """allgather of several tensors in one collective."""
-    _global_only(process_set)
+    group = _group(process_set)
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     base = name or "allgather"
     names = [base if len(tensors) == 1 else f"{base}/{j}" for j in range(len(tensors))]
 
     def backward(upstream, inputs, outputs):
         averaged = _allreduce_many([tf.convert_to_tensor(g) for g in upstream], [f"{n}/grad" for n in names],
-                                   "average", Compression.none)
-        rows = _allgather_many([tf.reshape(tf.shape(x)[0], [1]) for x in inputs], [f"{n}/rows" for n in names])
-        return [tf.split(g, tf.reshape(r, [world().size]), axis=0)[world().rank]
+                                   "average", Compression.none, group)
+        rows = _allgather_many([tf.reshape(tf.shape(x)[0], [1]) for x in inputs], [f"{n}/rows" for n in names],
+                               group)
+        return [tf.split(g, tf.reshape(r, [group.size]), axis=0)[group.rank]
                 for g, r in zip(averaged, rows, strict=True)]
 
-    return list(_with_gradient(lambda *xs: _allgather_many(list(xs), names), backward)(*tensors))
+    return list(_with_gradient(lambda *xs: _allgather_many(list(xs), names, group), backward)(*tensors))
 
 
 def broadcast(tensor, root_rank: int, device: str = "", name: str | None = None, process_set=None,
@@ -411,18 +419,19 @@ def broadcast(tensor, root_rank: int, device: str = "", name: str | None = None,
     """root_rank's value of the tensor, on every rank. Differentiable (Horovod's
     gradient: the upstream gradient averaged over the ranks, on the root; zero
     elsewhere)."""
-    _global_only(process_set)
+    group = _group(process_set)
+    root = _root(group, root_rank)
     tensor = tf.convert_to_tensor(tensor)
     names = [name or "broadcast"]
 
     def forward(x):
-        (out,) = _through_numpy(lambda arrays: world().collectives.broadcast(names, arrays, root_rank), [x],
+        (out,) = _through_numpy(lambda arrays: group.collectives.broadcast(names, arrays, root), [x],
                                 [x.shape], "rdmatensor_broadcast")
         return out
 
     def backward(upstream, inputs, outputs):
         (g,) = _allreduce_many([tf.convert_to_tensor(upstream[0])], [f"{names[0]}/grad"], "average",
-                               Compression.none)
+                               Compression.none, group)
         return g if world().rank == root_rank else g * 0
 
     return _with_gradient(forward, backward)(tensor)
@@ -431,7 +440,7 @@ def broadcast(tensor, root_rank: int, device: str = "", name: str | None = None,
 def broadcast_(variables, root_rank: int, name: str | None = None, process_set=None):
     """Assign root_rank's values to `variables` in place; their new values."""
     variables = list(variables)
-    op = broadcast_variables(variables, root_rank)
+    op = broadcast_variables(variables, root_rank, process_set)
     if tf.executing_eagerly():
         return [v.read_value() for v in variables]
     with tf.control_dependencies([op]):
@@ -442,13 +451,14 @@ def broadcast_variables(variables, root_rank: int, process_set=None, inplace: bo
     """Assign root_rank's values to the variables on every rank: any variables
     (trainable, non-trainable such as BatchNorm statistics, optimizer slots),
     eagerly or inside tf.function (returns the assignments as one op there)."""
-    _global_only(process_set)
+    group = _group(process_set)
+    root = _root(group, root_rank)
     variables = list(tf.nest.flatten(variables))
     if not variables:
         return None if tf.executing_eagerly() else tf.no_op()
     names = _names(variables)
     values = [tf.convert_to_tensor(v) for v in variables]
-    outs = _through_numpy(lambda arrays: world().collectives.broadcast(names, arrays, root_rank), values,
+    outs = _through_numpy(lambda arrays: group.collectives.broadcast(names, arrays, root), values,
                           [v.shape for v in values], "rdmatensor_broadcast_variables")
     if world().rank == root_rank:
         return None if tf.executing_eagerly() else tf.group(*outs)
@@ -469,7 +479,7 @@ def alltoall(tensor, splits=None, name: str | None = None, ignore_name_scope: bo
     """Rows splits[r] of `tensor` (along its first dimension, in rank order) go to
     rank r; returns the rows every rank sent this one, in rank order, and, when
     `splits` is given, how many came from each rank. Differentiable."""
-    _global_only(process_set)
+    group = _group(process_set)
     tensor = tf.convert_to_tensor(tensor)
     if tensor.shape.rank == 0:
         raise InvalidArgument("alltoall: a scalar has no first dimension to split")
@@ -479,10 +489,10 @@ def alltoall(tensor, splits=None, name: str | None = None, ignore_name_scope: bo
 
     def exchange(x, s, label):
         def fn(arrays):
-            out, received = world().collectives.alltoall(label, arrays[0], arrays[1] if arrays[1].size else None)
+            out, received = group.collectives.alltoall(label, arrays[0], arrays[1] if arrays[1].size else None)
             return [out, received]
         out, received = _through_numpy(fn, [x, s], [tf.TensorShape([None]).concatenate(x.shape[1:]),
-                                                    tf.TensorShape([world().size])], "rdmatensor_alltoall")
+                                                    tf.TensorShape([group.size])], "rdmatensor_alltoall")
         return out, received
 
     @tf.custom_gradient
@@ -516,13 +526,13 @@ def grouped_reducescatter(tensors, device_dense: str = "", compression=Compressi
     for t in tensors:
         if t.shape.rank == 0:
             raise InvalidArgument("reducescatter: a scalar has no first dimension to scatter")
-    _global_only(process_set)
+    group = _group(process_set)
     op, base = ReduceOp(op), name or "reducescatter"
-    n, r = world().size, world().rank
+    n, r = group.size, group.rank
 
     def forward(*xs):
         reduced = grouped_allreduce(list(xs), None, device_dense, "", compression, op, prescale_factor,
-                                    postscale_factor, name=base)
+                                    postscale_factor, process_set, name=base)
         out = []
         for t in reduced:            # this rank's rows: the first rows % size ranks get one more
             rows = tf.shape(t)[0]
@@ -533,7 +543,7 @@ def grouped_reducescatter(tensors, device_dense: str = "", compression=Compressi
     def backward(upstream, inputs, outputs):     # as Horovod: every rank's gradient rows, gathered
         factor = (n if op == Sum else 1) * prescale_factor * postscale_factor
         grads = [tf.convert_to_tensor(g) * tf.cast(factor, g.dtype) for g in upstream]
-        return _allgather_many(grads, [f"{base}/grad/{j}" for j in range(len(grads))])
+        return _allgather_many(grads, [f"{base}/grad/{j}" for j in range(len(grads))], group)
 
     return list(_with_gradient(forward, backward)(*tensors))
 
@@ -553,13 +563,35 @@ def local_rank_op(name: str | None = None):
 
 
 def size_op(process_set_id: int = 0, name: str | None = None):
-    return tf.constant(world().size, tf.int32, name=name)
+    return tf.constant(_group_by_id(process_set_id).size, tf.int32, name=name)
+
+
+def process_set_included_op(process_set_id: int = 0, name: str | None = None):
+    """1 if this rank is in the process set, else 0."""
+    return tf.constant(int(_group_by_id(process_set_id).included), tf.int32, name=name)
 
 
 def local_size_op(name: str | None = None):
     return tf.constant(world().local_size, tf.int32, name=name)
 
 
-def _global_only(process_set) -> None:
-    if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
-        raise NotImplementedError("process sets other than the global one are not supported yet")
+def _group(process_set) -> Group:
+    """The registered set a collective runs in (ValueError if it is not registered);
+    this rank must be in it (InvalidArgumentError, as Horovod)."""
+    group = group_of(process_set)
+    if not group.included:
+        raise InvalidArgument(f"rank {world().rank} is not in process set {group.id} (ranks {list(group.ranks)}): "
+                              f"it cannot take part in its collectives")
+    return group
+
+
+def _group_by_id(process_set_id: int) -> Group:
+    ps = types.SimpleNamespace(process_set_id=process_set_id)
+    return group_of(ps)
+
+
+def _root(group: Group, root_rank: int) -> int:
+    """root_rank (a rank of the job, as Horovod takes it) as a position in the set."""
+    if root_rank not in group.ranks:
+        raise InvalidArgument(f"root_rank {root_rank} is not in process set {group.id} (ranks {list(group.ranks)})")
+    return group.ranks.index(root_rank)

@@ -21,7 +21,7 @@ import enum
 import os
 import pickle
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rdmatensor import UsageError
 
@@ -30,6 +30,7 @@ from ..engine.checks import CheckedCollectives, finite_check_from_env
 from ..launcher import rendezvous
 from ..launcher.cluster import Cluster
 from ..engine.failure import JobFailure
+from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set  # noqa: F401
 
 
 class ReduceOp(enum.IntEnum):
@@ -56,6 +57,15 @@ class World:
     collectives: CheckedCollectives
     failure: JobFailure | None = None
     round: int = -1                # the elastic round this world is (-1: not an elastic job)
+    # what a process set's collectives are built with (process_sets.py), and the sets registered
+    hosts: list = field(default_factory=list)
+    provider: str = "auto"
+    token: str | None = None
+    timeout: float = 120.0
+    fusion_threshold: int | None = None
+    check_finite: bool = False
+    sets: dict = field(default_factory=dict)     # process set id -> process_sets.Group
+    next_set_id: int = 1
 
 
 _world: World | None = None
@@ -85,7 +95,7 @@ def local_of(cluster: Cluster) -> tuple[int, int]:
 
 def init(model=None, provider: str | None = None, cluster: Cluster | None = None, token: str | None = None,
          timeout: float | None = None, fusion_threshold: int | None = None,
-         check_finite: bool | None = None) -> None:
+         check_finite: bool | None = None, process_sets=None) -> None:
     """Join the job: connect the bootstrap channel between the workers. No model is
     needed; with one (a built Keras model), the tensor sets of its first step
     (gradient all-reduce of its trainable variables, broadcast of all its
@@ -93,7 +103,9 @@ def init(model=None, provider: str | None = None, cluster: Cluster | None = None
     only plans ahead for the model given. `fusion_threshold`: bytes per
     all-reduce bucket (default RDMATENSOR_FUSION_THRESHOLD, else 64 MiB, as Horovod).
     `check_finite` (default RDMATENSOR_CHECK_FINITE): allreduce raises
-    NonFiniteValue, naming the tensor, when a floating value holds a NaN or Inf."""
+    NonFiniteValue, naming the tensor, when a floating value holds a NaN or Inf.
+    `process_sets`: ProcessSets (or lists of ranks) to register, as Horovod's
+    init(process_sets=...): the same on every rank (see process_sets.py)."""
     global _world, _last_round
     if _world is None:
         reservation, joined, found = None, None, None
@@ -131,10 +143,14 @@ def init(model=None, provider: str | None = None, cluster: Cluster | None = None
             boot.close()
             raise
         local = (joined["local_rank"], joined["local_size"]) if joined else local_of(cluster)
-        _world = World(rank, size, *local, boot, collectives, failure, joined["round"] if joined else -1)
+        _world = World(rank, size, *local, boot, collectives, failure, joined["round"] if joined else -1,
+                       hosts, provider, token, timeout, fusion_threshold, check_finite)
         if joined:
             _last_round = joined["round"]
         _at_exit(shutdown)                 # peers hear a goodbye, not a silence, when a script just ends
+        if process_sets:
+            from .process_sets import register
+            register(_world, list(process_sets), adding=False)
     if model is not None:
         from .tensors import plan_ahead
         plan_ahead(model)
@@ -205,6 +221,8 @@ def shutdown() -> None:
     w, _world = _world, None
     if w is not None:
         try:
+            for group in w.sets.values():
+                group.close()
             w.collectives.close()
         finally:
             w.bootstrap.close()
@@ -226,16 +244,25 @@ def local_size() -> int:
     return world().local_size
 
 
-def broadcast_object(obj, root_rank: int = 0, session=None, name: str | None = None):
-    """`obj` as root_rank has it, on every rank (pickled; the ranks share a token)."""
-    w = world()
-    data = pickle.dumps(obj) if w.rank == root_rank else None
-    return pickle.loads(w.bootstrap.broadcast(f"object:{name or ''}", data, root_rank))
+def broadcast_object(obj, root_rank: int = 0, session=None, name: str | None = None, process_set=None):
+    """`obj` as root_rank has it, on every rank of the set (pickled; the ranks share a token)."""
+    group = _member_of(process_set)
+    data = pickle.dumps(obj) if world().rank == root_rank else None
+    return pickle.loads(group.bootstrap.broadcast(f"object:{name or ''}", data, group.local(root_rank)))
 
 
-def allgather_object(obj, session=None, name: str | None = None) -> list:
-    """Every rank's `obj`, in rank order."""
-    return [pickle.loads(b) for b in world().bootstrap.allgather(f"objects:{name or ''}", pickle.dumps(obj))]
+def allgather_object(obj, session=None, name: str | None = None, process_set=None) -> list:
+    """Every rank's `obj` (of the set), in rank order."""
+    group = _member_of(process_set)
+    return [pickle.loads(b) for b in group.bootstrap.allgather(f"objects:{name or ''}", pickle.dumps(obj))]
+
+
+def _member_of(process_set):
+    from .process_sets import group_of
+    group = group_of(process_set)
+    if not group.included:
+        raise ValueError(f"rank {world().rank} is not in process set {group.id} (ranks {list(group.ranks)})")
+    return group
 
 
 def stats() -> dict:
@@ -303,36 +330,3 @@ def is_homogeneous() -> bool:
     counts = allgather_object(local_size(), name="homogeneous")
     return len(set(counts)) == 1
 
-
-# ------------------------------------------------------------------ process sets
-@dataclass(frozen=True)
-class ProcessSet:
-    """Horovod's process set. Only the global one (every rank) is supported."""
-    ranks: tuple | None = None
-    process_set_id: int = 0
-
-    def size(self) -> int:
-        return len(self.ranks) if self.ranks is not None else size()
-
-    def rank(self) -> int:
-        return rank() if self.ranks is None else self.ranks.index(rank())
-
-    def included(self) -> bool:
-        return self.ranks is None or rank() in self.ranks
-
-
-global_process_set = ProcessSet()
-
-
-def add_process_set(process_set) -> ProcessSet:
-    ranks = tuple(process_set.ranks if isinstance(process_set, ProcessSet) else process_set)
-    if sorted(ranks) == list(range(size())):
-        return global_process_set
-    raise NotImplementedError(f"process set {list(ranks)}: only the global process set (every rank) is "
-                              f"supported yet")
-
-
-def remove_process_set(process_set) -> bool:
-    if process_set is global_process_set:
-        raise ValueError("the global process set cannot be removed")
-    return False

@@ -19,6 +19,7 @@ import types
 
 import tensorflow as tf
 
+from ..horovod.process_sets import group_of
 from ..horovod.tensors import Compression, local_variables, reduce_shared
 from ..horovod.world import Average
 
@@ -28,7 +29,7 @@ class _DistributedOptimizer:
     defaults of an optimizer made by deserialization (load_model)."""
     _hvd_compression, _hvd_sparse_as_dense, _hvd_op = Compression.none, False, Average
     _hvd_passes, _hvd_average_aggregated = 1, False
-    _hvd_predivide, _hvd_scale_local = 1.0, True
+    _hvd_predivide, _hvd_scale_local, _hvd_process_set = 1.0, True, None
     _hvd_reduced = False          # set by _compute_gradients: apply() must not combine the gradients again
 
     @property
@@ -46,7 +47,7 @@ class _DistributedOptimizer:
         grads = list(grads)
         variables = list(variables) if variables is not None else [None] * len(grads)
         return reduce_shared(grads, variables, self._hvd_local, self._hvd_compression, self._hvd_sparse_as_dense,
-                             self._hvd_op, self._hvd_predivide, self._hvd_scale_local)
+                             self._hvd_op, self._hvd_predivide, self._hvd_scale_local, self._hvd_process_set)
 
     def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
         """[(gradient, variable)] of `loss` (a tensor with `tape`, or a callable),
@@ -133,13 +134,12 @@ def DistributedOptimizer(optimizer, name: str | None = None, device_dense: str =
     """A new optimizer of `optimizer`'s class and config whose updates use the
     gradients combined over the ranks (op Average: their mean). Horovod's
     signature; `groups` and `num_groups` are accepted (rdmatensor fuses by its
-    own threshold), process sets other than the global one are not."""
+    own threshold). `process_set`: the ranks the gradients are combined over."""
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, not {backward_passes_per_step}")
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
-    if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
-        raise NotImplementedError("process sets other than the global one are not supported yet")
+    group_of(process_set)               # a set that is not registered: ValueError now, not at the first step
     cls = distributed_class(type(optimizer))
     config = optimizer.get_config()
     if name:
@@ -150,6 +150,7 @@ def DistributedOptimizer(optimizer, name: str | None = None, device_dense: str =
     distributed._hvd_passes = int(backward_passes_per_step)
     distributed._hvd_average_aggregated = bool(average_aggregated_gradients)
     distributed._hvd_predivide, distributed._hvd_scale_local = gradient_predivide_factor, scale_local_gradients
+    distributed._hvd_process_set = process_set
     return distributed
 
 

@@ -1,0 +1,212 @@
+"""Horovod's process sets: collectives among some of the ranks.
+
+A process set is a sorted list of (global) ranks. Registered, with
+init(process_sets=[...]) or add_process_set(), it gets an id (the global set
+is 0) and, on each of its members, collectives of its own: a bootstrap
+channel and a growing plan among its members only (the same engine as the
+global set's, numbered by position in the set), so its calls never wait for
+a rank outside it and never share a slot with another set's. Registering and
+removing are calls of every rank, in the same order, as in Horovod.
+
+As in Horovod, a rank that is not in the set cannot call its collectives
+(ValueError; tensors.py raises InvalidArgumentError), roots are given as
+global ranks, and ProcessSet.rank() is the position in the set. An elastic
+reset ends the sets with the world they were registered in.
+This module does not import TensorFlow.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from ..engine.bootstrap import Bootstrap, PortReservation
+from ..engine.checks import CheckedCollectives
+
+
+class ProcessSet:
+    """A set of ranks that run collectives together (Horovod's class: pass it to
+    init(process_sets=...) or add_process_set(); process_set_id is set then)."""
+    process_set_id = None
+    ranks = None
+    mpi_comm = None
+
+    def __init__(self, ranks_or_comm):
+        try:
+            ranks = sorted(ranks_or_comm)
+        except TypeError:
+            raise ValueError("ProcessSet should be initialized with a list of process ranks (an MPI "
+                             "communicator needs MPI, which rdmatensor does not use)") from None
+        if any(not isinstance(rk, int) for rk in ranks):
+            raise ValueError("ProcessSet should be initialized with a list of process ranks or an mpi4py Comm object")
+        self.ranks = ranks
+
+    def _invalidate(self) -> None:
+        self.process_set_id = None
+
+    def size(self) -> int | None:
+        """The number of ranks in the set, or None while it is not registered."""
+        if self.process_set_id is None:
+            return None
+        return group_of(self).size
+
+    def rank(self) -> int | None:
+        """This rank's position in the set, or None while it is not registered."""
+        if self.process_set_id is None:
+            return None
+        group = group_of(self)
+        return group.rank if group.included else None
+
+    def included(self) -> bool | None:
+        if self.ranks is None:
+            return None
+        from .world import rank
+        return rank() in self.ranks
+
+    def __str__(self) -> str:
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, mpi_comm={self.mpi_comm})"
+
+
+global_process_set = ProcessSet([])
+global_process_set.process_set_id = 0
+
+
+@dataclass
+class Group:
+    """A registered set as this rank runs it: its ranks and, on a member, its
+    bootstrap and collectives (the global set's are the world's, looked up at
+    each call: an elastic reset replaces them)."""
+    id: int
+    ranks: tuple
+    own_bootstrap: Bootstrap | None = None
+    own_collectives: CheckedCollectives | None = None
+
+    @property
+    def collectives(self) -> CheckedCollectives:
+        from .world import world
+        return world().collectives if self.id == 0 else self.own_collectives
+
+    @property
+    def bootstrap(self) -> Bootstrap:
+        from .world import world
+        return world().bootstrap if self.id == 0 else self.own_bootstrap
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def included(self) -> bool:
+        from .world import world
+        return world().rank in self.ranks
+
+    @property
+    def rank(self) -> int:
+        from .world import world
+        return self.ranks.index(world().rank)
+
+    def local(self, rank: int, what: str = "root_rank") -> int:
+        """A global rank's position in the set (roots are given as global ranks)."""
+        if rank not in self.ranks:
+            raise ValueError(f"{what} {rank} is not in process set {self.id} (ranks {list(self.ranks)})")
+        return self.ranks.index(rank)
+
+    def close(self) -> None:
+        if self.own_collectives is not None:
+            try:
+                self.own_collectives.close()
+            finally:
+                self.own_bootstrap.close()
+
+
+def group_of(process_set) -> Group:
+    """The registered set a collective runs in (None: the global one). ValueError for
+    a set that is not registered; the caller checks that this rank is in it."""
+    from .world import world
+    w = world()
+    ps_id = 0 if process_set is None else getattr(process_set, "process_set_id", None)
+    if ps_id == 0:
+        return Group(0, tuple(range(w.size)))
+    if ps_id is None or ps_id not in w.sets:
+        raise ValueError(f"{process_set} is not a registered process set: pass it to hvd.init(process_sets=...) "
+                         f"or hvd.add_process_set() first, on every rank")
+    return w.sets[ps_id]
+
+
+def register(w, candidates: list, adding: bool) -> None:
+    """Give `candidates` ids and, on their members, collectives: a call of every rank.
+    A set with the ranks of one already registered (the global one included) is
+    refused when `adding` (ValueError, as Horovod), else left unregistered."""
+    given = []
+    for ps in candidates:
+        ps = ps if isinstance(ps, ProcessSet) else ProcessSet(ps)
+        ranks = list(ps.ranks or [])
+        bad = [r for r in ranks if not 0 <= r < w.size]
+        if not ranks or bad or len(set(ranks)) != len(ranks):
+            raise ValueError(f"process set {ranks}: ranks must be distinct ranks of this job (0..{w.size - 1})"
+                             + (f"; {bad} are not" if bad else ""))
+        given.append((ps, tuple(ranks)))
+    lists = [list(ranks) for _, ranks in given]
+    for r, raw in enumerate(w.bootstrap.allgather("process_sets", json.dumps(lists).encode())):
+        if json.loads(raw) != lists:
+            raise ValueError(f"process sets: rank {r} registers {json.loads(raw)} while rank {w.rank} registers "
+                             f"{lists}: every rank must register the same sets in the same order")
+    taken = {g.ranks for g in w.sets.values()} | {tuple(range(w.size))}
+    new = []
+    for ps, ranks in given:
+        if ranks in taken:
+            if adding:
+                raise ValueError(f"Attempted to add a duplicate process set: {ps}")
+            ps._invalidate()
+            continue
+        taken.add(ranks)
+        new.append((ps, ranks))
+    reservations = {j: PortReservation(w.hosts[w.rank]) for j, (_, ranks) in enumerate(new)
+                    if w.rank in ranks and len(ranks) > 1}
+    try:
+        ports = [json.loads(raw) for raw in w.bootstrap.allgather(
+            "process_set_ports", json.dumps({j: res.port for j, res in reservations.items()}).encode())]
+        for j, (ps, ranks) in enumerate(new):      # in the same order on every rank: no two wait on each other
+            group = Group(w.next_set_id, ranks)
+            w.next_set_id += 1
+            if w.rank in ranks:
+                peers = {i: f"{w.hosts[g]}:{ports[g].get(str(j), 0)}" for i, g in enumerate(ranks)}
+                if j in reservations:
+                    reservations.pop(j).close()    # the set's bootstrap server binds it now
+                group.own_bootstrap = Bootstrap(ranks.index(w.rank), peers, w.provider, w.token, w.timeout)
+                try:
+                    group.own_collectives = CheckedCollectives(
+                        group.own_bootstrap, [w.hosts[g] for g in ranks], w.provider, w.token, w.timeout,
+                        w.fusion_threshold, watch=lambda s, ranks=ranks: w.failure.watch(s, ranks),
+                        job_failure=lambda: w.failure.first, check_finite=w.check_finite)
+                except BaseException:
+                    group.own_bootstrap.close()
+                    raise
+                if group.own_bootstrap.session is not None:
+                    w.failure.watch(group.own_bootstrap.session, ranks)
+            w.sets[group.id] = group
+            ps.process_set_id = group.id
+    finally:
+        for res in reservations.values():
+            res.close()
+
+
+def add_process_set(process_set) -> ProcessSet:
+    """Register a process set after init() (every rank calls it, in the same order); it is returned registered."""
+    from .world import world
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    register(world(), [ps], adding=True)
+    return ps
+
+
+def remove_process_set(process_set) -> bool:
+    """Close a registered set's collectives (every rank calls it); False for the global
+    set or one that is not registered."""
+    from .world import world
+    w = world()
+    ps_id = getattr(process_set, "process_set_id", None)
+    if not ps_id or ps_id not in w.sets:
+        return False
+    w.bootstrap.allgather("process_set_remove", str(ps_id).encode())
+    process_set._invalidate()
+    w.sets.pop(ps_id).close()
+    return True
