@@ -72,9 +72,13 @@ with tf.GradientTape() as tape:
 tape = hvd.DistributedGradientTape(tape, process_set=mine)
 (g,) = tape.gradient(loss, [w])
 checks["tape"] = float(g.numpy()) == 2.0 * sum(members) / n
+other = odd if mine is even else even
+with tf.GradientTape() as tape:
+    loss = w * w
+(g,) = hvd.DistributedGradientTape(tape, process_set=other).gradient(loss, [w])
+checks["tape_outside"] = float(g.numpy()) == 2.0 * rank      # as Horovod: a rank outside keeps its gradient
 
 errors = {}
-other = odd if mine is even else even
 try:
     hvd.allreduce(tf.ones(4), process_set=other)
 except tf.errors.InvalidArgumentError as exc:

@@ -166,8 +166,7 @@ def register(w, candidates: list, adding: bool) -> None:
         ports = [json.loads(raw) for raw in w.bootstrap.allgather(
             "process_set_ports", json.dumps({j: res.port for j, res in reservations.items()}).encode())]
         for j, (ps, ranks) in enumerate(new):      # in the same order on every rank: no two wait on each other
-            group = Group(w.next_set_id, ranks)
-            w.next_set_id += 1
+            group = Group(min(set(range(1, len(w.sets) + 2)) - set(w.sets)), ranks)   # the lowest free id, as Horovod
             if w.rank in ranks:
                 peers = {i: f"{w.hosts[g]}:{ports[g].get(str(j), 0)}" for i, g in enumerate(ranks)}
                 if j in reservations:

@@ -209,10 +209,14 @@ def reduce_shared(grads: list, sources: list, local: set, compression, sparse_as
                   predivide: float = 1.0, scale_local: bool = True, process_set=None) -> list:
     """Gradients combined over the ranks but those of the sources whose id() is in
     `local`, which stay this rank's (divided by the number of ranks with
-    `scale_local`), as Horovod's tape and optimizer treat local sources. With
+    `scale_local`), as Horovod's tape and optimizer treat local sources; on a rank
+    outside `process_set`, every gradient stays this rank's, as in Horovod. With
     `predivide`, an average is split around the sum as Horovod does."""
+    group = group_of(process_set)
+    if not group.included:         # as Horovod's tape and optimizer: a rank outside the set keeps its gradients
+        return list(grads)
     shared = [j for j, s in enumerate(sources) if id(s) not in local]
-    n = _group(process_set).size
+    n = group.size
     pre, post = 1.0, 1.0
     if predivide != 1.0:
         op, pre, post = Sum, 1.0 / predivide, predivide / n
@@ -282,7 +286,7 @@ class DistributedGradientTape:
             raise ValueError("gradient_predivide_factor not supported with op != Average")
         if groups is not None and not (isinstance(groups, list) or groups > 0):
             raise ValueError("groups should be a non-negative integer or a list of list of tf.Variable.")
-        _group(process_set)
+        group_of(process_set)      # registered (ValueError); a rank outside it keeps its gradients
         self._tape, self._compression, self._sparse_as_dense = gradtape, compression, sparse_as_dense
         self._process_set = process_set
         self._op, self._predivide, self._scale_local = op, gradient_predivide_factor, scale_local_gradients

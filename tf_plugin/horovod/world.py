@@ -65,7 +65,6 @@ class World:
     fusion_threshold: int | None = None
     check_finite: bool = False
     sets: dict = field(default_factory=dict)     # process set id -> process_sets.Group
-    next_set_id: int = 1
 
 
 _world: World | None = None

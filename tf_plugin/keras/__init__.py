@@ -17,6 +17,7 @@ from ..horovod.world import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, 
                      ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, init, is_initialized, local_rank,
                      local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built,
                      shutdown, size, stats)
+from ..horovod.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from . import callbacks, elastic
 from .optimizer import DistributedOptimizer, PartialDistributedOptimizer
 from .saving import load_model
@@ -26,7 +27,8 @@ __all__ = ["elastic", "DistributedOptimizer", "PartialDistributedOptimizer", "lo
            "broadcast_object", "allgather_object", "init", "shutdown", "is_initialized", "rank", "size", "local_rank",
            "local_size", "stats", "Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp", "mpi_built",
            "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built", "ddl_built",
-           "ccl_built", "cuda_built", "rocm_built"]
+           "ccl_built", "cuda_built", "rocm_built", "ProcessSet", "global_process_set", "add_process_set",
+           "remove_process_set"]
 
 
 def allreduce(value, name: str | None = None, average=None, prescale_factor: float = 1.0,
