@@ -35,7 +35,8 @@ _HOROVOD = ("DistributedGradientTape", "PartialDistributedGradientTape", "broadc
             "broadcast_global_variables", "alltoall", "reducescatter", "grouped_reducescatter", "join", "rank_op",
             "local_rank_op", "size_op", "local_size_op", "process_set_included_op", "Compression")
 _API = {**dict.fromkeys(_WORLD, "horovod.world"), **dict.fromkeys(_HOROVOD, "horovod.tensors"),
-        "_executing_eagerly": "horovod.util", "SyncBatchNormalization": "horovod.sync_batch_norm"}
+        "_executing_eagerly": "horovod.util", "SyncBatchNormalization": "horovod.sync_batch_norm",
+        "DistributedOptimizer": "keras.any_optimizer"}
 __all__ = list(_API) + ["elastic", "util"]
 
 

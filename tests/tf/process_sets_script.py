@@ -78,6 +78,25 @@ with tf.GradientTape() as tape:
 (g,) = hvd.DistributedGradientTape(tape, process_set=other).gradient(loss, [w])
 checks["tape_outside"] = float(g.numpy()) == 2.0 * rank      # as Horovod: a rank outside keeps its gradient
 
+
+
+def tf1_optimizer():
+    """hvd.DistributedOptimizer of a TF1 optimizer in a TF1 graph, over the set: v -= mean of the ranks."""
+    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+        v = tf.compat.v1.get_variable("v", initializer=[0.0], use_resource=False)
+
+        class Fixed(tf.compat.v1.train.GradientDescentOptimizer):
+            def compute_gradients(self, *args, **kwargs):
+                return [(tf.constant([float(rank)]), v)]
+        opt = hvd.DistributedOptimizer(Fixed(1.0), process_set=mine)
+        update = opt.apply_gradients(opt.compute_gradients())
+        sess.run(tf.compat.v1.global_variables_initializer())
+        sess.run(update)
+        return float(sess.run(v)[0])
+
+
+checks["tf1_optimizer"] = tf1_optimizer() == -sum(members) / n
+
 errors = {}
 try:
     hvd.allreduce(tf.ones(4), process_set=other)
