@@ -29,7 +29,8 @@ _WORLD = ("init", "shutdown", "is_initialized", "rank", "size", "local_rank", "l
           "allgather_object", "stats", "Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp",
           "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built",
           "ddl_built", "ccl_built", "cuda_built", "rocm_built", "is_homogeneous", "ProcessSet", "global_process_set",
-          "add_process_set", "remove_process_set")
+          "add_process_set", "remove_process_set", "cross_rank", "cross_size", "start_timeline", "stop_timeline",
+          "broadcast_object_fn")
 _HOROVOD = ("DistributedGradientTape", "PartialDistributedGradientTape", "broadcast_variables", "allreduce",
             "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_",
             "broadcast_global_variables", "alltoall", "reducescatter", "grouped_reducescatter", "join", "rank_op",

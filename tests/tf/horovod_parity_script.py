@@ -129,6 +129,22 @@ case("process_set", lambda: isinstance(_raises(lambda: hvd.add_process_set(list(
      and hvd.remove_process_set(hvd.global_process_set) is False and hvd.global_process_set.size() == n)
 
 
+case("cross", lambda: (hvd.cross_rank(), hvd.cross_size(), hvd_keras.cross_size()) == (0, 1, 1))   # one host
+case("broadcast_object_fn", lambda: hvd.broadcast_object_fn(root_rank=n - 1)({"r": r}) == {"r": n - 1})
+
+
+def timeline_case():
+    path = f"{out_dir}/timeline-{{rank}}.json"
+    hvd.start_timeline(path)
+    hvd.allreduce(x_of(r), name="timed")
+    hvd.stop_timeline()
+    events = json.loads(open(path.replace("{rank}", str(r))).read())
+    return events[-1]["name"] == "trace_end" and any(e["name"].startswith("ready") for e in events)
+
+
+case("timeline", timeline_case)
+
+
 def inplace_case():
     v = tf.Variable(np.full(2, float(r), np.float32))
     values = hvd.broadcast_([v], n - 1)

@@ -30,6 +30,7 @@ from ..engine.checks import CheckedCollectives, finite_check_from_env
 from ..launcher import rendezvous
 from ..launcher.cluster import Cluster
 from ..engine.failure import JobFailure
+from ..engine.timeline import Timeline
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set  # noqa: F401
 
 
@@ -241,6 +242,49 @@ def local_rank() -> int:
 
 def local_size() -> int:
     return world().local_size
+
+
+def cross_rank() -> int:
+    """This rank's host among the hosts that run a rank of its local rank (Horovod's cross rank)."""
+    w = world()
+    return _same_local_rank(w).index(w.rank)
+
+
+def cross_size() -> int:
+    """How many hosts run a rank of this rank's local rank (Horovod's cross size)."""
+    return len(_same_local_rank(world()))
+
+
+def _same_local_rank(w: World) -> list[int]:
+    """The ranks whose position among their host's ranks is this rank's, in rank order."""
+    position = [w.hosts[:r].count(w.hosts[r]) for r in range(w.size)]
+    return [r for r in range(w.size) if position[r] == position[w.rank]]
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Record the all-reduce's time line in `file_path` from now on (engine/timeline.py;
+    as RDMATENSOR_TIMELINE: rank 0 writes it, or every rank with {rank} in the path).
+    A time line already recording is closed first. `mark_cycles`: accepted, as
+    Horovod's, with no cycles to mark."""
+    w = world()
+    if not file_path:
+        raise ValueError("start_timeline needs the path of the time line's file")
+    stop_timeline()
+    if "{rank}" in file_path or w.rank == 0:
+        w.collectives.comm.timeline = Timeline(file_path.replace("{rank}", str(w.rank)), w.rank)
+
+
+def stop_timeline() -> None:
+    """Stop recording the time line and close its file (nothing if none records)."""
+    comm = world().collectives.comm
+    timeline, comm.timeline = comm.timeline, None
+    if timeline is not None:
+        timeline.close()
+
+
+def broadcast_object_fn(root_rank: int = 0, session=None, name: str | None = None, process_set=None):
+    """A function of one object that broadcasts it from root_rank, as Horovod's."""
+    return lambda obj: broadcast_object(obj, root_rank, session, name, process_set)
 
 
 def broadcast_object(obj, root_rank: int = 0, session=None, name: str | None = None, process_set=None):

@@ -14,9 +14,9 @@ from __future__ import annotations
 from ..horovod import tensors as _tf
 from ..horovod.tensors import Compression, broadcast_variables
 from ..horovod.world import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, allgather_object, broadcast_object,
-                     ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, init, is_initialized, local_rank,
-                     local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built,
-                     shutdown, size, stats)
+                     ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init,
+                     is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
+                     nccl_built, rank, rocm_built, shutdown, size, start_timeline, stats, stop_timeline)
 from ..horovod.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from . import callbacks, elastic
 from .optimizer import DistributedOptimizer, PartialDistributedOptimizer
@@ -28,7 +28,7 @@ __all__ = ["elastic", "DistributedOptimizer", "PartialDistributedOptimizer", "lo
            "local_size", "stats", "Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp", "mpi_built",
            "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built", "ddl_built",
            "ccl_built", "cuda_built", "rocm_built", "ProcessSet", "global_process_set", "add_process_set",
-           "remove_process_set"]
+           "remove_process_set", "cross_rank", "cross_size", "start_timeline", "stop_timeline"]
 
 
 def allreduce(value, name: str | None = None, average=None, prescale_factor: float = 1.0,
