@@ -166,13 +166,10 @@ class VerbsChannel(Channel):
             raise
 
     def prepare_write(self, region_id: int, offset: int, src: np.ndarray, imm: int):
-        """The endpoint's prepared write (None on pyverbs' or for no region): it
-        posts nothing once this channel is lost or closing (the endpoint is halted)."""
+        """The endpoint's prepared write (None for no region): it posts nothing
+        once this channel is lost or closing (the endpoint is halted)."""
         remote = self._regions.get(region_id)
-        prepare = getattr(self.ep, "prepare_write", None)
-        if remote is None or prepare is None:
-            return None
-        return prepare(src, remote, offset, imm)
+        return None if remote is None else self.ep.prepare_write(src, remote, offset, imm)
 
     def write_many(self, writes: list) -> list[int]:
         """Post the writes as chains of up to MAX_CHAIN work requests (one
