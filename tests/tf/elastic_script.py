@@ -1,7 +1,10 @@
 """An elastic training job, started by `rdmatensor-run --min-np/--max-np
 --host-discovery-script` (the script: `cat OUT_DIR/hosts`):
 
-    python elastic_script.py OUT_DIR MODE STEPS KILL_AT ADD_AT     # MODE: tape | fit
+    python elastic_script.py OUT_DIR MODE STEPS KILL_AT ADD_AT     # MODE: tape | fit | warmup
+
+(warmup: tape, with one training step before hvd.elastic.run, and the killed
+worker's slot still offered.)
 
 A linear regression, its state committed every COMMIT steps. Worker 1 (the
 first rank 1) sets the hosts file to one slot fewer and SIGKILLs itself in the middle
@@ -59,7 +62,8 @@ def killed_since() -> float | None:
 
 def die_in_this_step(step: int) -> None:
     if worker == 1 and step == kill_at and not (out_dir / "killed").exists():
-        (out_dir / "hosts").write_text(f"localhost:{hvd.size() - 1}\n")
+        if mode != "warmup":      # warmup: the slot stays offered, a new worker starts there
+            (out_dir / "hosts").write_text(f"localhost:{hvd.size() - 1}\n")
         (out_dir / "killed").write_text(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -93,10 +97,11 @@ def train_step(x, y):
 def tape_training(state):
     # With ADD_AT, the job also goes on until the new worker trained COMMIT steps with the others
     # (decided alike on every rank: the size, and the state rank 0 synced)
-    while state.step < steps or (add_at >= 0 and (state.joined_at < 0 or state.step < state.joined_at + COMMIT)):
+    while state.step < steps or (add_at >= 0 and (state.joined_at < 0 or state.step < state.joined_at + COMMIT)) \
+            or (mode == "warmup" and not hvd.broadcast_object(joiner_failed.exists(), 0, name="joiner")):
         if add_at >= 0 and hvd.size() == 3 and state.joined_at < 0 and killed_since() is not None:
             state.joined_at = state.step
-        if hvd.size() < 3 and add_at >= 0:
+        if hvd.size() < 3 and (add_at >= 0 or mode == "warmup"):
             time.sleep(0.05)
         x, y = batch(state.step, hvd.rank())
         die_in_this_step(state.step)
@@ -140,6 +145,16 @@ if mode == "fit":
     state = hvd.elastic.KerasState(model, step=0, epoch=0)         # the compiled (distributed) optimizer
 else:
     state = hvd.elastic.TensorFlowKerasState(model, opt, step=0, joined_at=-1)
+joiner_failed = out_dir / "joiner failed"
+if mode == "warmup":
+    # A collective before run(), as Horovod's synthetic benchmark's warm-up step: a worker
+    # that joins later calls it while the others sync the state (they train until it failed).
+    try:
+        train_step(*batch(0, hvd.rank()))
+    except tf.errors.OpError:
+        if worker >= 3:
+            joiner_failed.write_text("")
+        raise
 # a reset after the kill (the callback runs once the job re-formed): its first step says when it came
 state.register_reset_callbacks([lambda: resumed.__setitem__(0, killed_since() is not None)])
 hvd.elastic.run(fit_training if mode == "fit" else tape_training)(state)

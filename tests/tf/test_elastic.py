@@ -2,8 +2,9 @@
 hvd.elastic): a 3-rank job one of whose ranks is SIGKILLed mid-epoch goes on
 with 2, from its last commit, and every rank ends with the same weights; when
 the discovery script offers the slot again, a new worker joins at the next
-commit and the job finishes with 3; below --min-np the job fails, saying why
-in one line. elastic_script.py is the job (tape, or Keras fit)."""
+commit and the job finishes with 3; a new worker that calls a collective before
+hvd.elastic.run fails alone and the job goes on; below --min-np the job fails,
+saying why in one line. elastic_script.py is the job (tape, or Keras fit)."""
 import os
 import re
 import subprocess
@@ -94,6 +95,21 @@ def test_keras_fit_loses_a_rank_mid_epoch_and_finishes_with_two(tmp_path):
     assert [s for s, n, _, _ in steps_of(out, 0) if n == 2][-1] == 15    # every epoch done, none twice
     finals = {w: [line.split()[1] for line in lines_of(out, w) if line.startswith("final")] for w in (0, 2)}
     assert len({f[0] for f in finals.values()}) == 1, finals
+
+
+def test_a_new_worker_that_calls_a_collective_before_run_fails_alone_and_the_job_goes_on(tmp_path):
+    """A script with a warm-up step before hvd.elastic.run (as Horovod's synthetic benchmark):
+    the worker started on the killed one's slot runs it while the others sync the state. It
+    fails alone, its slot is not refilled, and the job finishes with 2 from its commits."""
+    proc = elastic_job(tmp_path, "shm", "warmup", steps=16, kill_at=6, add_at=-1)    # then until it failed
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert ("worker 3 on localhost exited with status 1 before any commit of a round it was in: its slot is "
+            "not refilled" in out), out[-6000:]
+    assert "worker 4" not in out, out[-6000:]
+    check_lost_rank_recovered(out, kill_at=6, survivors=[0, 2])
+    assert (tmp_path / "joiner failed").exists()
+    assert steps_of(out, 0)[-1][1] == 2 and steps_of(out, 0)[-1][0] == steps_of(out, 2)[-1][0] >= 15
 
 
 def test_below_min_np_the_job_fails_in_one_line(tmp_path):

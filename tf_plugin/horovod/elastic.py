@@ -29,7 +29,7 @@ import functools
 
 import tensorflow as tf
 
-from rdmatensor import PeerLost
+from rdmatensor import PeerLost, PlanMismatch
 
 from ..launcher import rendezvous
 from . import world as _world
@@ -206,11 +206,11 @@ def run(func):
 
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
-        skip_sync = False
+        skip_sync, resets = False, 0
         while True:
             try:
                 if not skip_sync:
-                    state.sync()
+                    _sync(state, resets)
                 return func(state, *args, **kwargs)
             except HostsUpdatedInterrupt as exc:
                 skip_sync = exc.skip_sync
@@ -222,9 +222,24 @@ def run(func):
                 state.restore()
                 skip_sync = False
             _reset()
+            resets += 1
             state.on_reset()
 
     return wrapper
+
+
+def _sync(state, resets: int) -> None:
+    """state.sync(). After a reset every rank that went through it syncs alike: a rank
+    calling another collective is a worker that just joined and runs one before run()
+    (a warm-up step at the top of the script). It fails there and exits; the job forms
+    again without it (the launcher does not refill its slot), so the others go on."""
+    try:
+        state.sync()
+    except (PlanMismatch, tf.errors.FailedPreconditionError) as exc:
+        if not resets or not rendezvous.configured():
+            raise
+        raise HorovodInternalError(f"the state's sync after a reset failed: a worker that joined calls "
+                                   f"another collective before hvd.elastic.run ({exc})") from exc
 
 
 __all__ = ["run", "State", "ObjectState", "TensorFlowState", "TensorFlowKerasState", "HorovodInternalError",

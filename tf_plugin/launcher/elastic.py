@@ -80,6 +80,11 @@ class ElasticJob(Job):
         self.next_id = 0
         self.finishing = False          # a worker ended with 0: training is over, start no other
         self.short_since: float | None = None
+        # Slots not refilled: a worker failed there before any round it was in committed. A new
+        # one would fail the same way (a script that fails to start, or that runs a collective
+        # before hvd.elastic.run, which a joiner cannot). Refilled once the offered hosts change.
+        self.barred: Counter = Counter()
+        self._offered: list | None = None
 
     def _alive_ids(self) -> list[int]:
         return [p.rank for p, proc in self.started if proc.returncode is None and proc.poll() is None]
@@ -119,10 +124,13 @@ class ElasticJob(Job):
         """Start workers on slots the hosts offer and no live worker uses (at most max-np);
         stop those on hosts no longer offered. A listed host offering fewer slots than it
         runs workers keeps them (one may be dying already): it only gets no new one."""
+        if offered != self._offered:
+            self._offered, self.barred = offered, Counter()
         slots = Counter()
         for host, count in offered:
             slots[host] += count
         hosts = {h for h, c in slots.items() if c > 0}
+        slots.subtract(self.barred)
         live = [(p, proc) for p, proc in self.started if proc.poll() is None]
         for p, proc in live:
             if p.host not in hosts:
@@ -160,9 +168,14 @@ class ElasticJob(Job):
                             self.finishing = True
                         else:
                             left = len(self._alive_ids())
-                            self.say(f"worker {p.rank} on {p.host} {_describe(code, not is_local(p.host))}; "
-                                     f"{left} worker(s) go on" + ("" if self.finishing else
-                                                                  ", the job forms again without it"))
+                            barred = not self.finishing and p.rank not in self.rounds.established
+                            if barred:
+                                self.barred[p.host] += 1
+                            self.say(f"worker {p.rank} on {p.host} {_describe(code, not is_local(p.host))}"
+                                     + (" before any commit of a round it was in: its slot is not refilled "
+                                        "while the discovery script offers the same hosts" if barred else "")
+                                     + f"; {left} worker(s) go on" + ("" if self.finishing else
+                                                                      ", the job forms again without it"))
                 if ended:
                     self.rounds.changed()
                 alive = self._alive_ids()

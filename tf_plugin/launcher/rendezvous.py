@@ -63,6 +63,7 @@ class Rounds:
         self.alive, self.min_np = alive, min_np
         self.current: Round | None = None
         self.closed: str | None = None                # why the job ended, for joiners still waiting
+        self.established: set[int] = set()           # workers of a round that reached a commit
         self._cv = threading.Condition()
 
     def _form(self) -> None:
@@ -120,7 +121,10 @@ class Rounds:
                 "local_rank": here.index(rank), "local_size": len(here)}
 
     def updated(self, number: int) -> bool:
+        """Asked by rank 0 at each commit of round `number`: its members are established."""
         with self._cv:
+            if self.current is not None and self.current.number == number:
+                self.established.update(self.current.members)
             return (self.current is None or self.current.number != number
                     or set(self.current.members) != set(self.alive()))
 
