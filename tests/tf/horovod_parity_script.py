@@ -126,7 +126,8 @@ case("executing_eagerly", lambda: hvd._executing_eagerly() is True and hvd.util.
 case("global_variables_eager", lambda: isinstance(_raises(lambda: hvd.broadcast_global_variables(0)), RuntimeError))
 # Every rank is the global set already: a duplicate (ValueError), and it is never removed (False), as Horovod.
 case("process_set", lambda: isinstance(_raises(lambda: hvd.add_process_set(list(range(n)))), ValueError)
-     and hvd.remove_process_set(hvd.global_process_set) is False and hvd.global_process_set.size() == n)
+     and hvd.remove_process_set(hvd.global_process_set) is False and hvd.global_process_set.size() == n
+     and hvd.global_process_set.included() is True and hvd.global_process_set.ranks == list(range(n)))
 
 
 case("cross", lambda: (hvd.cross_rank(), hvd.cross_size(), hvd_keras.cross_size()) == (0, 1, 1))   # one host

@@ -205,7 +205,10 @@ def remove_process_set(process_set) -> bool:
     ps_id = getattr(process_set, "process_set_id", None)
     if not ps_id or ps_id not in w.sets:
         return False
-    w.bootstrap.allgather("process_set_remove", str(ps_id).encode())
+    for r, raw in enumerate(w.bootstrap.allgather("process_set_remove", str(ps_id).encode())):
+        if int(raw) != ps_id:
+            raise ValueError(f"remove_process_set: rank {r} removes process set {int(raw)} while rank {w.rank} "
+                             f"removes {ps_id}: every rank must remove the same sets in the same order")
     process_set._invalidate()
     w.sets.pop(ps_id).close()
     return True

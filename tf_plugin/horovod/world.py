@@ -148,6 +148,7 @@ def init(model=None, provider: str | None = None, cluster: Cluster | None = None
         if joined:
             _last_round = joined["round"]
         _at_exit(shutdown)                 # peers hear a goodbye, not a silence, when a script just ends
+        global_process_set.ranks = list(range(size))      # as Horovod's init sets it
         if process_sets:
             from .process_sets import register
             register(_world, list(process_sets), adding=False)
