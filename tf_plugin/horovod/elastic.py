@@ -206,15 +206,17 @@ def run(func):
 
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
-        skip_sync, resets = False, 0
+        skip_sync, resets, sync_failed = False, 0, False
         while True:
             try:
                 if not skip_sync:
-                    _sync(state, resets)
+                    _sync(state, resets > 0 and not sync_failed)
+                    sync_failed = False
                 return func(state, *args, **kwargs)
             except HostsUpdatedInterrupt as exc:
                 skip_sync = exc.skip_sync
             except (HorovodInternalError, PeerLost, tf.errors.OpError) as exc:
+                sync_failed = isinstance(exc, _SyncFailed)
                 if not isinstance(exc, HorovodInternalError) and _lost_rank() is None:
                     raise                           # not a lost rank: the script's own error
                 if not rendezvous.configured():
@@ -228,18 +230,24 @@ def run(func):
     return wrapper
 
 
-def _sync(state, resets: int) -> None:
-    """state.sync(). After a reset every rank that went through it syncs alike: a rank
-    calling another collective is a worker that just joined and runs one before run()
-    (a warm-up step at the top of the script). It fails there and exits; the job forms
-    again without it (the launcher does not refill its slot), so the others go on."""
+def _sync(state, after_reset: bool) -> None:
+    """state.sync(). After a reset every rank that went through it syncs
+    alike: a rank calling another collective is a worker that just joined and runs one
+    before run() (a warm-up step at the top of the script). It fails there and exits; the
+    job forms again without it (the launcher does not refill its slot), so the others go
+    on. Raised as it is on a first sync, and when the sync after that re-forming fails
+    too (then the ranks that went through the reset differ: the script's own error)."""
     try:
         state.sync()
     except (PlanMismatch, tf.errors.FailedPreconditionError) as exc:
-        if not resets or not rendezvous.configured():
+        if not after_reset or not rendezvous.configured():
             raise
-        raise HorovodInternalError(f"the state's sync after a reset failed: a worker that joined calls "
-                                   f"another collective before hvd.elastic.run ({exc})") from exc
+        raise _SyncFailed(f"the state's sync after a reset failed: a worker that joined calls "
+                          f"another collective before hvd.elastic.run ({exc})") from exc
+
+
+class _SyncFailed(HorovodInternalError):
+    """The state's sync after a reset failed: re-form once more, then raise."""
 
 
 __all__ = ["run", "State", "ObjectState", "TensorFlowState", "TensorFlowKerasState", "HorovodInternalError",
