@@ -107,9 +107,16 @@ def test_a_new_worker_that_calls_a_collective_before_run_fails_alone_and_the_job
     assert ("worker 3 on localhost exited with status 1 before any commit of a round it was in: its slot is "
             "not refilled" in out), out[-6000:]
     assert "worker 4" not in out, out[-6000:]
-    check_lost_rank_recovered(out, kill_at=6, survivors=[0, 2])
+    assert "worker 1 on localhost was killed by signal 9 (SIGKILL)" in out, out[-6000:]
     assert (tmp_path / "joiner failed").exists()
-    assert steps_of(out, 0)[-1][1] == 2 and steps_of(out, 0)[-1][0] == steps_of(out, 2)[-1][0] >= 15
+    # Resumed from a commit before the kill (how long it took depends on when the new
+    # worker came: the first test measures that), every step alike on both, the same end.
+    first_after = next(s for s, n, _, _ in steps_of(out, 0) if n == 2)
+    assert 6 - COMMIT < first_after <= 6 and first_after % COMMIT == 0, first_after
+    assert steps_of(out, 0)[-1][1] == 2 and steps_of(out, 0)[-1][0] >= 15
+    assert [x for x in steps_of(out, 0) if x[1] == 2] == [x for x in steps_of(out, 2) if x[1] == 2]
+    finals = {ln.split()[1] for w in (0, 2) for ln in lines_of(out, w) if ln.startswith("final")}
+    assert len(finals) == 1, finals
 
 
 def test_below_min_np_the_job_fails_in_one_line(tmp_path):

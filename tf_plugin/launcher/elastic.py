@@ -84,6 +84,7 @@ class ElasticJob(Job):
         # one would fail the same way (a script that fails to start, or that runs a collective
         # before hvd.elastic.run, which a joiner cannot). Refilled once the offered hosts change.
         self.barred: Counter = Counter()
+        self.reported: set[int] = set()  # workers whose end was handled (until then they hold their slot)
         self._offered: list | None = None
 
     def _alive_ids(self) -> list[int]:
@@ -131,7 +132,7 @@ class ElasticJob(Job):
             slots[host] += count
         hosts = {h for h, c in slots.items() if c > 0}
         slots.subtract(self.barred)
-        live = [(p, proc) for p, proc in self.started if proc.poll() is None]
+        live = [(p, proc) for p, proc in self.started if p.rank not in self.reported]
         for p, proc in live:
             if p.host not in hosts:
                 self.say(f"worker {p.rank} on {p.host}: the host is no longer offered, stopping it")
@@ -148,16 +149,9 @@ class ElasticJob(Job):
 
     def run(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
-        status, last_discovery, reported = 1, 0.0, set()
+        status, last_discovery, reported = 1, 0.0, self.reported
         try:
             while True:
-                now = time.monotonic()
-                if now - last_discovery >= self.discovery_interval and not self.finishing:
-                    last_discovery = now
-                    try:
-                        self._scale(discover(self.script))
-                    except (LaunchError, OSError, subprocess.TimeoutExpired) as exc:
-                        self.say(f"host discovery failed, keeping the workers as they are: {exc}")
                 ended = False
                 for p, proc in self.started:
                     code = proc.poll()
@@ -178,6 +172,13 @@ class ElasticJob(Job):
                                                                       ", the job forms again without it"))
                 if ended:
                     self.rounds.changed()
+                now = time.monotonic()      # ends first: whether a slot is refilled depends on them
+                if now - last_discovery >= self.discovery_interval and not self.finishing:
+                    last_discovery = now
+                    try:
+                        self._scale(discover(self.script))
+                    except (LaunchError, OSError, subprocess.TimeoutExpired) as exc:
+                        self.say(f"host discovery failed, keeping the workers as they are: {exc}")
                 alive = self._alive_ids()
                 members = self._last_members()
                 if self.finishing and alive and not members & set(alive):
