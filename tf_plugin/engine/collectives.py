@@ -232,6 +232,7 @@ class Collectives:
         self._order: list[TensorSet] = []
         self._rings: dict[int, object] = {}       # set index -> RingAllReduce over the current session
         self._open_calls: dict[tuple, tuple] = {}  # all-reduce set key -> (its latest call's number, set)
+        self._groups: dict[tuple, AllreduceGroup] = {}   # set key -> its all-reduce's layout
         self._retired_session = None
         self._retired = dict.fromkeys(COUNTED, 0)  # counters of closed generations
         self._lock = threading.RLock()             # one collective at a time per process
@@ -434,7 +435,14 @@ class Collectives:
         built): its buckets, for launch() and collect()."""
         described = [_Described(tuple(s), np.dtype(d)) for s, d in zip(shapes, dtypes, strict=True)]
         request = ("allreduce", allreduce_op(op, self.threshold), list(names), described)
-        return AllreduceGroup(request, set_key(*request), allreduce_buckets(shapes, dtypes, self.threshold))
+        key = set_key(*request)
+        group = self._groups.get(key)     # an eager call repeats its layout every step: derived once
+        if group is None:
+            if len(self._groups) >= 4096:
+                self._groups.clear()
+            group = self._groups[key] = AllreduceGroup(request, key, allreduce_buckets(shapes, dtypes,
+                                                                                       self.threshold))
+        return group
 
     def launch(self, group: AllreduceGroup, j: int, arrays: list) -> None:
         """Hand bucket j of the group's all-reduce to the communication thread. The
