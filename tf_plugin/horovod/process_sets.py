@@ -9,7 +9,7 @@ a rank outside it and never share a slot with another set's. Registering and
 removing are calls of every rank, in the same order, as in Horovod.
 
 As in Horovod, a rank that is not in the set cannot call its collectives
-(ValueError; tensors.py raises InvalidArgumentError), roots are given as
+(NotAMember, a ValueError; tensors.py raises InvalidArgumentError), roots are given as
 global ranks, and ProcessSet.rank() is the position in the set. An elastic
 reset ends the sets with the world they were registered in.
 This module does not import TensorFlow.
@@ -130,6 +130,20 @@ def group_of(process_set) -> Group:
         raise ValueError(f"{process_set} is not a registered process set: pass it to hvd.init(process_sets=...) "
                          f"or hvd.add_process_set() first, on every rank")
     return w.sets[ps_id]
+
+
+class NotAMember(ValueError):
+    """This rank called a collective of a process set it is not in."""
+
+
+def member_of(process_set) -> Group:
+    """group_of(process_set), which this rank must be in (NotAMember)."""
+    group = group_of(process_set)
+    if not group.included:
+        from .world import world
+        raise NotAMember(f"rank {world().rank} is not in process set {group.id} (ranks {list(group.ranks)}): "
+                         f"it cannot take part in its collectives")
+    return group
 
 
 def register(w, candidates: list, adding: bool) -> None:

@@ -27,7 +27,7 @@ from ..engine import overlap
 from ..engine.analyzer import var_key
 from ..engine.collectives import allreduce_op
 from ..engine.tf_errors import InvalidArgument, as_horovod_errors, numpy_function
-from .process_sets import Group, group_of
+from .process_sets import Group, NotAMember, group_of, member_of
 from .world import Adasum, Average, Max, Min, Product, ReduceOp, Sum, allgather_object, world
 
 __all__ = ["Compression", "DistributedGradientTape", "PartialDistributedGradientTape", "allreduce",
@@ -582,11 +582,10 @@ def local_size_op(name: str | None = None):
 def _group(process_set) -> Group:
     """The registered set a collective runs in (ValueError if it is not registered);
     this rank must be in it (InvalidArgumentError, as Horovod)."""
-    group = group_of(process_set)
-    if not group.included:
-        raise InvalidArgument(f"rank {world().rank} is not in process set {group.id} (ranks {list(group.ranks)}): "
-                              f"it cannot take part in its collectives")
-    return group
+    try:
+        return member_of(process_set)
+    except NotAMember as exc:
+        raise InvalidArgument(str(exc)) from None
 
 
 def _group_by_id(process_set_id: int) -> Group:
@@ -596,6 +595,7 @@ def _group_by_id(process_set_id: int) -> Group:
 
 def _root(group: Group, root_rank: int) -> int:
     """root_rank (a rank of the job, as Horovod takes it) as a position in the set."""
-    if root_rank not in group.ranks:
-        raise InvalidArgument(f"root_rank {root_rank} is not in process set {group.id} (ranks {list(group.ranks)})")
-    return group.ranks.index(root_rank)
+    try:
+        return group.local(root_rank)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None

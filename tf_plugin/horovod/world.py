@@ -31,7 +31,8 @@ from ..launcher import rendezvous
 from ..launcher.cluster import Cluster
 from ..engine.failure import JobFailure
 from ..engine.timeline import Timeline
-from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set  # noqa: F401
+from .process_sets import (ProcessSet, add_process_set, global_process_set, member_of,  # noqa: F401
+                           remove_process_set)
 
 
 class ReduceOp(enum.IntEnum):
@@ -290,23 +291,17 @@ def broadcast_object_fn(root_rank: int = 0, session=None, name: str | None = Non
 
 def broadcast_object(obj, root_rank: int = 0, session=None, name: str | None = None, process_set=None):
     """`obj` as root_rank has it, on every rank of the set (pickled; the ranks share a token)."""
-    group = _member_of(process_set)
+    group = member_of(process_set)
     data = pickle.dumps(obj) if world().rank == root_rank else None
     return pickle.loads(group.bootstrap.broadcast(f"object:{name or ''}", data, group.local(root_rank)))
 
 
 def allgather_object(obj, session=None, name: str | None = None, process_set=None) -> list:
     """Every rank's `obj` (of the set), in rank order."""
-    group = _member_of(process_set)
+    group = member_of(process_set)
     return [pickle.loads(b) for b in group.bootstrap.allgather(f"objects:{name or ''}", pickle.dumps(obj))]
 
 
-def _member_of(process_set):
-    from .process_sets import group_of
-    group = group_of(process_set)
-    if not group.included:
-        raise ValueError(f"rank {world().rank} is not in process set {group.id} (ranks {list(group.ranks)})")
-    return group
 
 
 def stats() -> dict:
