@@ -987,6 +987,36 @@ static PyObject *ep_poll(Endpoint *self, PyObject *args, PyObject *kw)
     return out;
 }
 
+/* The work on n completions, in order, up to the first failed one: a receive
+ * given back and its immediate passed to on_imm(imm); `*last` the last send
+ * number completed well; `*failed` (wr_id, status, is_receive) of a failed
+ * one, else left NULL. -1 with an error set when on_imm or a post fails. */
+static int take_completions(Endpoint *self, struct ibv_wc *wc, int n, PyObject *on_imm, unsigned long long *last,
+                            PyObject **failed)
+{
+    for (int i = 0; i < n; i++) {
+        int is_recv = (wc[i].wr_id & RECV_TAG) != 0;
+        if (wc[i].status != IBV_WC_SUCCESS) {
+            *failed = Py_BuildValue("(KiN)", (unsigned long long)(wc[i].wr_id & ~RECV_TAG), (int)wc[i].status,
+                                    PyBool_FromLong(is_recv));
+            return *failed ? 0 : -1;
+        }
+        if (!is_recv) {
+            *last = wc[i].wr_id;
+            continue;
+        }
+        if (give_back_receives(self, 1) < 0)
+            return -1;
+        PyObject *imm = PyLong_FromUnsignedLong(wc[i].imm_data);
+        PyObject *r = imm ? PyObject_CallOneArg(on_imm, imm) : NULL;
+        Py_XDECREF(imm);
+        if (!r)
+            return -1;
+        Py_DECREF(r);
+    }
+    return 0;
+}
+
 /* poll() and the work on what it found, in one call: every receive given
  * back and its immediate passed to on_imm(imm), in order, up to the first
  * failed completion. (found, the last send number completed well, failed:
@@ -1002,25 +1032,220 @@ static PyObject *ep_reap(Endpoint *self, PyObject *args)
     if (n < 0)
         return NULL;
     unsigned long long last = 0;
-    for (int i = 0; i < n; i++) {
-        int is_recv = (wc[i].wr_id & RECV_TAG) != 0;
-        if (wc[i].status != IBV_WC_SUCCESS)
-            return Py_BuildValue("(iK(KiN))", n, last, (unsigned long long)(wc[i].wr_id & ~RECV_TAG),
-                                 (int)wc[i].status, PyBool_FromLong(is_recv));
-        if (!is_recv) {
-            last = wc[i].wr_id;
-            continue;
+    PyObject *failed = NULL;
+    if (take_completions(self, wc, n, on_imm, &last, &failed) < 0)
+        return NULL;
+    if (failed)
+        return Py_BuildValue("(iKN)", n, last, failed);
+    return Py_BuildValue("(iKO)", n, last, Py_None);
+}
+
+/* -- the waiter ----------------------------------------------------------- */
+
+/* A thread's wait for a flag (a value's arrival, a credit) on this endpoint,
+ * whole in C: verbs.py's VerbsChannel.wait_for() spin, for the session's
+ * compiled hop (session/_slots.c). Calling it, w(flag), polls the CQ as the
+ * channel's _reap() does (under its poll lock, the channel's _sent and
+ * _polled_at kept, sleepers on sends woken, a failure handed to the
+ * channel's _reap_failed()), until flag.is_set() or its spin passed.
+ * True: the flag is set. None: it is not, or this thread may not poll now
+ * (another reaps, the channel is halted or closing, credits are owed that
+ * find no room): take the channel's wait_for(), which decides and sleeps. */
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    Endpoint *ep;
+    PyObject *channel, *on_imm, *acquire, *release;
+    double spin;                           /* seconds polled before giving up: wait_for() then sleeps */
+} Waiter;
+
+static PyTypeObject WaiterType;
+static PyObject *is_set_name, *closing_name, *sent_name, *polled_at_name, *send_waiters_name, *wake_sends_name,
+    *reap_failed_name;
+
+static int flag_is_set(PyObject *flag)
+{
+    PyObject *r = PyObject_CallMethodNoArgs(flag, is_set_name);
+    int set = r ? PyObject_IsTrue(r) : -1;
+    Py_XDECREF(r);
+    return set;
+}
+
+static int mark_polled(Waiter *self)      /* the channel's _polled_at: a waiter polls the CQ itself */
+{
+    PyObject *t = PyFloat_FromDouble(now());
+    int rc = t ? PyObject_SetAttr(self->channel, polled_at_name, t) : -1;
+    Py_XDECREF(t);
+    return rc;
+}
+
+static PyObject *waiter_vectorcall(Waiter *self, PyObject *const *args, size_t nargsf, PyObject *kw)
+{
+    if (PyVectorcall_NARGS(nargsf) != 1 || kw) {
+        PyErr_SetString(PyExc_TypeError, "waiter(flag)");
+        return NULL;
+    }
+    PyObject *flag = args[0];
+    int set = flag_is_set(flag);
+    if (set)
+        return set < 0 ? NULL : Py_NewRef(Py_True);
+    Endpoint *ep = self->ep;
+    if (ep->halted || ep->closed || ep->closing)
+        Py_RETURN_NONE;
+    if (ep->n_owed) {                      /* the peer may be waiting for them: they go first */
+        uint64_t first = post_owed_chain(ep);
+        if (first == POST_FAILED)
+            PyErr_Clear();                 /* wait_for() posts them again and says what is wrong */
+        if (!first || first == POST_FAILED)
+            Py_RETURN_NONE;
+    }
+    PyObject *got = PyObject_CallOneArg(self->acquire, Py_False);
+    int locked = got ? PyObject_IsTrue(got) : -1;
+    Py_XDECREF(got);
+    if (locked <= 0)                       /* another thread reaps */
+        return locked < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject *result = NULL, *failure = NULL;
+    unsigned long long last = 0;
+    PyObject *closing = PyObject_GetAttr(self->channel, closing_name);
+    int stop = closing ? PyObject_IsTrue(closing) : -1;
+    Py_XDECREF(closing);
+    if (stop < 0 || mark_polled(self) < 0)
+        goto unlock;
+    double deadline = now() + self->spin;
+    while (!stop) {
+        struct ibv_wc wc[32];
+        double left = deadline - now();
+        int n = ep->closing || ep->closed ? -2 : poll_completions(ep, wc, 32, left > 0 ? left : 0);
+        if (n == -2)
+            break;
+        if (n < 0 || take_completions(ep, wc, n, self->on_imm, &last, &failure) < 0) {
+            PyObject *type, *value, *tb;           /* the channel fails as _reap() makes it */
+            PyErr_Fetch(&type, &value, &tb);
+            PyErr_NormalizeException(&type, &value, &tb);
+            Py_XDECREF(type);
+            Py_XDECREF(tb);
+            failure = value ? value : Py_NewRef(Py_None);
+            break;
         }
-        if (give_back_receives(self, 1) < 0)
-            return NULL;
-        PyObject *imm = PyLong_FromUnsignedLong(wc[i].imm_data);
-        PyObject *r = imm ? PyObject_CallOneArg(on_imm, imm) : NULL;
-        Py_XDECREF(imm);
+        if (failure)
+            break;
+        if ((set = flag_is_set(flag)) != 0 || now() >= deadline)
+            break;
+    }
+    if (set < 0)
+        goto unlock;
+    if (last) {
+        PyObject *number = PyLong_FromUnsignedLongLong(last);
+        int rc = number ? PyObject_SetAttr(self->channel, sent_name, number) : -1;
+        Py_XDECREF(number);
+        if (rc < 0)
+            goto unlock;
+    }
+    if (failure) {
+        PyObject *r = PyObject_CallMethodOneArg(self->channel, reap_failed_name, failure);
         if (!r)
-            return NULL;
+            goto unlock;
         Py_DECREF(r);
     }
-    return Py_BuildValue("(iKO)", n, last, Py_None);
+    if (mark_polled(self) < 0)
+        goto unlock;
+    result = set == 1 && !failure ? Py_True : Py_None;
+    Py_INCREF(result);
+unlock:
+    Py_XDECREF(failure);
+    {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyObject *r = PyObject_CallNoArgs(self->release);
+        Py_XDECREF(r);
+        if (type) {
+            PyErr_Restore(type, value, tb);
+        } else if (!r) {
+            Py_CLEAR(result);
+        }
+    }
+    if (last) {                            /* a send completed: wake whoever sleeps on one */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyObject *waiters = PyObject_GetAttr(self->channel, send_waiters_name);
+        int any = waiters ? PyObject_IsTrue(waiters) : -1;
+        Py_XDECREF(waiters);
+        PyObject *r = any == 1 ? PyObject_CallMethodNoArgs(self->channel, wake_sends_name) : NULL;
+        Py_XDECREF(r);
+        if (type) {                        /* the first error stands */
+            PyErr_Clear();
+            PyErr_Restore(type, value, tb);
+        } else if (any < 0 || (any == 1 && !r)) {
+            Py_CLEAR(result);
+        }
+    }
+    return result;
+}
+
+static int waiter_traverse(Waiter *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->ep);
+    Py_VISIT(self->channel);
+    Py_VISIT(self->on_imm);
+    Py_VISIT(self->acquire);
+    Py_VISIT(self->release);
+    return 0;
+}
+
+static int waiter_clear(Waiter *self)
+{
+    Py_CLEAR(self->ep);
+    Py_CLEAR(self->channel);
+    Py_CLEAR(self->on_imm);
+    Py_CLEAR(self->acquire);
+    Py_CLEAR(self->release);
+    return 0;
+}
+
+static void waiter_dealloc(Waiter *self)
+{
+    PyObject_GC_UnTrack(self);
+    waiter_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject WaiterType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "rdmatensor.providers._verbs_native.Waiter",
+    .tp_doc = "Endpoint.waiter(channel, on_imm, poll_lock, spin)(flag): True once the flag is set, "
+              "None to take the channel's wait_for()",
+    .tp_basicsize = sizeof(Waiter),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(Waiter, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_traverse = (traverseproc)waiter_traverse,
+    .tp_clear = (inquiry)waiter_clear,
+    .tp_dealloc = (destructor)waiter_dealloc,
+};
+
+static PyObject *ep_waiter(Endpoint *self, PyObject *args)
+{
+    PyObject *channel, *on_imm, *lock;
+    double spin;
+    if (!PyArg_ParseTuple(args, "OOOd", &channel, &on_imm, &lock, &spin) || check_open(self))
+        return NULL;
+    PyObject *acquire = PyObject_GetAttrString(lock, "acquire");
+    PyObject *release = acquire ? PyObject_GetAttrString(lock, "release") : NULL;
+    Waiter *w = release ? PyObject_GC_New(Waiter, &WaiterType) : NULL;
+    if (!w) {
+        Py_XDECREF(acquire);
+        Py_XDECREF(release);
+        return NULL;
+    }
+    w->vectorcall = (vectorcallfunc)waiter_vectorcall;
+    w->ep = (Endpoint *)Py_NewRef(self);
+    w->channel = Py_NewRef(channel);
+    w->on_imm = Py_NewRef(on_imm);
+    w->acquire = acquire;
+    w->release = release;
+    w->spin = spin;
+    PyObject_GC_Track(w);
+    return (PyObject *)w;
 }
 
 /* Block until the completion queue reports new work (at most `timeout` s),
@@ -1149,6 +1374,9 @@ static PyMethodDef ep_methods[] = {
      "post_recv_into(dst, recv_id): one receive into registered local-only memory"},
     {"poll", (PyCFunction)(void (*)(void))ep_poll, METH_VARARGS | METH_KEYWORDS,
      "poll(max_entries=32, spin=0.0) -> [(wr_id, status, is_receive, imm, byte_len)]"},
+    {"waiter", (PyCFunction)ep_waiter, METH_VARARGS,
+     "waiter(channel, on_imm, poll_lock, spin) -> Waiter: w(flag) spins in C for the flag up to `spin` s, as "
+     "the channel's wait_for() does; True once it is set, None to take wait_for()"},
     {"reap", (PyCFunction)ep_reap, METH_VARARGS,
      "reap(on_imm, spin=0.0) -> (found, last_send_done, failed): poll(), receives given back and their "
      "immediates passed to on_imm in order, up to the first failure, (wr_id, status, is_receive)"},
@@ -1234,8 +1462,18 @@ PyMODINIT_FUNC PyInit__verbs_native(void)
     Py_DECREF(errors);
     if (!DeviceError || !VerbsError || !TransportError || !UsageError)
         return NULL;
+    is_set_name = PyUnicode_InternFromString("is_set");
+    closing_name = PyUnicode_InternFromString("_closing");
+    sent_name = PyUnicode_InternFromString("_sent");
+    polled_at_name = PyUnicode_InternFromString("_polled_at");
+    send_waiters_name = PyUnicode_InternFromString("_send_waiters");
+    wake_sends_name = PyUnicode_InternFromString("_wake_sends");
+    reap_failed_name = PyUnicode_InternFromString("_reap_failed");
+    if (!is_set_name || !closing_name || !sent_name || !polled_at_name || !send_waiters_name || !wake_sends_name
+        || !reap_failed_name)
+        return NULL;
     if (PyType_Ready(&MemoryRegionType) < 0 || PyType_Ready(&EndpointType) < 0 ||
-        PyType_Ready(&PreparedWriteType) < 0)
+        PyType_Ready(&PreparedWriteType) < 0 || PyType_Ready(&WaiterType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m)

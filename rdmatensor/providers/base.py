@@ -162,6 +162,18 @@ class Channel(ABC):
         within a few milliseconds. Default: at once (notify())."""
         self.notify(imm)
 
+    def credit_sink(self):
+        """A compiled callable that takes a credit for later (notify_later's
+        common case) and says True, or False for notify_later() to deliver
+        it: the session's compiled hop calls it. None: none (the default)."""
+        return None
+
+    def waiter(self):
+        """A compiled callable w(flag): True once `flag` is set within a short
+        spin, None for wait_for() to wait (and decide); the session's compiled
+        hop calls it before wait_for(). None: none (the default)."""
+        return None
+
     def peer_said_bye(self) -> None:
         """The peer closed in order; report it once everything it sent is in."""
         self.lost(PeerLost(f"peer {self.peer} closed the session", peer=self.peer))

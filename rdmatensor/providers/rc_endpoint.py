@@ -385,6 +385,10 @@ class RcEndpoint(EndpointHelpers):
                 last = wr_id
         return len(done), last, None
 
+    def waiter(self, channel, on_imm, poll_lock, spin: float) -> None:
+        """None: no compiled spin here; the channel's wait_for() waits."""
+        return None
+
     @staticmethod
     def status_name(status: int) -> str:
         try:

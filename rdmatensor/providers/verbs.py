@@ -201,6 +201,15 @@ class VerbsChannel(Channel):
         if not self.ep.owe(imm):
             self.notify(imm)
 
+    def credit_sink(self):
+        """The endpoint's owe(): a credit owed while a waiter polls leads the next chain."""
+        return self.ep.owe
+
+    def waiter(self):
+        """The endpoint's compiled spin of wait_for() (None on pyverbs): it polls under
+        this channel's poll lock and keeps _sent and _polled_at as _reap() does."""
+        return self.ep.waiter(self, self.on_imm, self._poll_lock, SPIN_SECONDS)
+
     def wait(self, number: int, timeout: float | None = None) -> None:
         """Until send `number` completed: reap on this thread for a short spin, then
         sleep until the reaping thread says so."""
@@ -276,19 +285,30 @@ class VerbsChannel(Channel):
             if last:
                 self._sent = last
             if failed:
-                wr_id, status, is_receive = failed
-                what = "receive from" if is_receive else "write to"
-                raise TransportError(f"{what} peer {self.peer}: work request {wr_id} failed: "
-                                     f"{self.ep.status_name(status)} (status {status})", peer=self.peer)
+                self._reap_failed(failed)
             return bool(found)
         except Exception as exc:  # noqa: BLE001 - becomes the channel's sticky error
-            self._fail_all(exc if isinstance(exc, (TransportError, PeerLost)) else TransportError(str(exc)))
+            self._reap_failed(exc)
             return False
         finally:
             self._poll_lock.release()
             if self._sent != sent and self._send_waiters:
-                with self._send_cv:
-                    self._send_cv.notify_all()
+                self._wake_sends()
+
+    def _reap_failed(self, failure) -> None:
+        """What reaping found wrong, a failed completion (wr_id, status, is_receive)
+        or an exception, made the channel's sticky error (from _reap() and the
+        compiled waiter)."""
+        if isinstance(failure, tuple):
+            wr_id, status, is_receive = failure
+            what = "receive from" if is_receive else "write to"
+            failure = TransportError(f"{what} peer {self.peer}: work request {wr_id} failed: "
+                                     f"{self.ep.status_name(status)} (status {status})", peer=self.peer)
+        self._fail_all(failure if isinstance(failure, (TransportError, PeerLost)) else TransportError(str(failure)))
+
+    def _wake_sends(self) -> None:
+        with self._send_cv:
+            self._send_cv.notify_all()
 
     def _fail_all(self, exc: Exception) -> None:
         if not self._stop.is_set():

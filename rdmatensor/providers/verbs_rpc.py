@@ -62,6 +62,8 @@ class VerbsRpcChannel(VerbsChannel):
     unexpose = Channel.unexpose
     register_source = Channel.register_source
     prepare_write = Channel.prepare_write           # a write is a message here: write() sends it
+    credit_sink = Channel.credit_sink               # a credit is a message here: notify_later() sends it
+    waiter = Channel.waiter                         # a completion is a message to parse here: _take() does it
 
     def _post_receives(self) -> None:
         for index in range(RECV_BUFFERS):

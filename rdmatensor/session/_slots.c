@@ -15,6 +15,10 @@
  *   Immediates    a channel's on_imm: DATA, CREDIT and PAIR for bound slots, in C;
  *                 anything else goes to the Python on_imm, which raises what
  *                 the rules say (credits.py).
+ *   Received      a value lent out (recv.py's).
+ *   SendState     the sender's end of a slot, the fields the hop reads.
+ *   Hop           Session.send, recv and release for the common case in C,
+ *                 the Python path (send.py, recv.py) for everything else.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -108,6 +112,8 @@ typedef struct {
     PyObject *memory, *view, *grown;
     Py_ssize_t recvs;            /* values handed out (each Received built counts one) */
     long long bytes_received;
+    int peer;                    /* the sender's rank */
+    unsigned long credit_imm;    /* the CREDIT immediate that gives this slot back */
 } SlotState;
 
 static int SlotState_init(SlotState *self, PyObject *args, PyObject *kw) {
@@ -265,6 +271,8 @@ static PyMemberDef SlotState_members[] = {
     {"grown", T_OBJECT, offsetof(SlotState, grown), READONLY, "(region id, arena) once grown"},
     {"recvs", T_PYSSIZET, offsetof(SlotState, recvs), 0, "values handed out"},
     {"bytes_received", T_LONGLONG, offsetof(SlotState, bytes_received), 0, "their bytes"},
+    {"peer", T_INT, offsetof(SlotState, peer), 0, "the sender's rank"},
+    {"credit_imm", T_ULONG, offsetof(SlotState, credit_imm), 0, "the CREDIT immediate that gives the slot back"},
     {NULL},
 };
 
@@ -443,11 +451,8 @@ typedef struct {
 
 static PyObject *give_back_name, *name_name, *nbytes_name;
 
-static int Received_init(Received *self, PyObject *args, PyObject *kw) {
-    PyObject *credits, *state, *array;
-    static char *names[] = {"credits", "state", "array", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!O", names, &credits, &SlotStateType, &state, &array))
-        return -1;
+/* Fill a Received: the slot `state` lent out as `array`, going back through credits.give_back. */
+static int received_fill(Received *self, PyObject *credits, PyObject *state, PyObject *array) {
     PyObject *name = PyObject_GetAttr(state, name_name);
     if (!name)
         return -1;
@@ -473,6 +478,17 @@ static int Received_init(Received *self, PyObject *args, PyObject *kw) {
     return 0;
 }
 
+static int Received_init(Received *self, PyObject *args, PyObject *kw) {
+    PyObject *credits, *state, *array;
+    static char *names[] = {"credits", "state", "array", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!O", names, &credits, &SlotStateType, &state, &array))
+        return -1;
+    return received_fill(self, credits, state, array);
+}
+
+static PyTypeObject HopType;
+static PyObject *hop_give_back(PyObject *hop, SlotState *state);
+
 static PyObject *Received_release(Received *self, PyObject *unused) {
     if (!self->state || self->state == Py_None)
         Py_RETURN_NONE;
@@ -480,7 +496,9 @@ static PyObject *Received_release(Received *self, PyObject *unused) {
     self->state = NULL;
     Py_INCREF(Py_None);
     Py_XSETREF(self->array, Py_None);
-    PyObject *r = self->credits ? PyObject_CallMethodOneArg(self->credits, give_back_name, state) : NULL;
+    PyObject *r = !self->credits ? NULL
+        : Py_IS_TYPE(self->credits, &HopType) ? hop_give_back(self->credits, (SlotState *)state)
+        : PyObject_CallMethodOneArg(self->credits, give_back_name, state);
     Py_DECREF(state);
     return r;
 }
@@ -580,6 +598,435 @@ static PyTypeObject ReceivedType = {
     .tp_getset = Received_getset,
 };
 
+/* -- SendState ------------------------------------------------------ */
+/* credits.py's SendSlot, the fields its hop reads: its credit, the staging view
+ * and the prepared write of it, the last write's handle, its counters. */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *credit, *view, *post, *pending;
+    long long writes, bytes_sent, nbytes;
+    unsigned long imm;
+    int peer;
+    char raw;
+} SendState;
+
+static int SendState_traverse(SendState *self, visitproc visit, void *arg) {
+    Py_VISIT(self->credit);
+    Py_VISIT(self->view);
+    Py_VISIT(self->post);
+    Py_VISIT(self->pending);
+    return 0;
+}
+
+static int SendState_clear(SendState *self) {
+    Py_CLEAR(self->credit);
+    Py_CLEAR(self->view);
+    Py_CLEAR(self->post);
+    Py_CLEAR(self->pending);
+    return 0;
+}
+
+static void SendState_dealloc(SendState *self) {
+    PyObject_GC_UnTrack(self);
+    SendState_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMemberDef SendState_members[] = {
+    {"credit", T_OBJECT, offsetof(SendState, credit), 0, "set: this side may write the slot"},
+    {"view", T_OBJECT, offsetof(SendState, view), 0, "staging as the tensor (static ones), once buffer() made it"},
+    {"post", T_OBJECT, offsetof(SendState, post), 0, "the channel's prepared write of `view` (tag 0), if any"},
+    {"pending", T_OBJECT, offsetof(SendState, pending), 0, "the last posted write's handle, while it may read staging"},
+    {"writes", T_LONGLONG, offsetof(SendState, writes), 0, "writes posted"},
+    {"bytes_sent", T_LONGLONG, offsetof(SendState, bytes_sent), 0, "their bytes"},
+    {"nbytes", T_LONGLONG, offsetof(SendState, nbytes), 0, "the bytes of one write of `view`"},
+    {"imm", T_ULONG, offsetof(SendState, imm), 0, "the slot's DATA immediate"},
+    {"peer", T_INT, offsetof(SendState, peer), 0, "the receiver's rank"},
+    {"raw", T_BOOL, offsetof(SendState, raw), 0, "a static value goes as it is: no header, no checksum, not empty"},
+    {NULL},
+};
+
+static PyTypeObject SendStateType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "rdmatensor.session._slots.SendState",
+    .tp_basicsize = sizeof(SendState),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The sender's end of a slot, as its hop reads it (credits.py's SendSlot)",
+    .tp_new = PyType_GenericNew,
+    .tp_traverse = (traverseproc)SendState_traverse,
+    .tp_clear = (inquiry)SendState_clear,
+    .tp_dealloc = (destructor)SendState_dealloc,
+    .tp_members = SendState_members,
+};
+
+/* -- Hop ------------------------------------------------------------- */
+/* A session's send(), recv() and release, compiled for the common case: a
+ * static tensor sent from its staging with its prepared write while its
+ * credit is in, a value handed over as the view it always is, a credit owed
+ * to the next write. Anything else (a wait for a credit, a tag, a dynamic
+ * tensor, an error, a refusal) goes to the Python path (send.py, recv.py,
+ * credits.py), which decides it: one contract, the same errors. Under
+ * emulation every interpreter frame of a hop costs microseconds. */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *send_slots, *recv_slots;      /* dicts: name -> SendState, name -> SlotState */
+    PyObject *live, *peer_errors, *ctx, *channels;
+    PyObject *sinks, *waiters;              /* peer -> its channel's credit_sink(), waiter(), or None */
+    PyObject *send_rest, *recv_rest, *timed_out, *return_credit;   /* the Python path */
+} Hop;
+
+static PyObject *error_name, *closed_name, *timeout_name, *wait_for_name, *credit_sink_name, *waiter_name;
+
+/* The compiled part `method`() of `peer`'s channel (credit_sink, waiter), asked
+ * once and kept in `cache`: borrowed, Py_None for none (or no channel yet),
+ * NULL with an error. */
+static PyObject *channel_part(Hop *self, PyObject *cache, PyObject *peer, PyObject *method) {
+    PyObject *part = PyDict_GetItemWithError(cache, peer);
+    if (part || PyErr_Occurred())
+        return part;
+    PyObject *ch = PyDict_GetItemWithError(self->channels, peer);
+    if (!ch)
+        return PyErr_Occurred() ? NULL : Py_None;
+    part = PyObject_CallMethodNoArgs(ch, method);
+    if (!part || PyDict_SetItem(cache, peer, part) < 0) {
+        Py_XDECREF(part);
+        return NULL;
+    }
+    Py_DECREF(part);                              /* the cache holds it */
+    return part;
+}
+
+/* args[0..n) of a call: positional, then keywords by these names; 0, or -1
+ * for anything else (the Python path then raises the TypeError it would). */
+static int hop_args(PyObject *const *args, size_t nargsf, PyObject *kwnames, const char *const *names, int n,
+                    PyObject **out) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs > n)
+        return -1;
+    for (int i = 0; i < n; i++)
+        out[i] = i < nargs ? args[i] : NULL;
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t k = 0; k < nkw; k++) {
+        int found = 0;
+        for (int i = (int)nargs; i < n && !found; i++)
+            if (!out[i] && PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, k), names[i]) == 0) {
+                out[i] = args[nargs + k];
+                found = 1;
+            }
+        if (!found)
+            return -1;
+    }
+    return 0;
+}
+
+/* Nothing failed: the session, and (check_peer) the pair with `peer`. 1, 0, or -1 with an error. */
+static int hop_healthy(Hop *self, int peer, int check_peer) {
+    PyObject *err = PyObject_GetAttr(self->live, error_name);
+    if (!err)
+        return -1;
+    int ok = err == Py_None;
+    Py_DECREF(err);
+    if (ok && check_peer) {
+        PyObject *p = PyLong_FromLong(peer);
+        int lost = p ? PyDict_Contains(self->peer_errors, p) : -1;
+        Py_XDECREF(p);
+        if (lost < 0)
+            return -1;
+        ok = !lost;
+    }
+    return ok;
+}
+
+static PyObject *Hop_send(Hop *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    static const char *const names[] = {"name", "array", "timeout", "tag"};
+    PyObject *a[4];
+    if (hop_args(args, nargsf, kwnames, names, 4, a) == 0 && a[0] && a[1]
+        && (!a[3] || (PyLong_CheckExact(a[3]) && PyLong_AsLong(a[3]) == 0))) {
+        PyObject *found = PyDict_GetItemWithError(self->send_slots, a[0]);
+        if (!found && PyErr_Occurred())
+            return NULL;
+        SendState *st = (SendState *)found;
+        if (st && PyObject_TypeCheck(found, &SendStateType) && a[1] == st->view && st->view != Py_None
+            && st->raw && st->post && st->post != Py_None && st->credit
+            && PyObject_TypeCheck(st->credit, &FlagType) && ((Flag *)st->credit)->flag) {
+            int ok = hop_healthy(self, st->peer, 1);
+            if (ok < 0)
+                return NULL;
+            if (ok) {
+                Flag *credit = (Flag *)Py_NewRef(st->credit);
+                PyObject *post = Py_NewRef(st->post);
+                Py_INCREF(found);
+                credit->flag = 0;                 /* counted while this thread holds the credit, before the write */
+                st->writes++;
+                st->bytes_sent += st->nbytes;
+                PyObject *number = PyObject_CallNoArgs(post);
+                int posted = number ? PyObject_IsTrue(number) : -1;
+                Py_DECREF(post);
+                if (posted == 1) {
+                    Py_XSETREF(st->pending, number);
+                    Py_DECREF(credit);
+                    Py_DECREF(found);
+                    Py_RETURN_NONE;
+                }
+                Py_XDECREF(number);               /* refused (0) or failed: nothing was posted */
+                st->writes--;
+                st->bytes_sent -= st->nbytes;
+                if (posted < 0)
+                    PyErr_Clear();                /* the checked path below says what is wrong */
+                int set = flag_set(credit);
+                Py_DECREF(credit);
+                Py_DECREF(found);
+                if (set < 0)
+                    return NULL;
+            }
+        }
+    } else if (PyErr_Occurred()) {
+        PyErr_Clear();                            /* a tag that is no small int: the Python path judges it */
+    }
+    return PyObject_Vectorcall(self->send_rest, args, nargsf, kwnames);
+}
+
+static PyObject *Hop_recv(Hop *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    static const char *const names[] = {"name", "timeout", "tag"};
+    PyObject *a[3];
+    if (hop_args(args, nargsf, kwnames, names, 3, a) < 0 || !a[0])
+        goto rest;
+    PyObject *found = PyDict_GetItemWithError(self->recv_slots, a[0]);
+    if (!found) {
+        if (PyErr_Occurred())
+            return NULL;
+        goto rest;
+    }
+    if (!PyObject_TypeCheck(found, &SlotStateType) || !((SlotState *)found)->arrived)
+        goto rest;
+    SlotState *st = (SlotState *)found;
+    int ok = hop_healthy(self, st->peer, st->state != FULL);   /* a value that is in is delivered */
+    if (ok <= 0)
+        return ok < 0 ? NULL : PyObject_Vectorcall(self->recv_rest, args, nargsf, kwnames);
+    Py_INCREF(found);
+    PyObject *result = NULL;
+    if (st->state != FULL) {
+        if (st->state != EMPTY || st->woken || st->arrived->flag)
+            goto rest_held;
+        PyObject *timeout = a[1] && a[1] != Py_None ? (Py_INCREF(a[1]), a[1]) : PyObject_GetAttr(self->ctx, timeout_name);
+        PyObject *peer = timeout ? PyLong_FromLong(st->peer) : NULL;
+        PyObject *ch = peer ? PyDict_GetItemWithError(self->channels, peer) : NULL;
+        if (!ch) {
+            Py_XDECREF(peer);
+            Py_XDECREF(timeout);
+            if (PyErr_Occurred())
+                goto done;
+            goto rest_held;
+        }
+        Py_INCREF(ch);
+        PyObject *arrived = NULL, *waiter = channel_part(self, self->waiters, peer, waiter_name);
+        Py_DECREF(peer);
+        if (!waiter) {                            /* none to be had now: wait_for() waits, and says what is wrong */
+            PyErr_Clear();
+            waiter = Py_None;
+        }
+        int failed = 0;
+        if (waiter != Py_None) {                  /* a compiled spin first; wait_for() decides the rest */
+            Py_INCREF(waiter);
+            arrived = PyObject_CallOneArg(waiter, (PyObject *)st->arrived);
+            Py_DECREF(waiter);
+            failed = !arrived;
+            if (arrived == Py_None)
+                Py_CLEAR(arrived);
+        }
+        if (!arrived && !failed)
+            arrived = PyObject_CallMethodObjArgs(ch, wait_for_name, (PyObject *)st->arrived, timeout, NULL);
+        Py_DECREF(ch);
+        int in = arrived ? PyObject_IsTrue(arrived) : -1;
+        Py_XDECREF(arrived);
+        if (in <= 0) {
+            if (in == 0)    /* raises: the peer's error, or RecvTimeout */
+                result = PyObject_CallFunctionObjArgs(self->timed_out, found, a[0], timeout, NULL);
+            Py_DECREF(timeout);
+            goto done;
+        }
+        Py_DECREF(timeout);
+        if (st->state != FULL)                    /* woken by a failure: the Python path says which */
+            goto rest_held;
+    }
+    if (a[2] && a[2] != Py_None) {                /* another call's value is the Python path's to refuse */
+        unsigned long tag = PyLong_AsUnsignedLong(a[2]);
+        if (tag == (unsigned long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            goto rest_held;
+        }
+        if (tag != st->tag)
+            goto rest_held;
+    }
+    if (!st->view || st->view == Py_None)         /* framed, or not viewed yet: decoded in Python */
+        goto rest_held;
+    Received *r = (Received *)ReceivedType.tp_alloc(&ReceivedType, 0);
+    if (!r)
+        goto done;
+    st->state = HELD;
+    if (received_fill(r, (PyObject *)self, found, st->view) < 0) {
+        st->state = FULL;
+        Py_DECREF(r);
+        goto done;
+    }
+    result = (PyObject *)r;
+done:
+    Py_DECREF(found);
+    return result;
+rest_held:
+    Py_DECREF(found);
+rest:
+    return PyObject_Vectorcall(self->recv_rest, args, nargsf, kwnames);
+}
+
+/* A released slot goes back: EMPTY, and its credit owed to the next write to
+ * the sender where the channel's credit_sink takes it, else as Python gives
+ * it (Credits.return_credit). */
+static PyObject *hop_give_back(PyObject *hop, SlotState *st) {
+    Hop *self = (Hop *)hop;
+    st->state = EMPTY;
+    if (!st->woken)              /* a loss must keep waking later waiters */
+        st->arrived->flag = 0;
+    PyObject *closed = PyObject_GetAttr(self->ctx, closed_name);
+    int is_closed = closed ? PyObject_IsTrue(closed) : -1;
+    Py_XDECREF(closed);
+    if (is_closed)
+        return is_closed < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject *peer = PyLong_FromLong(st->peer);
+    if (!peer)
+        return NULL;
+    int lost = PyDict_Contains(self->peer_errors, peer);
+    PyObject *sink = lost ? NULL : channel_part(self, self->sinks, peer, credit_sink_name);
+    Py_DECREF(peer);
+    if (lost)
+        return lost < 0 ? NULL : Py_NewRef(Py_None);
+    if (!sink)
+        return NULL;
+    if (sink != Py_None) {
+        PyObject *imm = PyLong_FromUnsignedLong(st->credit_imm);
+        Py_INCREF(sink);
+        PyObject *taken = imm ? PyObject_CallOneArg(sink, imm) : NULL;
+        Py_DECREF(sink);
+        Py_XDECREF(imm);
+        int yes = taken ? PyObject_IsTrue(taken) : -1;
+        Py_XDECREF(taken);
+        if (yes == 1)
+            Py_RETURN_NONE;
+        PyErr_Clear();                            /* the Python path reports what is wrong */
+    }
+    return PyObject_CallOneArg(self->return_credit, (PyObject *)st);
+}
+
+static int Hop_init(Hop *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"send_slots", "recv_slots", "live", "ctx", "send", "recv", "timed_out",
+                            "return_credit", NULL};
+    PyObject *send_slots, *recv_slots, *live, *ctx, *send_rest, *recv_rest, *timed_out, *return_credit;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!O!OOOOOO", names, &PyDict_Type, &send_slots, &PyDict_Type,
+                                     &recv_slots, &live, &ctx, &send_rest, &recv_rest, &timed_out, &return_credit))
+        return -1;
+    PyObject *peer_errors = PyObject_GetAttrString(live, "peer_errors");
+    PyObject *channels = peer_errors ? PyObject_GetAttrString(ctx, "channels") : NULL;
+    PyObject *sinks = channels ? PyDict_New() : NULL;
+    PyObject *waiters = sinks ? PyDict_New() : NULL;
+    if (!waiters || !PyDict_Check(peer_errors) || !PyDict_Check(channels)) {
+        if (waiters)
+            PyErr_SetString(PyExc_TypeError, "live.peer_errors and ctx.channels are dicts");
+        Py_XDECREF(peer_errors);
+        Py_XDECREF(channels);
+        Py_XDECREF(sinks);
+        Py_XDECREF(waiters);
+        return -1;
+    }
+    PyObject *keep[] = {send_slots, recv_slots, live, ctx, send_rest, recv_rest, timed_out, return_credit};
+    for (int i = 0; i < 8; i++)
+        Py_INCREF(keep[i]);
+    Py_XSETREF(self->send_slots, send_slots);
+    Py_XSETREF(self->recv_slots, recv_slots);
+    Py_XSETREF(self->live, live);
+    Py_XSETREF(self->ctx, ctx);
+    Py_XSETREF(self->send_rest, send_rest);
+    Py_XSETREF(self->recv_rest, recv_rest);
+    Py_XSETREF(self->timed_out, timed_out);
+    Py_XSETREF(self->return_credit, return_credit);
+    Py_XSETREF(self->peer_errors, peer_errors);
+    Py_XSETREF(self->channels, channels);
+    Py_XSETREF(self->sinks, sinks);
+    Py_XSETREF(self->waiters, waiters);
+    return 0;
+}
+
+static int Hop_traverse(Hop *self, visitproc visit, void *arg) {
+    Py_VISIT(self->send_slots);
+    Py_VISIT(self->recv_slots);
+    Py_VISIT(self->live);
+    Py_VISIT(self->peer_errors);
+    Py_VISIT(self->ctx);
+    Py_VISIT(self->channels);
+    Py_VISIT(self->sinks);
+    Py_VISIT(self->waiters);
+    Py_VISIT(self->send_rest);
+    Py_VISIT(self->recv_rest);
+    Py_VISIT(self->timed_out);
+    Py_VISIT(self->return_credit);
+    return 0;
+}
+
+static int Hop_clear(Hop *self) {
+    Py_CLEAR(self->send_slots);
+    Py_CLEAR(self->recv_slots);
+    Py_CLEAR(self->live);
+    Py_CLEAR(self->peer_errors);
+    Py_CLEAR(self->ctx);
+    Py_CLEAR(self->channels);
+    Py_CLEAR(self->sinks);
+    Py_CLEAR(self->waiters);
+    Py_CLEAR(self->send_rest);
+    Py_CLEAR(self->recv_rest);
+    Py_CLEAR(self->timed_out);
+    Py_CLEAR(self->return_credit);
+    return 0;
+}
+
+static void Hop_dealloc(Hop *self) {
+    PyObject_GC_UnTrack(self);
+    Hop_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Hop_give_back(Hop *self, PyObject *st) {
+    if (!PyObject_TypeCheck(st, &SlotStateType) || !((SlotState *)st)->arrived) {
+        PyErr_SetString(PyExc_TypeError, "give_back() takes a SlotState");
+        return NULL;
+    }
+    return hop_give_back((PyObject *)self, (SlotState *)st);
+}
+
+static PyMethodDef Hop_methods[] = {
+    {"send", (PyCFunction)(void (*)(void))Hop_send, METH_FASTCALL | METH_KEYWORDS,
+     "send(name, array, timeout=None, tag=0): Session.send"},
+    {"recv", (PyCFunction)(void (*)(void))Hop_recv, METH_FASTCALL | METH_KEYWORDS,
+     "recv(name, timeout=None, tag=None): Session.recv"},
+    {"give_back", (PyCFunction)Hop_give_back, METH_O, "give_back(slot): Credits.give_back"},
+    {NULL},
+};
+
+static PyTypeObject HopType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "rdmatensor.session._slots.Hop",
+    .tp_basicsize = sizeof(Hop),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "Hop(send_slots, recv_slots, live, ctx, send, recv, timed_out, return_credit): a session's "
+              "send(), recv() and release, compiled for the common case, the Python path for the rest",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Hop_init,
+    .tp_traverse = (traverseproc)Hop_traverse,
+    .tp_clear = (inquiry)Hop_clear,
+    .tp_dealloc = (destructor)Hop_dealloc,
+    .tp_methods = Hop_methods,
+};
+
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_slots", "Slot state and immediates, compiled.", -1, NULL};
 
 PyMODINIT_FUNC PyInit__slots(void) {
@@ -590,17 +1037,25 @@ PyMODINIT_FUNC PyInit__slots(void) {
     give_back_name = PyUnicode_InternFromString("give_back");
     name_name = PyUnicode_InternFromString("name");
     nbytes_name = PyUnicode_InternFromString("nbytes");
-    if (!wake_name || !empty_str || !full_str || !held_str || !give_back_name || !name_name || !nbytes_name)
+    error_name = PyUnicode_InternFromString("error");
+    closed_name = PyUnicode_InternFromString("closed");
+    timeout_name = PyUnicode_InternFromString("timeout");
+    wait_for_name = PyUnicode_InternFromString("wait_for");
+    credit_sink_name = PyUnicode_InternFromString("credit_sink");
+    waiter_name = PyUnicode_InternFromString("waiter");
+    if (!wake_name || !empty_str || !full_str || !held_str || !give_back_name || !name_name || !nbytes_name
+        || !error_name || !closed_name || !timeout_name || !wait_for_name || !credit_sink_name
+        || !waiter_name)
         return NULL;
     if (PyType_Ready(&FlagType) < 0 || PyType_Ready(&SlotStateType) < 0 || PyType_Ready(&ImmediatesType) < 0
-        || PyType_Ready(&ReceivedType) < 0)
+        || PyType_Ready(&ReceivedType) < 0 || PyType_Ready(&SendStateType) < 0 || PyType_Ready(&HopType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m)
         return NULL;
-    PyTypeObject *types[] = {&FlagType, &SlotStateType, &ImmediatesType, &ReceivedType};
-    const char *names[] = {"Flag", "SlotState", "Immediates", "Received"};
-    for (int i = 0; i < 4; i++) {
+    PyTypeObject *types[] = {&FlagType, &SlotStateType, &ImmediatesType, &ReceivedType, &SendStateType, &HopType};
+    const char *names[] = {"Flag", "SlotState", "Immediates", "Received", "SendState", "Hop"};
+    for (int i = 0; i < 6; i++) {
         Py_INCREF(types[i]);
         if (PyModule_AddObject(m, names[i], (PyObject *)types[i]) < 0) {
             Py_DECREF(types[i]);

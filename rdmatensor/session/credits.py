@@ -27,17 +27,19 @@ from .liveness import Liveness
 log = logging.getLogger("rdmatensor")
 
 
-class SendSlot:
-    """The sender's end of a slot: its credit, where its bytes go, its staging memory."""
+class SendSlot(compiled.SendState if compiled else object):
+    """The sender's end of a slot: its credit, where its bytes go, its staging
+    memory (the fields the compiled hop reads are SendState's, in C)."""
 
     def __init__(self, slot: Slot, peer: int, staging: np.ndarray, raw: bool = False):
         self.slot, self.peer, self.spec, self.name = slot, peer, slot.spec, slot.spec.name
+        self.nbytes = slot.spec.nbytes or 0   # what one write of `view` sends (a static tensor)
         self.credit = Flag(True)              # set: this side may write the slot
         self.region, self.offset, self.capacity = slot.arena, slot.offset, slot.size
         self.staging: np.ndarray | None = staging
         self.view: np.ndarray | None = None   # staging as the tensor (static ones), once buffer() made it
         self.staging_bytes: np.ndarray | None = None     # what one write of `view` sends
-        self.raw = raw                        # a static value goes as it is: no header, no checksum, not empty
+        self.raw = bool(raw)                  # a static value goes as it is: no header, no checksum, not empty
         self.pending = None                   # the last posted write's handle, while it may read staging
         self.post = None                      # the channel's prepared write of `view` (tag 0), if it has one
         self.writes = self.bytes_sent = 0
@@ -157,6 +159,10 @@ class Credits:
     def give_back(self, st: RecvSlot) -> None:
         """The user released the slot: return its credit to the sender."""
         st.release()
+        self.return_credit(st)
+
+    def return_credit(self, st: RecvSlot) -> None:
+        """The credit of a slot just emptied, to its sender (unless it is gone)."""
         if self.ctx.closed or st.peer in self._peer_errors:     # (live.is_lost(), inline)
             return
         try:

@@ -14,6 +14,7 @@ from ..control.servicers import BaselineServicer, ControlServicer
 from ..errors import PeerLost, RdmaTensorError, UsageError
 from ..plan import Plan
 from ..providers import choose
+from . import slots
 from .barrier import Barriers
 from .context import SessionContext
 from .credits import Credits
@@ -65,9 +66,13 @@ class Session:
         self._barriers = Barriers(ctx, self._live)
         self._sender = Sender(ctx, self._credits, self._growth, self._live)
         self._receiver = Receiver(ctx, self._credits, self._live)
-        # The data path's two calls go straight to their parts: the methods
-        # below document them; these attributes save a Python call per tensor.
+        # The data path's two calls go straight to their parts (the methods
+        # below document them), through the compiled hop where it is built.
         self.send, self.recv = self._sender.send, self._receiver.recv
+        if slots.compiled is not None:
+            hop = slots.compiled.Hop(self._credits.send, self._credits.recv, self._live, ctx, self.send,
+                                     self.recv, self._receiver.timed_out, self._credits.return_credit)
+            self.send, self.recv = hop.send, hop.recv
         self._server = None
         self._ready = False                  # set up: every peer reached, the setup barrier passed
         try:

@@ -76,9 +76,7 @@ class Receiver:
         if not st.arrived.is_set():
             timeout = ctx.timeout if timeout is None else timeout
             if not ctx.channels[st.peer].wait_for(st.arrived, timeout):
-                self.live.check(st.peer)
-                raise RecvTimeout(f"{name!r} from rank {st.peer} did not arrive within {timeout:.1f} s",
-                                  peer=st.peer, tensor=name)
+                self.timed_out(st, name, timeout)
         if not st.take():                # woken by a failure, not by data
             self.live.check()
             self.live.check(st.peer)
@@ -87,6 +85,12 @@ class Receiver:
         if array is not None and tag is None:     # as above: the value it waited for, handed over at once
             return Received(self.credits, st, array)
         return self._hand_out(st, tag)
+
+    def timed_out(self, st: RecvSlot, name: str, timeout: float) -> None:
+        """Raise why nothing arrived: the peer's error, else RecvTimeout."""
+        self.live.check(st.peer)
+        raise RecvTimeout(f"{name!r} from rank {st.peer} did not arrive within {timeout:.1f} s",
+                          peer=st.peer, tensor=name)
 
     def _hand_out(self, st: RecvSlot, tag: int | None) -> Received:
         """The value `st` holds (taken: HELD) as a Received, unless it carries

@@ -11,7 +11,12 @@ arrive() outside EMPTY changes nothing and says False (credits.py raises
 CreditViolation). Memory is replaced (growth) only while EMPTY. The compiled
 module also has Immediates, a channel's on_imm that moves a slot on a valid
 DATA or CREDIT immediate without leaving C and hands anything else to the
-Python on_imm (Credits.on_imm), which enforces the rules."""
+Python on_imm (Credits.on_imm), which enforces the rules; and Hop, the
+session's send(), recv() and release compiled for their common case (a
+static tensor from its staging through its prepared write, a value handed
+over as its view, a credit owed to the next write), which hands everything
+else, waits for a credit and every error included, to the Python path
+(send.py, recv.py), so both builds keep one contract."""
 from __future__ import annotations
 
 import threading

@@ -21,6 +21,7 @@ from rdmatensor.providers.base import IMM_CREDIT, IMM_DATA, make_imm, pair_imm
 from rdmatensor.providers.rc import ENDPOINT_ENV, LOCAL_ONLY, MAX_CHAIN, REMOTE_WRITE, endpoint_class
 from rdmatensor.providers.rc_endpoint import RcEndpoint
 from rdmatensor.providers.rc_native import NativeEndpoint
+from rdmatensor.session.flag import Flag
 
 from ..support.ranks import check, free_ports, run_ranks
 from ..transport.peer_proc import TOKEN, fault_plan
@@ -77,6 +78,7 @@ def test_the_same_exchange_over_either_endpoint(rdma_port, kind, monkeypatch):
 
     def body(s, r):
         assert type(s._ctx.channels[1 - r].ep) is KINDS[kind]       # the endpoint asked for
+        assert (s._ctx.channels[1 - r].waiter() is None) == (kind == "pyverbs")    # the compiled spin: native only
         if r == 0:
             for step in range(3):
                 s.send("w", w + step)
@@ -308,6 +310,64 @@ def test_reap_hands_every_immediate_over_in_order_and_gives_receives_back(rdma_p
     finally:
         a.close()
         b.close()
+
+
+def test_the_compiled_wait_polls_as_the_channel_does_and_hands_it_a_failure(rdma_port):
+    """The hop's spin in C (Endpoint.waiter): a ping-pong whose every recv waits
+    through it; it gives up (None) when another thread holds the poll lock or
+    nothing comes within its spin, keeping the channel's books (_sent,
+    _polled_at); a failed completion becomes the channel's error, named."""
+    plan = Plan([TensorSpec("x", (8,), np.float32, 0, 1), TensorSpec("y", (8,), np.float32, 1, 0)])
+    done = threading.Event()           # rank 1 stays until rank 0 is through (its close would be a loss too)
+
+    def body(s, r):
+        ch = s._ctx.channels[1 - r]
+        w = ch.waiter()
+        assert type(w).__name__ == "Waiter"
+        for step in range(50):
+            if r == 0:
+                buf = s.buffer("x")
+                buf[:] = step
+                s.send("x", buf)
+                with s.recv("y") as v:
+                    assert (v == step + 1).all()
+            else:
+                with s.recv("x") as v:
+                    got = float(v[0])
+                buf = s.buffer("y")
+                buf[:] = got + 1
+                s.send("y", buf)
+        s.barrier("pinged")
+        if r == 1:
+            assert done.wait(60)
+            return None
+        try:
+            flag = Flag()
+            with ch._poll_lock:
+                assert w(flag) is None                     # another thread reaps: wait_for() decides
+            before = time.monotonic()
+            for _ in range(100):                           # (the channel's own thread may hold the lock a moment)
+                assert w(flag) is None                     # nothing comes within the spin
+                if ch._polled_at >= before:
+                    break
+            assert before <= ch._polled_at <= time.monotonic() and ch._sent >= 50
+            flag.set()
+            assert w(flag) is True
+            st = s._credits.send["x"]
+            region = ch._regions[st.region]
+            number = ch.ep.post_write(st.staging_bytes, region._replace(rkey=region.rkey ^ 0x5a5a), st.offset, st.imm)
+            end = time.monotonic() + 30
+            while 1 not in s.debug_state()["peer_errors"] and time.monotonic() < end:
+                w(Flag())                                  # it (or the channel's own thread) reaps the failure
+            error = s.debug_state()["peer_errors"].get(1)
+            assert isinstance(error, TransportError), error
+            assert f"write to peer 1: work request {number} failed: IBV_WC_REM_ACCESS_ERR" in str(error)
+            assert w(Flag()) is None                       # halted now: nothing more to poll here
+        finally:
+            done.set()
+        return True
+
+    assert check(run_ranks(2, plan, "verbs", body, timeout=60))[0] is True
 
 
 def test_native_write_the_peer_refuses_fails_with_its_status_named(pair):

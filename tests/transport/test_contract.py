@@ -5,9 +5,11 @@ import time
 import numpy as np
 import pytest
 
-from rdmatensor import (AuthenticationError, CallMismatch, PeerLost, Pieces, Plan, PlanMismatch, SendTimeout,
+from rdmatensor import (AuthenticationError, CallMismatch, PeerLost, Pieces, Plan, PlanMismatch, RecvTimeout,
+                        SendTimeout,
                         TensorMismatch, TensorSpec, UnknownTensor, UsageError)
 from rdmatensor.plan import SUPPORTED_DTYPES
+from rdmatensor.session import slots
 
 from ..support.providers import PROVIDERS, SCALE_PROVIDERS, each_with
 from ..support.ranks import check, run_ranks
@@ -429,6 +431,64 @@ def test_bad_input_gives_typed_errors(provider):
             return bool((v == 1).all())
 
     assert check(run_ranks(2, plan, provider, body)) == {0: True, 1: True}
+
+
+def _hop_walk(s, r, python: bool):
+    """Every turn a hop can take, on the compiled hop or (python) on the Python path alone."""
+    if python:
+        s.send, s.recv = s._sender.send, s._receiver.recv
+    elif slots.compiled is not None:
+        assert type(s.send.__self__) is type(s.recv.__self__) is slots.compiled.Hop
+    if r == 0:
+        buf = s.buffer("a")
+        buf[:] = 1
+        s.send("a", buf)                                   # its staging: the prepared write, where there is one
+        s.send("a", np.full(4, 2, np.float32))             # a user array: waits for the credit, then copies
+        s.send("a", buf, None, 5)                          # a tag, given by position
+        s.send(name="d", array=np.arange(3, dtype=np.uint8))     # dynamic, by keyword
+        s.wait_released(["a", "d"])
+        stats = s.stats()
+        return {k: stats[k] for k in ("writes", "bytes_sent")}
+    got, errors = [], []
+    held = s.recv("a")
+    got.append(held.array.tolist())
+    try:
+        s.recv("a")
+    except UsageError as exc:
+        errors.append(f"{type(exc).__name__}: {exc}")
+    held.release()
+    held.release()                                         # idempotent
+    with s.recv("a", timeout=30) as v:
+        got.append(v.tolist())
+    try:
+        s.recv("a", tag=6)
+    except CallMismatch as exc:                            # the tagged value is refused, its slot given back
+        errors.append(f"{type(exc).__name__}: {exc}")
+    for bad in (lambda: s.recv("a", timeout=0.2), lambda: s.recv("nope")):
+        try:
+            bad()
+        except (RecvTimeout, UnknownTensor) as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+    with s.recv("d", tag=None) as v:
+        got.append(v.tolist())
+    stats = s.stats()
+    return got, errors, {k: stats[k] for k in ("recvs", "bytes_received")}
+
+
+def test_the_compiled_hop_and_the_python_path_deliver_count_and_refuse_alike(provider):
+    plan = Plan([TensorSpec("a", (4,), np.float32, 0, 1), TensorSpec("d", (None,), np.uint8, 0, 1)])
+    compiled = check(run_ranks(2, plan, provider, lambda s, r: _hop_walk(s, r, python=False)))
+    python = check(run_ranks(2, plan, provider, lambda s, r: _hop_walk(s, r, python=True)))
+    assert compiled == python
+    got, errors, counts = compiled[1]
+    assert got == [[1.0] * 4, [2.0] * 4, [0, 1, 2]]
+    assert errors == ["UsageError: 'a' is still held: release the previous view first",
+                      "CallMismatch: 'a' from rank 0 carries tag 5, not 6: the value belongs to another call "
+                      "(discarded)",
+                      "RecvTimeout: 'a' from rank 0 did not arrive within 0.2 s",
+                      "UnknownTensor: tensor 'nope' is not in the plan"]
+    assert counts == {"recvs": 3, "bytes_received": 35}
+    assert compiled[0] == {"writes": 4, "bytes_sent": 51}
 
 
 def test_plan_mismatch_fails_both_sides_naming_the_tensor(provider):
