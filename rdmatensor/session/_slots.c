@@ -112,8 +112,8 @@ typedef struct {
     PyObject *memory, *view, *grown;
     Py_ssize_t recvs;            /* values handed out (each Received built counts one) */
     long long bytes_received;
-    int peer;                    /* the sender's rank */
-    unsigned long credit_imm;    /* the CREDIT immediate that gives this slot back */
+    PyObject *peer;              /* the sender's rank (int), and the CREDIT immediate that gives */
+    PyObject *credit_imm;        /* this slot back: objects, so that Python reads them fast too */
 } SlotState;
 
 static int SlotState_init(SlotState *self, PyObject *args, PyObject *kw) {
@@ -231,6 +231,8 @@ static int SlotState_traverse(SlotState *self, visitproc visit, void *arg) {
     Py_VISIT(self->memory);
     Py_VISIT(self->view);
     Py_VISIT(self->grown);
+    Py_VISIT(self->peer);
+    Py_VISIT(self->credit_imm);
     return 0;
 }
 
@@ -239,6 +241,8 @@ static int SlotState_clear(SlotState *self) {
     Py_CLEAR(self->memory);
     Py_CLEAR(self->view);
     Py_CLEAR(self->grown);
+    Py_CLEAR(self->peer);
+    Py_CLEAR(self->credit_imm);
     return 0;
 }
 
@@ -271,8 +275,8 @@ static PyMemberDef SlotState_members[] = {
     {"grown", T_OBJECT, offsetof(SlotState, grown), READONLY, "(region id, arena) once grown"},
     {"recvs", T_PYSSIZET, offsetof(SlotState, recvs), 0, "values handed out"},
     {"bytes_received", T_LONGLONG, offsetof(SlotState, bytes_received), 0, "their bytes"},
-    {"peer", T_INT, offsetof(SlotState, peer), 0, "the sender's rank"},
-    {"credit_imm", T_ULONG, offsetof(SlotState, credit_imm), 0, "the CREDIT immediate that gives the slot back"},
+    {"peer", T_OBJECT_EX, offsetof(SlotState, peer), 0, "the sender's rank"},
+    {"credit_imm", T_OBJECT_EX, offsetof(SlotState, credit_imm), 0, "the CREDIT immediate that gives the slot back"},
     {NULL},
 };
 
@@ -600,30 +604,30 @@ static PyTypeObject ReceivedType = {
 
 /* -- SendState ------------------------------------------------------ */
 /* credits.py's SendSlot, the fields its hop reads: its credit, the staging view
- * and the prepared write of it, the last write's handle, its counters. */
+ * and the prepared write of it, the last write's handle, its counters. All
+ * objects (T_OBJECT_EX), which the interpreter reads and writes as fast as
+ * an instance's own attributes: the Python path keeps its speed. */
+
+#define SEND_FIELDS(X) X(credit) X(view) X(post) X(pending) X(writes) X(bytes_sent) X(nbytes) X(peer) X(raw)
 
 typedef struct {
     PyObject_HEAD
-    PyObject *credit, *view, *post, *pending;
-    long long writes, bytes_sent, nbytes;
-    unsigned long imm;
-    int peer;
-    char raw;
+#define FIELD(f) PyObject *f;
+    SEND_FIELDS(FIELD)
+#undef FIELD
 } SendState;
 
 static int SendState_traverse(SendState *self, visitproc visit, void *arg) {
-    Py_VISIT(self->credit);
-    Py_VISIT(self->view);
-    Py_VISIT(self->post);
-    Py_VISIT(self->pending);
+#define FIELD(f) Py_VISIT(self->f);
+    SEND_FIELDS(FIELD)
+#undef FIELD
     return 0;
 }
 
 static int SendState_clear(SendState *self) {
-    Py_CLEAR(self->credit);
-    Py_CLEAR(self->view);
-    Py_CLEAR(self->post);
-    Py_CLEAR(self->pending);
+#define FIELD(f) Py_CLEAR(self->f);
+    SEND_FIELDS(FIELD)
+#undef FIELD
     return 0;
 }
 
@@ -634,16 +638,15 @@ static void SendState_dealloc(SendState *self) {
 }
 
 static PyMemberDef SendState_members[] = {
-    {"credit", T_OBJECT, offsetof(SendState, credit), 0, "set: this side may write the slot"},
-    {"view", T_OBJECT, offsetof(SendState, view), 0, "staging as the tensor (static ones), once buffer() made it"},
-    {"post", T_OBJECT, offsetof(SendState, post), 0, "the channel's prepared write of `view` (tag 0), if any"},
-    {"pending", T_OBJECT, offsetof(SendState, pending), 0, "the last posted write's handle, while it may read staging"},
-    {"writes", T_LONGLONG, offsetof(SendState, writes), 0, "writes posted"},
-    {"bytes_sent", T_LONGLONG, offsetof(SendState, bytes_sent), 0, "their bytes"},
-    {"nbytes", T_LONGLONG, offsetof(SendState, nbytes), 0, "the bytes of one write of `view`"},
-    {"imm", T_ULONG, offsetof(SendState, imm), 0, "the slot's DATA immediate"},
-    {"peer", T_INT, offsetof(SendState, peer), 0, "the receiver's rank"},
-    {"raw", T_BOOL, offsetof(SendState, raw), 0, "a static value goes as it is: no header, no checksum, not empty"},
+    {"credit", T_OBJECT_EX, offsetof(SendState, credit), 0, "set: this side may write the slot"},
+    {"view", T_OBJECT_EX, offsetof(SendState, view), 0, "staging as the tensor (static ones), once buffer() made it"},
+    {"post", T_OBJECT_EX, offsetof(SendState, post), 0, "the channel's prepared write of `view` (tag 0), or None"},
+    {"pending", T_OBJECT_EX, offsetof(SendState, pending), 0, "the last write's handle, while it may read staging"},
+    {"writes", T_OBJECT_EX, offsetof(SendState, writes), 0, "writes posted"},
+    {"bytes_sent", T_OBJECT_EX, offsetof(SendState, bytes_sent), 0, "their bytes"},
+    {"nbytes", T_OBJECT_EX, offsetof(SendState, nbytes), 0, "the bytes of one write of `view`"},
+    {"peer", T_OBJECT_EX, offsetof(SendState, peer), 0, "the receiver's rank"},
+    {"raw", T_OBJECT_EX, offsetof(SendState, raw), 0, "a static value goes as it is: no header, no checksum, not empty"},
     {NULL},
 };
 
@@ -677,7 +680,7 @@ typedef struct {
     PyObject *send_rest, *recv_rest, *timed_out, *return_credit;   /* the Python path */
 } Hop;
 
-static PyObject *error_name, *closed_name, *timeout_name, *wait_for_name, *credit_sink_name, *waiter_name;
+static PyObject *error_name, *closed_name, *timeout_name, *wait_for_name, *credit_sink_name, *waiter_name, *one;
 
 /* The compiled part `method`() of `peer`'s channel (credit_sink, waiter), asked
  * once and kept in `cache`: borrowed, Py_None for none (or no channel yet),
@@ -722,16 +725,14 @@ static int hop_args(PyObject *const *args, size_t nargsf, PyObject *kwnames, con
 }
 
 /* Nothing failed: the session, and (check_peer) the pair with `peer`. 1, 0, or -1 with an error. */
-static int hop_healthy(Hop *self, int peer, int check_peer) {
+static int hop_healthy(Hop *self, PyObject *peer, int check_peer) {
     PyObject *err = PyObject_GetAttr(self->live, error_name);
     if (!err)
         return -1;
     int ok = err == Py_None;
     Py_DECREF(err);
     if (ok && check_peer) {
-        PyObject *p = PyLong_FromLong(peer);
-        int lost = p ? PyDict_Contains(self->peer_errors, p) : -1;
-        Py_XDECREF(p);
+        int lost = PyDict_Contains(self->peer_errors, peer);
         if (lost < 0)
             return -1;
         ok = !lost;
@@ -748,31 +749,43 @@ static PyObject *Hop_send(Hop *self, PyObject *const *args, size_t nargsf, PyObj
         if (!found && PyErr_Occurred())
             return NULL;
         SendState *st = (SendState *)found;
-        if (st && PyObject_TypeCheck(found, &SendStateType) && a[1] == st->view && st->view != Py_None
-            && st->raw && st->post && st->post != Py_None && st->credit
-            && PyObject_TypeCheck(st->credit, &FlagType) && ((Flag *)st->credit)->flag) {
+        if (st && PyObject_TypeCheck(found, &SendStateType) && st->view && a[1] == st->view
+            && st->view != Py_None && st->raw == Py_True && st->post && st->post != Py_None && st->credit
+            && PyObject_TypeCheck(st->credit, &FlagType) && ((Flag *)st->credit)->flag
+            && st->peer && st->writes && st->bytes_sent && st->nbytes) {
             int ok = hop_healthy(self, st->peer, 1);
             if (ok < 0)
                 return NULL;
-            if (ok) {
+            if (ok) {                             /* counted while this thread holds the credit, before the write */
+                PyObject *writes = Py_NewRef(st->writes), *bytes = Py_NewRef(st->bytes_sent);
+                PyObject *more_writes = PyNumber_Add(writes, one);
+                PyObject *more_bytes = more_writes ? PyNumber_Add(bytes, st->nbytes) : NULL;
+                if (!more_bytes) {
+                    Py_XDECREF(more_writes);
+                    Py_DECREF(writes);
+                    Py_DECREF(bytes);
+                    return NULL;
+                }
                 Flag *credit = (Flag *)Py_NewRef(st->credit);
                 PyObject *post = Py_NewRef(st->post);
                 Py_INCREF(found);
-                credit->flag = 0;                 /* counted while this thread holds the credit, before the write */
-                st->writes++;
-                st->bytes_sent += st->nbytes;
+                credit->flag = 0;
+                Py_SETREF(st->writes, more_writes);
+                Py_SETREF(st->bytes_sent, more_bytes);
                 PyObject *number = PyObject_CallNoArgs(post);
                 int posted = number ? PyObject_IsTrue(number) : -1;
                 Py_DECREF(post);
                 if (posted == 1) {
                     Py_XSETREF(st->pending, number);
+                    Py_DECREF(writes);
+                    Py_DECREF(bytes);
                     Py_DECREF(credit);
                     Py_DECREF(found);
                     Py_RETURN_NONE;
                 }
                 Py_XDECREF(number);               /* refused (0) or failed: nothing was posted */
-                st->writes--;
-                st->bytes_sent -= st->nbytes;
+                Py_SETREF(st->writes, writes);
+                Py_SETREF(st->bytes_sent, bytes);
                 if (posted < 0)
                     PyErr_Clear();                /* the checked path below says what is wrong */
                 int set = flag_set(credit);
@@ -799,7 +812,7 @@ static PyObject *Hop_recv(Hop *self, PyObject *const *args, size_t nargsf, PyObj
             return NULL;
         goto rest;
     }
-    if (!PyObject_TypeCheck(found, &SlotStateType) || !((SlotState *)found)->arrived)
+    if (!PyObject_TypeCheck(found, &SlotStateType) || !((SlotState *)found)->arrived || !((SlotState *)found)->peer)
         goto rest;
     SlotState *st = (SlotState *)found;
     int ok = hop_healthy(self, st->peer, st->state != FULL);   /* a value that is in is delivered */
@@ -811,10 +824,9 @@ static PyObject *Hop_recv(Hop *self, PyObject *const *args, size_t nargsf, PyObj
         if (st->state != EMPTY || st->woken || st->arrived->flag)
             goto rest_held;
         PyObject *timeout = a[1] && a[1] != Py_None ? (Py_INCREF(a[1]), a[1]) : PyObject_GetAttr(self->ctx, timeout_name);
-        PyObject *peer = timeout ? PyLong_FromLong(st->peer) : NULL;
+        PyObject *peer = timeout ? st->peer : NULL;
         PyObject *ch = peer ? PyDict_GetItemWithError(self->channels, peer) : NULL;
         if (!ch) {
-            Py_XDECREF(peer);
             Py_XDECREF(timeout);
             if (PyErr_Occurred())
                 goto done;
@@ -822,7 +834,6 @@ static PyObject *Hop_recv(Hop *self, PyObject *const *args, size_t nargsf, PyObj
         }
         Py_INCREF(ch);
         PyObject *arrived = NULL, *waiter = channel_part(self, self->waiters, peer, waiter_name);
-        Py_DECREF(peer);
         if (!waiter) {                            /* none to be had now: wait_for() waits, and says what is wrong */
             PyErr_Clear();
             waiter = Py_None;
@@ -894,22 +905,18 @@ static PyObject *hop_give_back(PyObject *hop, SlotState *st) {
     Py_XDECREF(closed);
     if (is_closed)
         return is_closed < 0 ? NULL : Py_NewRef(Py_None);
-    PyObject *peer = PyLong_FromLong(st->peer);
-    if (!peer)
-        return NULL;
-    int lost = PyDict_Contains(self->peer_errors, peer);
-    PyObject *sink = lost ? NULL : channel_part(self, self->sinks, peer, credit_sink_name);
-    Py_DECREF(peer);
+    if (!st->peer || !st->credit_imm)             /* not a session's slot: the Python path says why */
+        return PyObject_CallOneArg(self->return_credit, (PyObject *)st);
+    int lost = PyDict_Contains(self->peer_errors, st->peer);
+    PyObject *sink = lost ? NULL : channel_part(self, self->sinks, st->peer, credit_sink_name);
     if (lost)
         return lost < 0 ? NULL : Py_NewRef(Py_None);
     if (!sink)
         return NULL;
     if (sink != Py_None) {
-        PyObject *imm = PyLong_FromUnsignedLong(st->credit_imm);
         Py_INCREF(sink);
-        PyObject *taken = imm ? PyObject_CallOneArg(sink, imm) : NULL;
+        PyObject *taken = PyObject_CallOneArg(sink, st->credit_imm);
         Py_DECREF(sink);
-        Py_XDECREF(imm);
         int yes = taken ? PyObject_IsTrue(taken) : -1;
         Py_XDECREF(taken);
         if (yes == 1)
@@ -1043,9 +1050,10 @@ PyMODINIT_FUNC PyInit__slots(void) {
     wait_for_name = PyUnicode_InternFromString("wait_for");
     credit_sink_name = PyUnicode_InternFromString("credit_sink");
     waiter_name = PyUnicode_InternFromString("waiter");
+    one = PyLong_FromLong(1);
     if (!wake_name || !empty_str || !full_str || !held_str || !give_back_name || !name_name || !nbytes_name
         || !error_name || !closed_name || !timeout_name || !wait_for_name || !credit_sink_name
-        || !waiter_name)
+        || !waiter_name || !one)
         return NULL;
     if (PyType_Ready(&FlagType) < 0 || PyType_Ready(&SlotStateType) < 0 || PyType_Ready(&ImmediatesType) < 0
         || PyType_Ready(&ReceivedType) < 0 || PyType_Ready(&SendStateType) < 0 || PyType_Ready(&HopType) < 0)
