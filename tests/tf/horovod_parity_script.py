@@ -54,8 +54,56 @@ case("max", lambda: same(hvd.allreduce(x_of(r), op=hvd.Max), np.max(everyone, 0)
 case("product", lambda: same(hvd.allreduce(x_of(r), op=hvd.Product), np.prod(everyone, 0)))
 case("grouped_min", lambda: all(same(o, np.min(everyone, 0)) for o in
                                 hvd.grouped_allreduce([x_of(r), x_of(r)], op=hvd.Min)))
-case("adasum_refused", lambda: isinstance(_raises(lambda: hvd.allreduce(x_of(r), op=hvd.Adasum)),
-                                          NotImplementedError))
+
+
+# Adasum: Horovod's test reference (test_adasum_tensorflow.py's tree), in float64; power-of-two ranks only.
+def adasum_pair(a, b):
+    dot, a_sq, b_sq = np.dot(a, b), np.dot(a, a), np.dot(b, b)
+    return (1.0 - dot / a_sq * 0.5 if a_sq else 1.0) * a + (1.0 - dot / b_sq * 0.5 if b_sq else 1.0) * b
+
+
+def adasum_of(rows):
+    while len(rows) > 1:
+        rows = [adasum_pair(rows[i], rows[i + 1]) for i in range(0, len(rows), 2)]
+    return rows[0]
+
+
+def g_of(rank):           # not collinear from rank to rank, as gradients are not
+    return np.random.default_rng(100 + rank).standard_normal(6)
+
+
+def adasum_case():
+    if n & (n - 1):
+        err = _raises(lambda: hvd.allreduce(g_of(r), op=hvd.Adasum))
+        return isinstance(err, NotImplementedError) and "power of 2" in str(err) or err
+    want = adasum_of([g_of(k) for k in range(n)])
+    for dtype, rtol in ((np.float16, 1e-2), (np.float32, 1e-5), (np.float64, 1e-12)):
+        got = hvd.allreduce(g_of(r).astype(dtype), op=hvd.Adasum)
+        if got.dtype != dtype or not np.allclose(got, want, rtol=rtol, atol=rtol):
+            return f"{np.dtype(dtype).name}: {np.asarray(got)} against {want}"
+    pair = hvd.grouped_allreduce([g_of(r), 2 * g_of(r)], op=hvd.Adasum)
+    v = tf.Variable(np.zeros(6))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(v * g_of(r))
+    grad = hvd.DistributedGradientTape(tape, op=hvd.Adasum).gradient(loss, v)
+    return (np.allclose(pair[0], want) and np.allclose(pair[1], 2 * want) and np.allclose(grad, want)
+            and all(v is not None for v in pair))
+
+
+def adasum_refusals_case():
+    errors = [_raises(lambda: hvd.allreduce(tf.IndexedSlices(tf.ones([1, 3]), tf.constant([r])), op=hvd.Adasum)),
+              _raises(lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Adasum)),
+              _raises(lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Adasum,
+                                                       average_aggregated_gradients=True))]
+    kinds = [NotImplementedError, ValueError, ValueError]
+    if not n & (n - 1):
+        errors.append(_raises(lambda: hvd.allreduce(np.arange(4, dtype=np.int32), op=hvd.Adasum)))
+        kinds.append(tf.errors.InvalidArgumentError)
+    return all(isinstance(e, k) for e, k in zip(errors, kinds, strict=True)) or errors
+
+
+case("adasum", adasum_case)
+case("adasum_refusals", adasum_refusals_case)
 case("sparse_min_refused", lambda: isinstance(_raises(lambda: hvd.allreduce(
     tf.IndexedSlices(tf.ones([1, 3]), tf.constant([r])), op=hvd.Min)), NotImplementedError))
 

@@ -79,6 +79,17 @@ with tf.GradientTape() as tape:
 checks["tape_outside"] = float(g.numpy()) == 2.0 * rank      # as Horovod: a rank outside keeps its gradient
 
 
+def adasum_reference(a, b):     # test_adasum_tensorflow.py's, for two ranks; one rank's is its own
+    dot = np.dot(a, b)
+    return (1 - dot / np.dot(a, a) / 2) * a + (1 - dot / np.dot(b, b) / 2) * b
+
+
+# Adasum within a set (Horovod's takes the global set only): [0, 2] pairs, [1] is its own
+grads = {r: np.random.default_rng(7 + r).standard_normal(5) for r in range(size)}
+checks["adasum"] = bool(np.allclose(hvd.allreduce(tf.constant(grads[rank]), op=hvd.Adasum, process_set=mine),
+                                    adasum_reference(grads[0], grads[2]) if n == 2 else grads[rank]))
+
+
 
 def tf1_optimizer():
     """hvd.DistributedOptimizer of a TF1 optimizer in a TF1 graph, over the set: v -= mean of the ranks."""

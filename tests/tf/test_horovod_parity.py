@@ -1,10 +1,10 @@
 """Horovod's TensorFlow API with Horovod's semantics (horovod_parity_script.py, one
-process per rank): reductions, alltoall, reducescatter, grouped collectives, the
-gradient Horovod defines for each collective, the error types it raises, the order
-of a tf.function's collectives, SyncBatchNormalization, partial tapes and
-optimizers, the Keras callbacks' arguments, fit with a lazily built model, the
-elastic states' sync, restore and commit, cross rank and size, a time line started
-and stopped."""
+process per rank): reductions (Adasum against Horovod's own reference), alltoall,
+reducescatter, grouped collectives, the gradient Horovod defines for each
+collective, the error types it raises, the order of a tf.function's collectives,
+SyncBatchNormalization, partial tapes and optimizers, the Keras callbacks'
+arguments, fit with a lazily built model, the elastic states' sync, restore and
+commit, cross rank and size, a time line started and stopped."""
 import json
 from pathlib import Path
 
@@ -13,7 +13,7 @@ import pytest
 from .processes import run_workers
 
 SCRIPT = Path(__file__).parent / "horovod_parity_script.py"
-CASES = ["min", "max", "product", "grouped_min", "adasum_refused", "sparse_min_refused", "alltoall_splits",
+CASES = ["min", "max", "product", "grouped_min", "adasum", "adasum_refusals", "sparse_min_refused", "alltoall_splits",
          "alltoall_equal", "alltoall_bad_splits", "reducescatter_uneven", "grouped_allgather", "grad_allreduce_sum",
          "grad_allgather", "grad_broadcast", "grad_reducescatter_sum", "grad_alltoall", "ops", "join", "built",
          "executing_eagerly", "global_variables_eager", "process_set", "cross", "broadcast_object_fn", "timeline",

@@ -18,7 +18,7 @@ def test_process_sets_run_among_their_ranks_only(tmp_path):
         assert rep["ids"] == [1, 2, None], rep["ids"]          # the duplicate of a set is left unregistered
         assert rep["sizes"] == [2, 1] and rep["set_rank"] == {0: 0, 1: 0, 2: 1}[r]
         assert rep["included"] == [r != 1, r == 1] and rep["size_op"] == 2 and rep["included_op"] == int(r != 1)
-        assert all(rep["checks"].values()) and len(rep["checks"]) == 24 + (r != 2), rep["checks"]
+        assert all(rep["checks"].values()) and len(rep["checks"]) == 25 + (r != 2), rep["checks"]
         errors = rep["errors"]
         assert f"rank {r} is not in process set" in errors["not_member"], errors
         assert "is not a registered process set" in errors["unregistered"], errors

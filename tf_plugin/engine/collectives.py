@@ -50,6 +50,7 @@ import numpy as np
 from rdmatensor import PeerLost, Plan, PlanMismatch, RdmaTensorError, TensorSpec, Timeout, UsageError, connect
 from rdmatensor.providers.base import MAX_TAG
 
+from . import adasum
 from .analyzer import Analysis, Hierarchy, VarInfo, buckets_of, fusion_threshold, hierarchical_specs, ring_specs
 from .background import CommThread
 from .bootstrap import Bootstrap, PortReservation
@@ -474,11 +475,19 @@ class Collectives:
 
     def allreduce(self, names, arrays, op: str = "average") -> list[np.ndarray]:
         """The arrays combined over the ranks by `op` (average, sum, min, max,
-        product); the outputs are 64-byte aligned arrays that stay untouched while
+        product, or adasum: every rank's values gathered, then adasum.combine);
+        the outputs are 64-byte aligned arrays that stay untouched while
         anything refers to them."""
         if self.size == 1:
             return [_contiguous(a) for a in arrays]
         arrays = [_contiguous(a) for a in arrays]
+        if op == "adasum":
+            from .ingest import aligned_empty
+            rows = self.allgather([f"{n}/adasum" for n in names], [a.reshape(1, -1) for a in arrays])
+            out = [aligned_empty(a.shape, a.dtype) for a in arrays]
+            for o, r in zip(out, rows, strict=True):
+                o.reshape(-1)[...] = adasum.combine(r)
+            return out
         group = self.allreduce_group(names, [a.shape for a in arrays], [a.dtype for a in arrays], op)
         members = [[int(key) for key, _, _ in b.members] for b in group.buckets]
         for j, positions in enumerate(members):

@@ -22,7 +22,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from ..engine import ingest
+from ..engine import adasum, ingest
 from ..engine import overlap
 from ..engine.analyzer import var_key
 from ..engine.collectives import allreduce_op
@@ -69,7 +69,7 @@ class Compression:
 
 
 # ---------------------------------------------------------------- plumbing
-REDUCTION = {Average: "average", Sum: "sum", Min: "min", Max: "max", Product: "product"}
+REDUCTION = {Average: "average", Sum: "sum", Min: "min", Max: "max", Product: "product", Adasum: "adasum"}
 
 
 def _op(average, op):
@@ -83,10 +83,18 @@ def _op(average, op):
 
 def _reduction(op) -> str:
     """A dense all-reduce's reduction, as the collectives name it."""
-    op = ReduceOp(op)
-    if op == Adasum:
-        raise NotImplementedError("op=hvd.Adasum is not supported: use hvd.Average or hvd.Sum")
-    return REDUCTION[op]
+    return REDUCTION[ReduceOp(op)]
+
+
+def _adasum_fits(tensors, names, group: Group) -> None:
+    """Adasum's conditions, as Horovod's: a power-of-two number of ranks (in the
+    set: Horovod takes the global set only), float tensors."""
+    if not adasum.is_power_of_two(group.size):
+        raise NotImplementedError("Running Adasum with non-power of 2 ranks is not supported yet.")
+    for n, t in zip(names, tensors, strict=True):
+        if t is not None and t.dtype.as_numpy_dtype not in adasum.DTYPES:
+            raise InvalidArgument(f"allreduce of {n!r}: Adasum combines float16, float32 and float64 tensors, "
+                                  f"not {t.dtype.name}")
 
 
 def _sparse_op(op) -> None:
@@ -133,7 +141,7 @@ def _allreduce_many(tensors, names, op: str, compression, group: Group) -> list:
     packed = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
     sent = [p[0] for p in packed]
     collectives = group.collectives
-    if tf.executing_eagerly() or not overlap.static(sent) or group.size == 1:
+    if tf.executing_eagerly() or not overlap.static(sent) or group.size == 1 or op == "adasum":
         reduced = _through_numpy(lambda arrays: group.collectives.allreduce(names, arrays, op),
                                  sent, [t.shape for t in sent], "rdmatensor_allreduce")
     else:
@@ -194,6 +202,8 @@ def reduce_gradients(grads, sources, compression=NoneCompressor, sparse_as_dense
                                       "(as in Horovod): pass sparse_as_dense=True, or scale the values yourself")
     if dense:
         scaled = [_scaled(tf.convert_to_tensor(flat[j]), prescale_factor) for j in dense]
+        if op == Adasum:
+            _adasum_fits(scaled, [names[j] for j in dense], group)
         reduced = _allreduce_many(scaled, [names[j] for j in dense], reduction, compression, group)
         for j, r in zip(dense, reduced, strict=True):
             out[j] = _scaled(r, postscale_factor)
@@ -378,6 +388,8 @@ def grouped_allreduce(tensors, average=None, device_dense: str = "", device_spar
                                 prescale_factor, postscale_factor, process_set)
     reduction = _reduction(op)
     tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if op == Adasum:
+        _adasum_fits(tensors, names, group)
 
     def forward(*xs):
         return _allreduce_many([_scaled(x, prescale_factor) for x in xs], names, reduction, compression, group)
