@@ -1044,10 +1044,11 @@ static PyObject *ep_reap(Endpoint *self, PyObject *args)
 
 /* A thread's wait for a flag (a value's arrival, a credit) on this endpoint,
  * whole in C: verbs.py's VerbsChannel.wait_for() spin, for the session's
- * compiled hop (session/_slots.c). Calling it, w(flag), polls the CQ as the
+ * compiled hop (session/_slots.c). Calling it, w(flag, limit=None), polls the CQ as the
  * channel's _reap() does (under its poll lock, the channel's _sent and
  * _polled_at kept, sleepers on sends woken, a failure handed to the
- * channel's _reap_failed()), until flag.is_set() or its spin passed.
+ * channel's _reap_failed()), until flag.is_set() or its spin (at most `limit`
+ * seconds) passed.
  * True: the flag is set. None: it is not, or this thread may not poll now
  * (another reaps, the channel is halted or closing, credits are owed that
  * find no room): take the channel's wait_for(), which decides and sleeps. */
@@ -1081,9 +1082,18 @@ static int mark_polled(Waiter *self)      /* the channel's _polled_at: a waiter 
 
 static PyObject *waiter_vectorcall(Waiter *self, PyObject *const *args, size_t nargsf, PyObject *kw)
 {
-    if (PyVectorcall_NARGS(nargsf) != 1 || kw) {
-        PyErr_SetString(PyExc_TypeError, "waiter(flag)");
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    double spin = self->spin;
+    if (nargs < 1 || nargs > 2 || kw) {
+        PyErr_SetString(PyExc_TypeError, "waiter(flag, limit=None)");
         return NULL;
+    }
+    if (nargs == 2 && args[1] != Py_None) {   /* a caller's timeout shorter than the spin bounds it */
+        double limit = PyFloat_AsDouble(args[1]);
+        if (limit == -1.0 && PyErr_Occurred())
+            return NULL;
+        if (limit < spin)
+            spin = limit > 0 ? limit : 0;
     }
     PyObject *flag = args[0];
     int set = flag_is_set(flag);
@@ -1111,7 +1121,7 @@ static PyObject *waiter_vectorcall(Waiter *self, PyObject *const *args, size_t n
     Py_XDECREF(closing);
     if (stop < 0 || mark_polled(self) < 0)
         goto unlock;
-    double deadline = now() + self->spin;
+    double deadline = now() + spin;
     while (!stop) {
         struct ibv_wc wc[32];
         double left = deadline - now();
@@ -1212,7 +1222,7 @@ static void waiter_dealloc(Waiter *self)
 static PyTypeObject WaiterType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "rdmatensor.providers._verbs_native.Waiter",
-    .tp_doc = "Endpoint.waiter(channel, on_imm, poll_lock, spin)(flag): True once the flag is set, "
+    .tp_doc = "Endpoint.waiter(channel, on_imm, poll_lock, spin)(flag, limit=None): True once the flag is set, "
               "None to take the channel's wait_for()",
     .tp_basicsize = sizeof(Waiter),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
@@ -1375,8 +1385,8 @@ static PyMethodDef ep_methods[] = {
     {"poll", (PyCFunction)(void (*)(void))ep_poll, METH_VARARGS | METH_KEYWORDS,
      "poll(max_entries=32, spin=0.0) -> [(wr_id, status, is_receive, imm, byte_len)]"},
     {"waiter", (PyCFunction)ep_waiter, METH_VARARGS,
-     "waiter(channel, on_imm, poll_lock, spin) -> Waiter: w(flag) spins in C for the flag up to `spin` s, as "
-     "the channel's wait_for() does; True once it is set, None to take wait_for()"},
+     "waiter(channel, on_imm, poll_lock, spin) -> Waiter: w(flag, limit=None) spins in C for the flag up to "
+     "`spin` (or `limit`) s, as the channel's wait_for() does; True once it is set, None to take wait_for()"},
     {"reap", (PyCFunction)ep_reap, METH_VARARGS,
      "reap(on_imm, spin=0.0) -> (found, last_send_done, failed): poll(), receives given back and their "
      "immediates passed to on_imm in order, up to the first failure, (wr_id, status, is_receive)"},

@@ -169,9 +169,10 @@ class Channel(ABC):
         return None
 
     def waiter(self):
-        """A compiled callable w(flag): True once `flag` is set within a short
-        spin, None for wait_for() to wait (and decide); the session's compiled
-        hop calls it before wait_for(). None: none (the default)."""
+        """A compiled callable w(flag, limit=None): True once `flag` is set within
+        a short spin (at most `limit` seconds), None for wait_for() to wait (and
+        decide); the session's compiled hop calls it before wait_for(). None:
+        none (the default)."""
         return None
 
     def peer_said_bye(self) -> None:

@@ -841,7 +841,8 @@ static PyObject *Hop_recv(Hop *self, PyObject *const *args, size_t nargsf, PyObj
         int failed = 0;
         if (waiter != Py_None) {                  /* a compiled spin first; wait_for() decides the rest */
             Py_INCREF(waiter);
-            arrived = PyObject_CallOneArg(waiter, (PyObject *)st->arrived);
+            PyObject *wait_args[] = {(PyObject *)st->arrived, timeout};     /* spins no longer than that */
+            arrived = PyObject_Vectorcall(waiter, wait_args, 2, NULL);
             Py_DECREF(waiter);
             failed = !arrived;
             if (arrived == Py_None)
