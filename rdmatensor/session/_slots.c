@@ -175,12 +175,16 @@ static PyObject *SlotState_take(SlotState *self, PyObject *unused) {
     Py_RETURN_TRUE;
 }
 
+static void slot_release(SlotState *s) {   /* -> EMPTY (release() and the hop's) */
+    s->state = EMPTY;
+    if (!s->woken)               /* a loss must keep waking later waiters */
+        s->arrived->flag = 0;
+}
+
 static PyObject *SlotState_release(SlotState *self, PyObject *unused) {
     if (!ready(self))
         return NULL;
-    self->state = EMPTY;
-    if (!self->woken)            /* a loss must keep waking later waiters */
-        self->arrived->flag = 0;
+    slot_release(self);
     Py_RETURN_NONE;
 }
 
@@ -898,9 +902,7 @@ rest:
  * it (Credits.return_credit). */
 static PyObject *hop_give_back(PyObject *hop, SlotState *st) {
     Hop *self = (Hop *)hop;
-    st->state = EMPTY;
-    if (!st->woken)              /* a loss must keep waking later waiters */
-        st->arrived->flag = 0;
+    slot_release(st);
     PyObject *closed = PyObject_GetAttr(self->ctx, closed_name);
     int is_closed = closed ? PyObject_IsTrue(closed) : -1;
     Py_XDECREF(closed);
