@@ -23,17 +23,19 @@ demo: setup
 	    "so it cannot beat the kernel's loopback TCP there; on an RDMA NIC the writes leave the CPU."
 
 # Real models on the host, 2 workers with 8 images each at 32x32, one table per
-# model, each from one run: the no-communication floor, rdmatensor over shm and
+# model, each from one run (BENCH_ROUNDS=N: N interleaved rounds, medians and
+# ranges): the no-communication floor, the sync floor (one meeting per step), rdmatensor over shm and
 # tcp, its gRPC baseline, TensorFlow's own strategy and real Horovod (gloo,
 # built by horovod-reference); JSON in docs/models/.
 BENCH_MODELS ?= resnet50 vgg16 densenet121 mobilenetv2 lm
 BENCH_STEPS ?= 30
-BENCH_PROVIDERS ?= none,shm,tcp,grpc,tf-grpc,horovod
+BENCH_PROVIDERS ?= none,sync,shm,tcp,grpc,tf-grpc,horovod
+BENCH_ROUNDS ?= 1
 bench-models: setup horovod-reference
 	mkdir -p docs/models
 	for m in $(BENCH_MODELS); do \
 	    $(PY) -m tf_plugin.training.launch --model $$m --workers 2 --batch 16 --steps $(BENCH_STEPS) \
-	        --provider $(BENCH_PROVIDERS) --json docs/models/$$m.json || exit 1; \
+	        --provider $(BENCH_PROVIDERS) --rounds $(BENCH_ROUNDS) --json docs/models/$$m.json || exit 1; \
 	done
 
 # The flat ring against the hierarchical all-reduce, side by side in one job

@@ -2,13 +2,18 @@
 
     python -m bench.models_table docs/models/{resnet50,vgg16,densenet121,mobilenetv2,lm}.json
 
-One row per file (one run each): steps/s of every backend that ran, shm's
-share of the floor (efficiency), and shm's steps/s over TensorFlow's own
-strategy and over real Horovod's. Missing backends show as "–".
+One row per file: steps/s of every backend that ran, shm's share of the
+floor (efficiency) and of the sync floor (when `sync` ran: the floor plus one
+meeting of the workers per step), and shm's steps/s over TensorFlow's own
+strategy and over real Horovod's. A file of several rounds
+(`rdmatensor-train --rounds N`) shows each figure as the median over rounds,
+and each share or ratio, taken within its round, as median (lowest–highest).
+Missing backends show as "–".
 """
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -22,23 +27,49 @@ def _steps(value: float) -> str:
     return f"{value:.2f}" if value < 10 else f"{value:.1f}" if value < 100 else f"{value:.0f}"
 
 
-def row(doc: dict) -> list[str]:
-    by = {job["config"]["provider"]: job["summary"] for job in doc["jobs"]}
+def _spread(values: list[float], fmt) -> str:
+    """The median, and with several rounds the lowest-highest after it."""
+    if not values:
+        return "–"
+    text = fmt(statistics.median(values))
+    return text if len(values) == 1 else f"{text} ({fmt(min(values))}–{fmt(max(values))})"
+
+
+def row(doc: dict, sync: bool = False) -> list[str]:
+    """One model: each backend's median steps/s over the rounds; each of shm's
+    shares and ratios taken within its round (the machine drifts between rounds)."""
+    rounds: dict[int, dict] = {}
+    for job in doc["jobs"]:
+        rounds.setdefault(job.get("round", 0), {})[job["config"]["provider"]] = job["summary"]
     model = doc["jobs"][0]["config"]["model"]
     cells = [NAMES.get(model, model)]
-    cells += [_steps(by[p]["steps_per_s"]) if p in by else "–" for p, _ in COLUMNS]
-    shm = by.get("shm")
-    floor = by.get("none")
-    cells.append(f"{100 * floor['median_step_ms'] / shm['median_step_ms']:.0f}%" if shm and floor else "–")
-    for other in ("tf-grpc", "horovod"):
-        cells.append(f"{shm['steps_per_s'] / by[other]['steps_per_s']:.2f}x" if shm and other in by else "–")
+    for p, _ in COLUMNS + ([("sync", "")] if sync else []):
+        values = [by[p]["steps_per_s"] for by in rounds.values() if p in by]
+        cells.append(_steps(statistics.median(values)) if values else "–")
+
+    def shm_share(other):
+        return [by[other]["median_step_ms"] / by["shm"]["median_step_ms"]
+                for by in rounds.values() if "shm" in by and other in by]
+
+    def shm_over(other):
+        return [by["shm"]["steps_per_s"] / by[other]["steps_per_s"]
+                for by in rounds.values() if "shm" in by and other in by]
+
+    pct, times = (lambda v: f"{100 * v:.0f}%"), (lambda v: f"{v:.2f}x")
+    cells.append(_spread(shm_share("none"), pct))
+    if sync:
+        cells.append(_spread(shm_share("sync"), pct))
+    cells += [_spread(shm_over(other), times) for other in ("tf-grpc", "horovod")]
     return cells
 
 
 def table(paths: list[str]) -> str:
-    header = ["model", *(title for _, title in COLUMNS), "shm: of floor", "shm vs TF's own", "shm vs Horovod"]
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    sync = any(job["config"]["provider"] == "sync" for doc in docs for job in doc["jobs"])
+    header = ["model", *(title for _, title in COLUMNS), *(["sync floor"] if sync else []), "shm: of floor",
+              *(["shm: of sync floor"] if sync else []), "shm vs TF's own", "shm vs Horovod"]
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
-    lines += ["| " + " | ".join(row(json.loads(Path(p).read_text()))) + " |" for p in paths]
+    lines += ["| " + " | ".join(row(doc, sync)) + " |" for doc in docs]
     return "\n".join(lines)
 
 

@@ -14,3 +14,18 @@ def test_a_row_per_run_with_shares_and_ratios_and_dashes_for_what_did_not_run(tm
     lines = table([str(path)]).splitlines()
     assert lines[0].startswith("| model | floor | rdmatensor shm |") and len(lines) == 3
     assert lines[2] == "| ResNet50 | 5.00 | 4.00 | – | – | 1.60 | 2.50 | 80% | 2.50x | 1.60x |"
+
+
+def test_rounds_show_medians_and_the_range_of_each_share_taken_within_its_round(tmp_path):
+    def job(provider, steps_per_s, k):
+        return {"config": {"provider": provider, "model": "densenet121"}, "round": k,
+                "summary": {"steps_per_s": steps_per_s, "median_step_ms": 1000.0 / steps_per_s}}
+    path = tmp_path / "densenet121.json"
+    jobs = [job("none", 10.0, 0), job("sync", 9.5, 0), job("shm", 9.0, 0),
+            job("none", 5.0, 1), job("sync", 5.0, 1), job("shm", 4.0, 1),
+            job("none", 8.0, 2), job("sync", 8.0, 2), job("shm", 6.8, 2)]
+    path.write_text(json.dumps({"rounds": 3, "jobs": jobs}))
+    header, _, line = table([str(path)]).splitlines()
+    assert "| sync floor | shm: of floor | shm: of sync floor |" in header
+    # steps/s: medians over rounds; shares: 90%, 80%, 85% within the rounds
+    assert line == "| DenseNet121 | 8.00 | 6.80 | – | – | – | – | 8.00 | 85% (80%–90%) | 85% (80%–95%) | – | – |"

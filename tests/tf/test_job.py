@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from tf_plugin.training.job import BACKENDS, JobConfig, JobError, RankResult, compare, summarize
+from tf_plugin.training.job import BACKENDS, JobConfig, JobError, RankResult, combine, compare, summarize
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -30,9 +30,10 @@ def test_a_job_that_cannot_run_is_refused_naming_the_field(fields, message):
 
 def test_backends_are_the_providers_plus_tensorflow_horovod_and_the_floor():
     from rdmatensor.providers import REGISTRY
-    assert set(BACKENDS) == {"auto", *REGISTRY, "tf-grpc", "horovod", "none"}
+    assert set(BACKENDS) == {"auto", *REGISTRY, "tf-grpc", "horovod", "none", "sync"}
     for name in ("tf-grpc", "horovod"):
         assert BACKENDS[name].modes == ("allreduce",) and not BACKENDS[name].threads
+    assert BACKENDS["sync"].modes == ("allreduce",) and BACKENDS["sync"].threads
     config = JobConfig(model="lm", batch=16, image_size=64)
     assert JobConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
     with pytest.raises(JobError, match="unknown job field"):
@@ -60,6 +61,25 @@ def test_summary_and_comparison_arithmetic():
     assert alone[0].vs_horovod is None
     _, rows = compare([floor, shm, job("horovod", 200.0)])
     assert [r.vs_horovod for r in rows] == [pytest.approx(2.0), pytest.approx(1.6), pytest.approx(1.0)]
+    _, rows = compare([floor, job("sync", 110.0), shm])
+    assert [r.of_sync for r in rows] == [pytest.approx(1.1), pytest.approx(1.0), pytest.approx(0.88)]
+    assert rows[0].of_sync is not None and compare([floor, shm])[1][1].of_sync is None
+
+
+def test_rounds_combine_ratios_taken_within_each_round():
+    """A slow round slows both jobs alike: the ratio within a round, not across."""
+    def job(provider, step_ms):
+        results = [RankResult(r, "worker", provider, losses=[1.0], step_seconds=[step_ms / 1e3]) for r in range(2)]
+        return summarize(JobConfig(provider=provider, steps=3), results)
+    fast = compare([job("none", 100.0), job("shm", 110.0)])[1]
+    slow = compare([job("none", 200.0), job("shm", 250.0)])[1]
+    middle = compare([job("none", 150.0), job("shm", 150.0)])[1]
+    floor, shm = combine([fast, slow, middle])
+    assert (floor.provider, shm.provider, shm.rounds) == ("none", "shm", 3)
+    assert shm.efficiency.median == pytest.approx(100 / 110)
+    assert (shm.efficiency.low, shm.efficiency.high) == (pytest.approx(0.8), pytest.approx(1.0))
+    assert shm.median_step_ms.median == pytest.approx(150.0) and shm.steps_per_s.low == pytest.approx(4.0)
+    assert shm.vs_horovod.median is None and shm.of_sync.median is None
 
 
 def test_horovod_without_its_build_is_refused_saying_how_to_build_it(tmp_path):
@@ -146,3 +166,27 @@ def test_mobilenetv2_trains_over_shm():
     assert s.writes_per_step == 2 * 2 * buckets("mobilenetv2") and np.isfinite(s.final_loss)
     # each rank sends half of every float32 bucket twice (reduce-scatter, all-gather)
     assert s.bytes_per_step == pytest.approx(2 * 2_236_682 * 4, rel=0.01)
+
+
+def test_the_sync_floor_meets_once_per_step_and_rounds_interleave(tmp_path):
+    """rdmatensor-train --provider none,sync --rounds 2: the sync floor writes 4 bytes to the
+    other worker per step and trains exactly as the floor; the rounds alternate the jobs."""
+    out = tmp_path / "rounds.json"
+    proc = subprocess.run([sys.executable, "-m", "tf_plugin.training.launch", "--workers", "2",
+                           "--provider", "none,sync", "--rounds", "2", "--model", "mlp", "--steps", "5",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "2 rounds, interleaved" in proc.stdout and "of sync" in proc.stdout
+    doc = json.loads(out.read_text())
+    assert [(j["round"], j["config"]["provider"]) for j in doc["jobs"]] == \
+        [(0, "none"), (0, "sync"), (1, "none"), (1, "sync")]
+    floor, sync = doc["jobs"][0]["summary"], doc["jobs"][1]["summary"]
+    assert sync["writes_per_step"] == 2 and sync["bytes_per_step"] == 8 and floor["writes_per_step"] == 0
+    assert sync["losses"] == floor["losses"]            # meeting moves nothing of the model
+    cmp = doc["comparison"]
+    assert cmp["rounds"] == 2 and cmp["of_sync"]["sync"] == 1.0 and cmp["efficiency"]["none"] == 1.0
+    low, high = cmp["efficiency_range"]["sync"]
+    assert 0 < low <= cmp["efficiency"]["sync"] <= high
+    bad = subprocess.run([sys.executable, "-m", "tf_plugin.training.launch", "--provider", "none,shm,none",
+                          "--rounds", "2"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "name each provider once" in bad.stderr, bad.stderr[-1000:]

@@ -8,6 +8,8 @@ Backends:
     horovod                       real Horovod (gloo), started by its horovodrun (horovod_baseline.py)
     none                          the same ranks training with no communication at all: the
                                   compute floor every other backend is measured against
+    sync                          that floor plus one meeting of the workers per step (4 bytes
+                                  over shm): the floor of any synchronous all-reduce
 
 Both runners build their RankResult here and the launcher summarizes and
 compares them here, so every backend reports the same figures. This module
@@ -57,6 +59,9 @@ def _backends() -> dict[str, Backend]:
                                "started by horovodrun: make horovod-reference", ("allreduce",),
                                "tf_plugin.training.horovod_baseline:run_rank", threads=False)
     table["none"] = Backend("none", "none", "no communication: the compute floor", MODES,
+                            "tf_plugin.training.runner:run_rank")
+    table["sync"] = Backend("sync", "none", "no communication but one meeting of the workers per step: "
+                            "the floor of a synchronous all-reduce", ("allreduce",),
                             "tf_plugin.training.runner:run_rank")
     return table
 
@@ -274,18 +279,64 @@ class Row:
     efficiency: float | None      # floor (none) median step time / this median step time
     ratio: float | None           # this steps/s over the baseline's
     vs_horovod: float | None = None   # this steps/s over real Horovod's, when it ran
+    of_sync: float | None = None  # sync floor median step time / this median step time, when sync ran
 
 
 def compare(summaries: list[Summary]) -> tuple[str | None, list[Row]]:
-    """Rows side by side: the scaling efficiency against `none` (when it ran),
-    steps/s over the baseline: TensorFlow's own strategy (tf-grpc), else
-    rdmatensor's gRPC baseline, whichever ran in the same run; and steps/s over
-    real Horovod's, when it ran."""
+    """Rows side by side: the scaling efficiency against `none` and against
+    `sync` (when they ran), steps/s over the baseline: TensorFlow's own
+    strategy (tf-grpc), else rdmatensor's gRPC baseline, whichever ran in the
+    same run; and steps/s over real Horovod's, when it ran."""
     by = {s.provider: s for s in summaries}
-    floor = by.get("none")
     baseline = next((b for b in ("tf-grpc", "grpc") if b in by), None)
-    base = by[baseline].steps_per_s if baseline else 0.0
-    horovod = by["horovod"].steps_per_s if "horovod" in by else 0.0
-    return baseline, [Row(s.provider, s, floor.median_step_ms / s.median_step_ms if floor and s.median_step_ms
-                          else None, s.steps_per_s / base if base else None,
-                          s.steps_per_s / horovod if horovod else None) for s in summaries]
+
+    def over(other: str, s: Summary, steps: bool = True) -> float | None:
+        if other not in by:
+            return None
+        if steps:
+            return s.steps_per_s / by[other].steps_per_s if by[other].steps_per_s else None
+        return by[other].median_step_ms / s.median_step_ms if s.median_step_ms else None
+
+    return baseline, [Row(s.provider, s, over("none", s, steps=False), over(baseline, s) if baseline else None,
+                          over("horovod", s), over("sync", s, steps=False)) for s in summaries]
+
+
+@dataclass
+class Spread:
+    """One figure over rounds: its median, lowest and highest (None: never measured)."""
+    median: float | None
+    low: float | None
+    high: float | None
+
+    @classmethod
+    def of(cls, values) -> "Spread":
+        values = [v for v in values if v is not None]
+        if not values:
+            return cls(None, None, None)
+        return cls(statistics.median(values), min(values), max(values))
+
+
+@dataclass
+class Combined:
+    """A provider's figures over every round that ran it; each ratio is taken
+    within its own round (the machine drifts between rounds), then combined."""
+    provider: str
+    rounds: int
+    steps_per_s: Spread
+    median_step_ms: Spread
+    efficiency: Spread
+    ratio: Spread
+    vs_horovod: Spread
+    of_sync: Spread
+
+
+def combine(rounds: list[list[Row]]) -> list[Combined]:
+    """Each provider's rows of several rounds (compare() of each), in first-seen order."""
+    rows: dict[str, list[Row]] = {}
+    for one in rounds:
+        for row in one:
+            rows.setdefault(row.provider, []).append(row)
+    return [Combined(p, len(rs), Spread.of(r.summary.steps_per_s for r in rs),
+                     Spread.of(r.summary.median_step_ms for r in rs), Spread.of(r.efficiency for r in rs),
+                     Spread.of(r.ratio for r in rs), Spread.of(r.vs_horovod for r in rs),
+                     Spread.of(r.of_sync for r in rs)) for p, rs in rows.items()]

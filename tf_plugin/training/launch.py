@@ -2,7 +2,7 @@
 
     rdmatensor-train --mode ps|allreduce --workers N [--ps M] --provider P[,P...] \\
                      --model M [--image-size S] --steps K [--batch B] [--json FILE] [--seed S] \\
-                     [--timeline FILE]
+                     [--timeline FILE] [--rounds N]
 
 One process per rank, started by rdmatensor-run's launcher (TF_CONFIG and a
 shared random token per rank; a failing rank is named and stops the job),
@@ -22,12 +22,16 @@ global batch, split evenly over the workers.
 --provider takes auto, verbs, shm, tcp, grpc (rdmatensor's gRPC baseline),
 tf-grpc (TensorFlow's own MultiWorkerMirroredStrategy, tf_baseline.py),
 horovod (real Horovod, gloo, started by its horovodrun: horovod_baseline.py;
-`make horovod-reference` builds it) or none (the same ranks training with no
-communication: the compute floor), or a comma-separated list of them: the
-jobs run one after the other and a table compares them: the scaling
-efficiency (the floor's median step time over each one's, when none is in
-the list) and steps/s as a ratio to TensorFlow's own (when tf-grpc is in the
-list) and to Horovod's (when horovod is).
+`make horovod-reference` builds it), none (the same ranks training with no
+communication: the compute floor) or sync (that floor plus one meeting of the
+workers per step: the floor of any synchronous all-reduce), or a
+comma-separated list of them: the jobs run one after the other and a table
+compares them: the scaling efficiency (the floor's median step time over each
+one's, when none is in the list; the same against sync when it is) and
+steps/s as a ratio to TensorFlow's own (when tf-grpc is in the list) and to
+Horovod's (when horovod is). --rounds N runs the list N times, interleaved,
+and shows each figure as the median over rounds (lowest-highest), each ratio
+taken within its round.
 
 --softroce-vm re-runs the command inside `rdmatensor softroce vm` (all ranks
 in one VM, real SoftRoCE); that happens by itself when verbs is asked for and
@@ -45,7 +49,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .job import BACKENDS, JobConfig, JobError, RankResult, Summary, compare, summarize
+from .job import BACKENDS, JobConfig, JobError, RankResult, Summary, combine, compare, summarize
 from .models import APPLICATIONS, MODELS
 
 IN_VM = "TF_PLUGIN_IN_VM"     # set on the command re-run inside the VM: never re-run twice
@@ -67,6 +71,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="write the results here")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the provider list this many times, interleaved; ratios as median (range)")
     p.add_argument("--no-fusion", action="store_true", help="allreduce: one ring per gradient")
     p.add_argument("--timeline", metavar="FILE",
                    help="per-rank Chrome trace of the all-reduce's buckets (RDMATENSOR_TIMELINE)")
@@ -77,6 +83,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--vm-timeout", type=float, default=900.0)
     args = p.parse_args(argv)
     args.providers = [x.strip() for x in args.provider.split(",") if x.strip()]
+    if args.rounds < 1:
+        p.error(f"--rounds {args.rounds}: need at least 1")
+    if args.rounds > 1 and len(set(args.providers)) != len(args.providers):
+        p.error(f"--rounds with --provider {args.provider}: name each provider once, the rounds repeat them")
     if not args.providers:
         p.error(f"--provider: choose from {', '.join(BACKENDS)}")
     try:
@@ -218,33 +228,58 @@ def report(s: Summary, out=None) -> None:
     print(f"  final loss          {_fmt(s.final_loss, '.6f')}", file=out, flush=True)
 
 
-def comparison(summaries: list[Summary], out=None) -> dict:
-    """The side-by-side table; returns it for --json."""
+def comparison(summaries: list[Summary], rounds: int = 1, out=None) -> dict:
+    """The side-by-side table; returns it for --json. With several rounds (the
+    summaries in round order, each round the same providers), each ratio is
+    taken within its round and shown as the median over rounds (lowest-highest)."""
     out = out or sys.stdout
-    baseline, rows = compare(summaries)
+    per = len(summaries) // rounds
+    compared = [compare(summaries[k * per:(k + 1) * per]) for k in range(rounds)]
+    baseline = compared[0][0]
+    table = combine([rows for _, rows in compared])
     vs = f"vs {baseline}" if baseline else "ratio"
-    horovod = any(row.vs_horovod is not None for row in rows)
-    print(f"\n{'provider':10} {'steps/s':>8} {'median ms':>10} {'efficiency':>10} {vs:>10} "
-          + (f"{'vs horovod':>10} " if horovod else "")
+    sync = any(c.of_sync.median is not None for c in table)
+    horovod = any(c.vs_horovod.median is not None for c in table)
+    last = {r.provider: r.summary for r in compared[-1][1]}
+
+    def cell(spread, fmt, width):
+        text = fmt(spread.median)
+        if rounds > 1 and spread.median is not None:
+            text += f" ({fmt(spread.low)}-{fmt(spread.high)})"
+        return f"{text:>{width}}"
+
+    pct, times = _pct, (lambda v: "n/a" if v is None else f"{v:.2f}x")
+    width = 10 if rounds == 1 else 18
+    print(f"\n{'provider':10} {'steps/s':>{width}} {'median ms':>10} {'efficiency':>{width}} "
+          + (f"{'of sync':>{width}} " if sync else "") + f"{vs:>{width}} "
+          + (f"{'vs horovod':>{width}} " if horovod else "")
           + f"{'MB/step':>9} {'copies/step':>11} {'comm ms':>8} {'overlap':>7}  final loss", file=out)
-    for row in rows:
-        s = row.summary
+    for c in table:
+        s = last[c.provider]
         mb = None if s.bytes_per_step is None else s.bytes_per_step / 1e6
-        eff = _pct(row.efficiency)
-        ratio = "n/a" if row.ratio is None else f"{row.ratio:.2f}x"
-        print(f"{row.provider:10} {s.steps_per_s:8.2f} {s.median_step_ms:10.1f} {eff:>10} {ratio:>10} "
-              + (f"{row.vs_horovod:9.2f}x " if horovod else "")
+        print(f"{c.provider:10} {cell(c.steps_per_s, lambda v: f'{v:.2f}', width)} "
+              f"{c.median_step_ms.median:10.1f} {cell(c.efficiency, pct, width)} "
+              + (f"{cell(c.of_sync, pct, width)} " if sync else "") + f"{cell(c.ratio, times, width)} "
+              + (f"{cell(c.vs_horovod, times, width)} " if horovod else "")
               + f"{_fmt(mb, '.2f'):>9} {_fmt(s.copies_per_step, '.1f'):>11} "
               f"{_fmt(s.comm_ms_per_step, '.1f'):>8} {_pct(s.overlap):>7}  {_fmt(s.final_loss, '.6f')}", file=out)
-    print("(efficiency: the no-communication floor's median step time over this one's, when none ran; "
-          f"{vs}: steps/s over {BASELINES.get(baseline, 'a baseline (tf-grpc or grpc) in the same run')}; "
+    print((f"({rounds} rounds, interleaved: each figure is the median over rounds (lowest-highest), each ratio "
+           "taken within its round; MB, copies, comm, overlap and loss from the last round) " if rounds > 1 else "")
+          + "(efficiency: the no-communication floor's median step time over this one's, when none ran; "
+          + ("of sync: the sync floor's (one meeting per step, nothing moved) over this one's; " if sync else "")
+          + f"{vs}: steps/s over {BASELINES.get(baseline, 'a baseline (tf-grpc or grpc) in the same run')}; "
           + ("vs horovod: steps/s over real Horovod's (gloo); " if horovod else "")
           + "comm: ms per step per worker; overlap: share of the rings' time while backprop still ran)",
           file=out, flush=True)
-    return {"baseline": baseline,
-            "ratios": {r.provider: r.ratio for r in rows},
-            "vs_horovod": {r.provider: r.vs_horovod for r in rows} if horovod else None,
-            "efficiency": {r.provider: r.efficiency for r in rows}}
+    doc = {"baseline": baseline, "rounds": rounds}
+    for key in ("ratio", "vs_horovod", "efficiency", "of_sync"):
+        name = "ratios" if key == "ratio" else key
+        doc[name] = {c.provider: getattr(c, key).median for c in table}
+        if rounds > 1:
+            doc[name + "_range"] = {c.provider: [getattr(c, key).low, getattr(c, key).high] for c in table}
+    if not horovod:
+        doc["vs_horovod"] = None
+    return doc
 
 
 BASELINES = {"tf-grpc": "TensorFlow's own MultiWorkerMirroredStrategy", "grpc": "rdmatensor's gRPC baseline"}
@@ -265,17 +300,20 @@ def main(argv=None) -> int:
     if _needs_vm(args):
         return _run_in_vm(argv, args)
     jobs, summaries = [], []
-    for config in args.configs:
-        if args.timeline:
-            os.environ["RDMATENSOR_TIMELINE"] = timeline_path(args.timeline, config.provider)
-        summary, results = run_job(args, config)
-        report(summary)
-        summaries.append(summary)
-        jobs.append({"config": config.to_dict(), "summary": summary.to_dict(),
-                     "ranks": [r.to_dict() for r in results]})
-    doc = {"command": "rdmatensor-train " + shlex.join(argv), "jobs": jobs}
+    for k in range(args.rounds):
+        for config in args.configs:
+            if args.rounds > 1:
+                print(f"[round {k + 1}/{args.rounds}] {config.provider}", file=sys.stderr, flush=True)
+            if args.timeline:
+                os.environ["RDMATENSOR_TIMELINE"] = timeline_path(args.timeline, config.provider)
+            summary, results = run_job(args, config)
+            report(summary)
+            summaries.append(summary)
+            jobs.append({"config": config.to_dict(), "round": k, "summary": summary.to_dict(),
+                         "ranks": [r.to_dict() for r in results]})
+    doc = {"command": "rdmatensor-train " + shlex.join(argv), "rounds": args.rounds, "jobs": jobs}
     if len(jobs) > 1:
-        doc["comparison"] = comparison(summaries)
+        doc["comparison"] = comparison(summaries, args.rounds)
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1))
     return 0

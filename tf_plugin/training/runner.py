@@ -13,6 +13,13 @@ communication: each worker applies its own gradients. It still connects a
 session with an empty plan, only for the barriers that start and stop the
 timed steps together, so the ranks share the cores as they do on every other
 backend.
+
+The `sync` backend is that floor plus one meeting per step: once its gradients
+exist, every worker sends every other one 4 bytes over shm and waits for
+theirs. Nothing of the model moves, but each step waits for the slowest
+worker's backprop, as every synchronous all-reduce must: the gap from `none`
+to `sync` is the cost of synchronizing itself, the gap from `sync` to a
+provider is what the provider adds.
 """
 from __future__ import annotations
 
@@ -33,7 +40,7 @@ def run_rank(cluster, config: JobConfig, token: str | None = None) -> RankResult
     from ..engine.step import Step
 
     cfg, name, mode = config, config.model, config.mode
-    floor = cfg.provider == "none"
+    floor = cfg.provider in FLOORS
     token = token or os.environ.get("RDMATENSOR_TOKEN")
     model = models.build(name, cfg.seed, cfg.image_size)
     signature = models.input_specs(name, cfg.image_size)
@@ -46,14 +53,14 @@ def run_rank(cluster, config: JobConfig, token: str | None = None) -> RankResult
         return models.batch(data, k, cfg.batch, cluster.task_index, cluster.num_workers)
 
     if floor:
-        plan, analysis = Plan([]), None
+        plan, analysis = Plan(meeting_specs(cluster) if cfg.provider == "sync" else []), None
     else:
         from ..engine.analyzer import analyze
         analysis = analyze(step, mode, cluster.num_workers, cluster.num_ps if mode == "ps" else 0,
                            fusion=cfg.fusion)
         plan = analysis.plan
     t_setup = time.perf_counter()
-    with connect(cluster.rank, cluster.peers(), plan, provider="tcp" if floor else cfg.provider, token=token,
+    with connect(cluster.rank, cluster.peers(), plan, provider=FLOORS.get(cfg.provider, cfg.provider), token=token,
                  timeout=cfg.timeout) as session:
         JobFailure(cluster.rank).watch(session)     # a lost rank fails every call of this one
         setup_seconds = time.perf_counter() - t_setup
@@ -69,7 +76,7 @@ def run_rank(cluster, config: JobConfig, token: str | None = None) -> RankResult
             step_seconds.append(time.perf_counter() - t0)
         session.barrier("tf_plugin-done")
         after = session.stats()
-    if floor:
+    if cfg.provider == "none":
         return RankResult(cluster.rank, cluster.task_type, "none", losses, step_seconds, setup_seconds,
                           comm_seconds=0.0, bytes_sent_per_step=0.0, writes_per_step=0.0,
                           session_copies_per_step=0.0, plugin_copies_per_step=0.0, zero_copy_per_step=0.0)
@@ -82,33 +89,66 @@ def _loop(cfg: JobConfig, cluster, session, analysis, step, model, signature, me
     """The function that runs step k on this rank (and records a worker's loss)."""
     from . import models
     if cfg.mode == "ps" and not cluster.is_worker:
-        if cfg.provider == "none":
+        if cfg.provider in FLOORS:
             return lambda k: None                                         # a floor without servers
         from ..engine.ps import ParameterServer
         server = ParameterServer(session, analysis, step.variables, models.optimizer(cfg.lr), meter)
         return lambda k: server.train_step()
-    if cfg.mode == "ps" and cfg.provider != "none":
+    if cfg.mode == "ps" and cfg.provider not in FLOORS:
         from ..engine.ps import PSWorker
         worker = PSWorker(session, analysis, step, meter)
         return lambda k: losses.append(worker.train_step(*shard(k)))
     ring = None
-    if cfg.provider != "none":
+    if cfg.provider not in FLOORS:
         from ..engine.ring import RingAllReduce
         ring = RingAllReduce(session, analysis, meter)
     opt = models.optimizer(cfg.lr)
     opt.build(step.variables)
     if ring is not None:
         ring.broadcast(step.variables)
+    meet = Meeting(session, cluster) if cfg.provider == "sync" else None
     if cfg.in_graph:
-        train_step = in_graph_step(model, opt, ring, models.loss_fn, signature)
+        train_step = in_graph_step(model, opt, ring, models.loss_fn, signature, meet)
         return lambda k: losses.append(float(train_step(*shard(k))))
     apply = tf_function(lambda grads: opt.apply_gradients(zip(grads, step.variables, strict=True)))
 
     def loop(k):
         loss, grads = step.grads(*shard(k))
+        if meet is not None:
+            meet()
         apply(ring.allreduce(grads) if ring is not None else grads)
         losses.append(float(loss))
     return loop
+
+
+# The floors, and the provider each connects over: `none` only for its barriers
+# (tcp, which every host has), `sync` also for its meetings (shm: the cheapest).
+FLOORS = {"none": "tcp", "sync": "shm"}
+
+
+def meeting_specs(cluster) -> list:
+    """The `sync` floor's plan: one float32 from every worker to every other."""
+    from rdmatensor import TensorSpec
+    workers = cluster.worker_ranks
+    return [TensorSpec(f"meet/{a}-{b}", (1,), "float32", a, b) for a in workers for b in workers if a != b]
+
+
+class Meeting:
+    """One step's meeting of the `sync` floor: send to every other worker, then
+    wait for each of theirs; returns when every worker has reached it."""
+
+    def __init__(self, session, cluster):
+        import numpy as np
+        self.session, self.me = session, cluster.rank
+        self.others = [r for r in cluster.worker_ranks if r != self.me]
+        self.token = np.ones(1, np.float32)
+
+    def __call__(self, *_):
+        for r in self.others:
+            self.session.send(f"meet/{self.me}-{r}", self.token)
+        for r in self.others:
+            self.session.recv(f"meet/{r}-{self.me}").release()
+        return self.token
 
 
 def tf_function(fn):
@@ -116,9 +156,11 @@ def tf_function(fn):
     return tf.function(fn)
 
 
-def in_graph_step(model, opt, ring, loss_fn, signature):
+def in_graph_step(model, opt, ring, loss_fn, signature, meet=None):
     """One tf.function per step, Horovod style: the ring runs inside it as a
-    numpy_function (no ring: each rank applies its own gradients, the floor).
+    numpy_function (no ring: each rank applies its own gradients, the floor;
+    with `meet`, the sync floor, after meeting the other workers once its
+    gradients exist).
     Only for ranks in separate processes: a blocked numpy_function holds one of
     TensorFlow's inter-op threads, and ranks sharing a process (and its pool of
     as many threads as cores) can starve each other."""
@@ -132,8 +174,14 @@ def in_graph_step(model, opt, ring, loss_fn, signature):
         if ring is not None:
             tape = RingGradientTape(tape, ring)
         grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-        return loss
+        if meet is None:
+            opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+            return loss
+        with tf.control_dependencies(tf.nest.flatten(grads, expand_composites=True)):
+            met = tf.numpy_function(meet, [], tf.float32, stateful=True)
+        with tf.control_dependencies([met]):
+            opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+            return tf.identity(loss)
     return train_step
 
 
