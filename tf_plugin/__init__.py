@@ -21,9 +21,10 @@ Its parts are layers, lowest first; an import only ever runs down them
 """
 import importlib
 
-from .launcher.cores import share_cores
+from .launcher.cores import bind_cores, share_cores
 
 share_cores()     # before TensorFlow's runtime starts: ranks sharing a host split its cores
+bind_cores()      # and, started with --bind-to core, each runs on its own
 
 _WORLD = ("init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "broadcast_object",
           "allgather_object", "stats", "Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp",

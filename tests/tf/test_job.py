@@ -22,6 +22,7 @@ from tf_plugin.training.job import BACKENDS, JobConfig, JobError, RankResult, co
     (dict(steps=1), "need at least 2"),
     (dict(model="resnet50", image_size=16), "image_size 16: resnet50 needs at least 32"),
     (dict(workers=0), "workers 0"),
+    (dict(bind_to="socket"), "bind_to 'socket': choose one of core, none"),
 ])
 def test_a_job_that_cannot_run_is_refused_naming_the_field(fields, message):
     with pytest.raises(JobError, match=message.replace("(", "\\(").replace(")", "\\)")):

@@ -80,6 +80,51 @@ def test_ranks_sharing_a_host_split_its_cores_unless_the_user_chose(tmp_path):
     assert alone.stdout.split() == ["None"]                                  # no launcher: nothing changed
 
 
+def test_ranks_sharing_a_host_are_bound_each_to_its_own_cores_unless_told_not_to(tmp_path):
+    """--bind-to core (the default) as mpirun's: every thread of a rank, those started
+    before `import tf_plugin` too, runs on its own block of the cores; ps tasks count."""
+    body = script(tmp_path, "bound.py", """
+        import os, threading
+        early = threading.Thread(target=threading.Event().wait, args=(5,), daemon=True)
+        early.start()
+        import tf_plugin
+        print(sorted(os.sched_getaffinity(0)), sorted(os.sched_getaffinity(early.native_id)),
+              os.environ["RDMATENSOR_HOST_SLOT"])
+    """)
+    cores = sorted(os.sched_getaffinity(0))
+    assert len(cores) >= 2, "binding needs at least 2 cores to be seen"
+    proc, _ = launcher("-np", "2", sys.executable, body)
+    assert proc.returncode == 0, proc.stderr
+    share = len(cores) // 2
+    for r in (0, 1):
+        mine = str(cores[r * share:(r + 1) * share])
+        assert lines_of(proc.stdout, r) == [f"{mine} {mine} {r}/2"]
+    proc, _ = launcher("-np", "2", "--bind-to", "none", sys.executable, body)
+    assert [lines_of(proc.stdout, r) for r in (0, 1)] == [[f"{cores} {cores} {r}/2"] for r in (0, 1)]
+    if len(cores) == 2:        # three tasks on two cores: nobody is bound, nobody shares a core with two
+        proc, _ = launcher("-np", "2", "--ps", "1", sys.executable, body)
+        assert [lines_of(proc.stdout, r) for r in range(3)] == [[f"{cores} {cores} {r}/3"] for r in range(3)]
+    proc, _ = launcher("-np", "2", "--bind-to", "socket", sys.executable, body)
+    assert proc.returncode == 2 and "--bind-to: invalid choice: 'socket'" in proc.stderr
+
+
+def test_the_cores_of_a_slot_and_refusals_of_a_bad_binding():
+    from tf_plugin.launcher.cores import bind_cores, host_slot, slot_cores
+    assert slot_cores({3, 1, 2, 0}, 1, 2) == [2, 3]
+    assert slot_cores(range(5), 1, 2) == [2, 3]           # the fifth core stays unbound
+    assert slot_cores(range(2), 0, 3) is None and slot_cores(range(4), 0, 1) is None
+    assert host_slot({"RDMATENSOR_HOST_SLOT": "1/4"}) == (1, 4)
+    assert host_slot({"HOROVOD_LOCAL_RANK": "1", "HOROVOD_LOCAL_SIZE": "2"}) == (1, 2)
+    assert host_slot({}) is None
+    for bad, message in (("2/2", "host slot 2/2: expected 0 <= I < N"), ("x", "expected I/N")):
+        with pytest.raises(ValueError, match=message):
+            host_slot({"RDMATENSOR_HOST_SLOT": bad})
+    with pytest.raises(ValueError, match="RDMATENSOR_BIND_TO='numa': choose one of core, none"):
+        bind_cores({"RDMATENSOR_BIND_TO": "numa"})
+    assert bind_cores({"RDMATENSOR_BIND_TO": "none", "RDMATENSOR_HOST_SLOT": "0/2"}) is None
+    assert bind_cores({"RDMATENSOR_BIND_TO": "core"}) is None          # no slot known: left alone
+
+
 def test_ps_tasks_join_tf_config_after_the_workers(tmp_path):
     body = script(tmp_path, "cfg.py", """
         import os
@@ -288,6 +333,9 @@ def test_hosts_fill_in_order_with_local_ranks_and_ssh_for_remote_hosts():
                                                                    "node1:7002"], "ps": ["node2:7003"]},
                                             "task": {"type": "worker", "index": 2}}
     assert (env["RDMATENSOR_LOCAL_RANK"], env["HOROVOD_LOCAL_RANK"], env["HOROVOD_SIZE"]) == ("1", "1", "3")
+    assert (env["RDMATENSOR_BIND_TO"], env["RDMATENSOR_HOST_SLOT"]) == ("core", "1/2")     # node1's second task
+    ps_env = run.rank_env(shared, shared[3], "tok", None, bind_to="none")
+    assert (ps_env["RDMATENSOR_BIND_TO"], ps_env["RDMATENSOR_HOST_SLOT"]) == ("none", "1/2")   # node2: worker, ps
     cmd = run.ssh_command("node1", {"A": "x y", "B": "it's"}, ["python", "train.py", "--lr", "0.1"], "/data/my job",
                           ssh_port=2222)
     assert cmd[:6] == ["ssh", "-o", "BatchMode=yes", "-p", "2222", "node1"] and len(cmd) == 7

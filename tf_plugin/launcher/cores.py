@@ -1,4 +1,5 @@
-"""TensorFlow's intra-op thread pool sized to this rank's share of the cores.
+"""A rank's share of its host's cores: TensorFlow's intra-op thread pool sized
+to it, and the rank bound to it.
 
 TensorFlow sizes its intra-op pool to every core of the machine, in every
 process: N ranks on one host run N times as many compute threads as there are
@@ -11,12 +12,26 @@ number: TF_NUM_INTRAOP_THREADS set, 0 included (TensorFlow's own default).
 TensorFlow reads the variable when its runtime starts, so this applies when
 tf_plugin is imported before the first TensorFlow op runs, as `import
 tf_plugin as hvd` at the top of a script does.
+
+Binding, as mpirun's `--bind-to core`: a rank that `rdmatensor-run` started
+with `--bind-to core` (its default) pins every thread of its process to its
+own block of the cores it may use, the I-th of N equal blocks where
+RDMATENSOR_HOST_SLOT=I/N (its place among the tasks the launcher started on
+its host; under horovodrun, HOROVOD_LOCAL_RANK of HOROVOD_LOCAL_SIZE). Unbound,
+the scheduler moves the threads of ranks that wait for each other every step
+across the cores: on this project's 2-core machine a synchronous step over
+shm took 15-30% longer (docs/results.md). Nothing is bound with more tasks
+than cores, or with RDMATENSOR_BIND_TO=none (`--bind-to none`); mpirun and
+srun bind their ranks themselves.
 """
 from __future__ import annotations
 
 import os
 
 INTRA_OP = "TF_NUM_INTRAOP_THREADS"
+BIND_TO = "RDMATENSOR_BIND_TO"          # core | none
+HOST_SLOT = "RDMATENSOR_HOST_SLOT"      # I/N: this task's place among its host's N tasks
+BINDINGS = ("core", "none")
 
 
 def usable_cores() -> int:
@@ -41,3 +56,50 @@ def share_cores(env=os.environ) -> int | None:
     threads = max(1, usable_cores() // local_size)
     env[INTRA_OP] = str(threads)
     return threads
+
+
+def host_slot(env=os.environ) -> tuple[int, int] | None:
+    """(I, N): this task's place among the tasks started on its host, or None unknown."""
+    try:
+        if HOST_SLOT in env:
+            i, n = (int(x) for x in env[HOST_SLOT].split("/"))
+        elif "HOROVOD_LOCAL_RANK" in env:
+            i, n = int(env["HOROVOD_LOCAL_RANK"]), int(env["HOROVOD_LOCAL_SIZE"])
+        else:
+            return None
+    except (KeyError, ValueError):
+        raise ValueError(f"{HOST_SLOT}={env.get(HOST_SLOT)!r}: expected I/N, this task's place among "
+                         "its host's N tasks") from None
+    if not 0 <= i < n:
+        raise ValueError(f"host slot {i}/{n}: expected 0 <= I < N")
+    return i, n
+
+
+def slot_cores(cores, i: int, n: int) -> list[int] | None:
+    """The I-th of N equal blocks of `cores` (in order), None when N tasks cannot each have one."""
+    cores = sorted(cores)
+    if n <= 1 or n > len(cores):
+        return None
+    share = len(cores) // n
+    return cores[i * share:(i + 1) * share]
+
+
+def bind_cores(env=os.environ) -> list[int] | None:
+    """Pin every thread of this process to its slot's cores when RDMATENSOR_BIND_TO=core;
+    the cores, or None when nothing was bound."""
+    how = env.get(BIND_TO, "none")
+    if how not in BINDINGS:
+        raise ValueError(f"{BIND_TO}={how!r}: choose one of {', '.join(BINDINGS)}")
+    slot = host_slot(env) if how == "core" else None
+    try:
+        mine = slot and slot_cores(os.sched_getaffinity(0), *slot)
+    except AttributeError:                   # no affinity on this platform
+        return None
+    if not mine:
+        return None
+    for tid in os.listdir("/proc/self/task"):     # threads started before this import too
+        try:
+            os.sched_setaffinity(int(tid), mine)
+        except OSError:                      # a thread that ended meanwhile
+            pass
+    return mine

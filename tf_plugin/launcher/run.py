@@ -1,7 +1,7 @@
 """rdmatensor-run: start a script on N ranks, as horovodrun and mpirun do.
 
     rdmatensor-run -np N [-H host1:slots,host2:slots] [--ps M] [--provider P]
-                   [--softroce-vm] [--timeout S] [--failure-wait S] CMD [ARGS ...]
+                   [--bind-to core|none] [--softroce-vm] [--timeout S] [--failure-wait S] CMD [ARGS ...]
     rdmatensor-run [-np N] --min-np MIN --max-np MAX --host-discovery-script SCRIPT
                    [--elastic-timeout S] [--provider P] CMD [ARGS ...]      (elastic.py)
 
@@ -13,6 +13,9 @@ Every rank runs CMD with, in its environment:
     RDMATENSOR_PROVIDER        the provider, when --provider is given
     RDMATENSOR_RANK, RDMATENSOR_SIZE                   rank in the cluster, number of ranks
     RDMATENSOR_LOCAL_RANK, RDMATENSOR_LOCAL_SIZE       rank among its host's tasks of its type
+    RDMATENSOR_BIND_TO, RDMATENSOR_HOST_SLOT           --bind-to (core, the default, or none), and
+                               I/N: its place among all N tasks on its host; `import tf_plugin`
+                               binds the rank to the I-th of N blocks of its cores (launcher/cores.py)
     HOROVOD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE, OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE
                                the same for workers, as Horovod's and Open MPI's launchers name them
     PYTHONUNBUFFERED=1         so that a Python rank's lines arrive as it prints them
@@ -49,6 +52,8 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import BinaryIO, Sequence
+
+from .cores import BIND_TO, BINDINGS, HOST_SLOT
 
 IN_VM = "RDMATENSOR_RUN_IN_VM"     # set on the launcher re-run inside the VM: never re-run twice
 TIMEOUT_STATUS = 124
@@ -139,13 +144,14 @@ def tf_config(placements: Sequence[Placement], me: Placement) -> str:
 
 
 def rank_env(placements: Sequence[Placement], me: Placement, token: str, provider: str | None,
-             job: str = "") -> dict[str, str]:
+             job: str = "", bind_to: str = "core") -> dict[str, str]:
     """The variables one rank gets (on top of the launcher's own, for local ranks)."""
     workers = sum(p.task_type == "worker" for p in placements)
+    host = [p.rank for p in placements if p.host == me.host]
     env = {"TF_CONFIG": tf_config(placements, me), "RDMATENSOR_TOKEN": token, "RDMATENSOR_JOB": job,
            "RDMATENSOR_RANK": str(me.rank), "RDMATENSOR_SIZE": str(len(placements)),
            "RDMATENSOR_LOCAL_RANK": str(me.local_rank), "RDMATENSOR_LOCAL_SIZE": str(me.local_size),
-           "PYTHONUNBUFFERED": "1"}
+           BIND_TO: bind_to, HOST_SLOT: f"{host.index(me.rank)}/{len(host)}", "PYTHONUNBUFFERED": "1"}
     if provider:
         env["RDMATENSOR_PROVIDER"] = provider
     if me.task_type == "worker":
@@ -231,8 +237,9 @@ class Job:
     def __init__(self, placements: Sequence[Placement], command: Sequence[str], provider: str | None = None,
                  grace: float = 5.0, stdout: BinaryIO | None = None, stderr: BinaryIO | None = None,
                  forward: Sequence[str] = (), ssh_port: int | None = None, token: str | None = None,
-                 failure_wait: float = FAILURE_WAIT):
+                 failure_wait: float = FAILURE_WAIT, bind_to: str = "core"):
         self.placements, self.command, self.grace = list(placements), list(command), grace
+        self.bind_to = bind_to
         self.provider, self.forward, self.ssh_port = provider, list(forward), ssh_port
         self.failure_wait = failure_wait
         self.token = token or secrets.token_hex(16)
@@ -251,7 +258,7 @@ class Job:
 
     def argv_of(self, p: Placement) -> tuple[list[str], dict[str, str] | None]:
         """The command line and environment that start rank `p`."""
-        env = rank_env(self.placements, p, self.token, self.provider, self.job)
+        env = rank_env(self.placements, p, self.token, self.provider, self.job, self.bind_to)
         if p.local:
             return list(self.command), dict(os.environ, **env)
         env.update({k: os.environ[k] for k in self.forward if k in os.environ})
@@ -379,11 +386,12 @@ def _die_with_parent() -> None:
 def launch(command: Sequence[str], np: int, hosts: Sequence[tuple[str, int]] | None = None, ps: int = 0,
            provider: str | None = None, timeout: float | None = None, grace: float = 5.0,
            stdout: BinaryIO | None = None, stderr: BinaryIO | None = None, forward: Sequence[str] = (),
-           ssh_port: int | None = None, failure_wait: float = FAILURE_WAIT) -> int:
+           ssh_port: int | None = None, failure_wait: float = FAILURE_WAIT, bind_to: str = "core") -> int:
     """Run `command` on np workers (+ ps parameter servers); the job's exit status.
     SIGINT and SIGTERM stop every rank (when called from the main thread)."""
     placements = place(np, hosts or [("localhost", np + ps)], ps)
-    job = Job(placements, command, provider, grace, stdout, stderr, forward, ssh_port, failure_wait=failure_wait)
+    job = Job(placements, command, provider, grace, stdout, stderr, forward, ssh_port, failure_wait=failure_wait,
+              bind_to=bind_to)
     with stop_on_signals(job):
         return job.wait(timeout) if job.start() else START_FAILED
 
@@ -428,6 +436,9 @@ def parser() -> argparse.ArgumentParser:
                    help="parameter-server tasks added to TF_CONFIG (ranks after the workers)")
     p.add_argument("--provider", choices=["auto", *REGISTRY],
                    help="sets RDMATENSOR_PROVIDER for every rank")
+    p.add_argument("--bind-to", choices=BINDINGS, default="core",
+                   help="core (default): each rank runs on its own block of its host's cores, as mpirun's; "
+                        "none: wherever the scheduler puts it (elastic jobs are not bound)")
     p.add_argument("--softroce-vm", action="store_true", help="run every rank inside one SoftRoCE VM (verbs)")
     p.add_argument("--timeout", type=float, help="seconds for the whole job; exit 124 past it")
     p.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL when stopping ranks")
@@ -476,7 +487,8 @@ def main(argv=None) -> int:
     if args.softroce_vm and not os.environ.get(IN_VM):
         return run_in_vm(argv, args.timeout)
     return launch(command, args.np, hosts, args.ps, args.provider, args.timeout, args.grace,
-                  forward=args.forward, ssh_port=args.ssh_port, failure_wait=args.failure_wait)
+                  forward=args.forward, ssh_port=args.ssh_port, failure_wait=args.failure_wait,
+                  bind_to=args.bind_to)
 
 
 def main_elastic(p: argparse.ArgumentParser, args, command: list[str]) -> int:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from rdmatensor.providers import REGISTRY
 
+from ..launcher.cores import BINDINGS
 from . import models
 
 MODES = ("allreduce", "ps")
@@ -74,7 +75,9 @@ class JobConfig:
     """A training job. `batch` is the global batch, split evenly over the workers;
     `image_size` applies to the keras.applications models; `in_graph` runs the
     all-reduce inside the step's tf.function (ranks in separate processes only);
-    `fusion` all-reduces every gradient of a dtype as one bucket."""
+    `fusion` all-reduces every gradient of a dtype as one bucket; `bind_to` is
+    rdmatensor-run's --bind-to for ranks in separate processes (core: each on
+    its own cores; horovodrun's ranks too, so that every backend runs alike)."""
     mode: str = "allreduce"
     model: str = "mlp"
     provider: str = "auto"
@@ -88,6 +91,7 @@ class JobConfig:
     in_graph: bool = False
     fusion: bool = True
     image_size: int = 32
+    bind_to: str = "core"
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -110,6 +114,8 @@ class JobConfig:
             raise JobError(f"batch {self.batch} (global) does not split evenly over {self.workers} workers")
         if self.lr <= 0 or self.timeout <= 0:
             raise JobError(f"lr {self.lr} and timeout {self.timeout} must be positive")
+        if self.bind_to not in BINDINGS:
+            raise JobError(f"bind_to {self.bind_to!r}: choose one of {', '.join(BINDINGS)}")
         if self.model in models.APPLICATIONS and self.image_size < models.MIN_IMAGE_SIZE:
             raise JobError(f"image_size {self.image_size}: {self.model} needs at least {models.MIN_IMAGE_SIZE}")
 

@@ -49,6 +49,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..launcher.cores import BINDINGS
 from .job import BACKENDS, JobConfig, JobError, RankResult, Summary, combine, compare, summarize
 from .models import APPLICATIONS, MODELS
 
@@ -79,6 +80,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", action="store_true",
                    help="ranks as threads of this process (one TensorFlow import; tf-grpc excepted)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for each job")
+    p.add_argument("--bind-to", choices=BINDINGS, default="core",
+                   help="rdmatensor-run's --bind-to for every backend's ranks, horovodrun's included")
     p.add_argument("--softroce-vm", action="store_true", help="run inside a SoftRoCE VM")
     p.add_argument("--vm-timeout", type=float, default=900.0)
     args = p.parse_args(argv)
@@ -103,7 +106,8 @@ def config_of(args, provider: str) -> JobConfig:
         horovodrun()                       # built, or a JobError saying how
     return JobConfig(mode=args.mode, model=args.model, provider=provider, workers=args.workers,
                      ps=args.ps if args.mode == "ps" else 0, steps=args.steps, seed=args.seed, batch=args.batch,
-                     lr=args.lr, in_graph=not threads, fusion=not args.no_fusion, image_size=args.image_size)
+                     lr=args.lr, in_graph=not threads, fusion=not args.no_fusion, image_size=args.image_size,
+                     bind_to=args.bind_to)
 
 
 # ------------------------------------------------------------------ the VM
@@ -163,7 +167,8 @@ def run_processes(config: JobConfig, timeout: float) -> list[RankResult]:
             if config.backend.kind == "horovod":
                 status = _horovodrun(config, tmp, timeout, f)
             else:
-                status = launch(command, config.workers, ps=config.ps, timeout=timeout, stdout=f, stderr=f)
+                status = launch(command, config.workers, ps=config.ps, timeout=timeout, stdout=f, stderr=f,
+                                bind_to=config.bind_to)
         if status:
             tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
             raise RuntimeError(f"the {config.provider} job failed (exit status {status}):\n{tail}")
@@ -174,9 +179,10 @@ def run_processes(config: JobConfig, timeout: float) -> list[RankResult]:
 def _horovodrun(config: JobConfig, out: str, timeout: float, log) -> int:
     """Real Horovod's ranks, started by its own horovodrun, with the threads per rank
     rdmatensor-run gives (cores // ranks) and the project importable."""
-    from ..launcher.cores import INTRA_OP, usable_cores
+    from ..launcher.cores import BIND_TO, INTRA_OP, usable_cores
     from .horovod_baseline import ROOT, command
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env[BIND_TO] = config.bind_to           # bound by HOROVOD_LOCAL_RANK when tf_plugin is imported
     env.setdefault(INTRA_OP, str(max(1, usable_cores() // config.workers)))
     try:
         return subprocess.run(command(json.dumps(config.to_dict()), out, config.workers), env=env, cwd=ROOT,
