@@ -8,7 +8,7 @@ meeting of the workers per step), and shm's steps/s over TensorFlow's own
 strategy and over real Horovod's. A file of several rounds
 (`rdmatensor-train --rounds N`) shows each figure as the median over rounds,
 and each share or ratio, taken within its round, as median (lowest–highest).
-Missing backends show as "–".
+A backend no file ran has no column; one missing from a file shows as "–".
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from pathlib import Path
 
 NAMES = {"resnet50": "ResNet50", "vgg16": "VGG16", "densenet121": "DenseNet121", "mobilenetv2": "MobileNetV2",
          "lm": "Transformer LM"}
-COLUMNS = [("none", "floor"), ("shm", "rdmatensor shm"), ("tcp", "rdmatensor tcp"), ("grpc", "gRPC baseline"),
-           ("tf-grpc", "TensorFlow's own"), ("horovod", "Horovod (gloo)")]
+COLUMNS = [("none", "floor"), ("sync", "sync floor"), ("shm", "rdmatensor shm"), ("tcp", "rdmatensor tcp"),
+           ("grpc", "gRPC baseline"), ("tf-grpc", "TensorFlow's own"), ("horovod", "Horovod (gloo)")]
 
 
 def _steps(value: float) -> str:
@@ -35,7 +35,7 @@ def _spread(values: list[float], fmt) -> str:
     return text if len(values) == 1 else f"{text} ({fmt(min(values))}–{fmt(max(values))})"
 
 
-def row(doc: dict, sync: bool = False) -> list[str]:
+def row(doc: dict, columns: list[str]) -> list[str]:
     """One model: each backend's median steps/s over the rounds; each of shm's
     shares and ratios taken within its round (the machine drifts between rounds)."""
     rounds: dict[int, dict] = {}
@@ -43,7 +43,7 @@ def row(doc: dict, sync: bool = False) -> list[str]:
         rounds.setdefault(job.get("round", 0), {})[job["config"]["provider"]] = job["summary"]
     model = doc["jobs"][0]["config"]["model"]
     cells = [NAMES.get(model, model)]
-    for p, _ in COLUMNS + ([("sync", "")] if sync else []):
+    for p in columns:
         values = [by[p]["steps_per_s"] for by in rounds.values() if p in by]
         cells.append(_steps(statistics.median(values)) if values else "–")
 
@@ -56,20 +56,22 @@ def row(doc: dict, sync: bool = False) -> list[str]:
                 for by in rounds.values() if "shm" in by and other in by]
 
     pct, times = (lambda v: f"{100 * v:.0f}%"), (lambda v: f"{v:.2f}x")
-    cells.append(_spread(shm_share("none"), pct))
-    if sync:
-        cells.append(_spread(shm_share("sync"), pct))
-    cells += [_spread(shm_over(other), times) for other in ("tf-grpc", "horovod")]
+    cells += [_spread(shm_share(floor), pct) for floor in ("none", "sync") if floor in columns]
+    cells += [_spread(shm_over(other), times) for other in ("tf-grpc", "horovod") if other in columns]
     return cells
 
 
 def table(paths: list[str]) -> str:
+    """The table of these files; a backend no file ran has no column."""
     docs = [json.loads(Path(p).read_text()) for p in paths]
-    sync = any(job["config"]["provider"] == "sync" for doc in docs for job in doc["jobs"])
-    header = ["model", *(title for _, title in COLUMNS), *(["sync floor"] if sync else []), "shm: of floor",
-              *(["shm: of sync floor"] if sync else []), "shm vs TF's own", "shm vs Horovod"]
+    ran = {job["config"]["provider"] for doc in docs for job in doc["jobs"]}
+    titles = [(p, t) for p, t in COLUMNS if p in ran or p in ("none", "shm")]
+    columns = [p for p, _ in titles]
+    shares = [t for p, t in (("none", "shm: of floor"), ("sync", "shm: of sync floor")) if p in columns]
+    ratios = [t for p, t in (("tf-grpc", "shm vs TF's own"), ("horovod", "shm vs Horovod")) if p in columns]
+    header = ["model", *(t for _, t in titles), *shares, *ratios]
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
-    lines += ["| " + " | ".join(row(doc, sync)) + " |" for doc in docs]
+    lines += ["| " + " | ".join(row(doc, columns)) + " |" for doc in docs]
     return "\n".join(lines)
 
 

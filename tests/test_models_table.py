@@ -11,9 +11,14 @@ def test_a_row_per_run_with_shares_and_ratios_and_dashes_for_what_did_not_run(tm
     path = tmp_path / "resnet50.json"
     path.write_text(json.dumps({"jobs": [job("none", 5.0), job("shm", 4.0), job("tf-grpc", 1.6),
                                          job("horovod", 2.5)]}))
-    lines = table([str(path)]).splitlines()
-    assert lines[0].startswith("| model | floor | rdmatensor shm |") and len(lines) == 3
-    assert lines[2] == "| ResNet50 | 5.00 | 4.00 | – | – | 1.60 | 2.50 | 80% | 2.50x | 1.60x |"
+    other = tmp_path / "vgg16.json"
+    other.write_text(json.dumps({"jobs": [{**job("none", 3.0), "config": {"provider": "none", "model": "vgg16"}},
+                                          {**job("tcp", 2.0), "config": {"provider": "tcp", "model": "vgg16"}}]}))
+    lines = table([str(path), str(other)]).splitlines()
+    assert lines[0] == ("| model | floor | rdmatensor shm | rdmatensor tcp | TensorFlow's own | Horovod (gloo) "
+                        "| shm: of floor | shm vs TF's own | shm vs Horovod |") and len(lines) == 4
+    assert lines[2] == "| ResNet50 | 5.00 | 4.00 | – | 1.60 | 2.50 | 80% | 2.50x | 1.60x |"
+    assert lines[3] == "| VGG16 | 3.00 | – | 2.00 | – | – | – | – | – |"      # no grpc or sync column at all
 
 
 def test_rounds_show_medians_and_the_range_of_each_share_taken_within_its_round(tmp_path):
@@ -26,6 +31,6 @@ def test_rounds_show_medians_and_the_range_of_each_share_taken_within_its_round(
             job("none", 8.0, 2), job("sync", 8.0, 2), job("shm", 6.8, 2)]
     path.write_text(json.dumps({"rounds": 3, "jobs": jobs}))
     header, _, line = table([str(path)]).splitlines()
-    assert "| sync floor | shm: of floor | shm: of sync floor |" in header
+    assert header == "| model | floor | sync floor | rdmatensor shm | shm: of floor | shm: of sync floor |"
     # steps/s: medians over rounds; shares: 90%, 80%, 85% within the rounds
-    assert line == "| DenseNet121 | 8.00 | 6.80 | – | – | – | – | 8.00 | 85% (80%–90%) | 85% (80%–95%) | – | – |"
+    assert line == "| DenseNet121 | 8.00 | 8.00 | 6.80 | 85% (80%–90%) | 85% (80%–95%) |"
