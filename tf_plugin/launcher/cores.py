@@ -20,7 +20,7 @@ RDMATENSOR_HOST_SLOT=I/N (its place among the tasks the launcher started on
 its host; under horovodrun, HOROVOD_LOCAL_RANK of HOROVOD_LOCAL_SIZE). Unbound,
 the scheduler moves the threads of ranks that wait for each other every step
 across the cores: on this project's 2-core machine a synchronous step over
-shm took 15-30% longer (docs/results.md). Nothing is bound with more tasks
+shm took 0-40% longer than bound, never less (docs/results.md). Nothing is bound with more tasks
 than cores, or with RDMATENSOR_BIND_TO=none (`--bind-to none`); mpirun and
 srun bind their ranks themselves.
 """
