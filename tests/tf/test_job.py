@@ -23,6 +23,9 @@ from tf_plugin.training.job import BACKENDS, JobConfig, JobError, RankResult, co
     (dict(model="resnet50", image_size=16), "image_size 16: resnet50 needs at least 32"),
     (dict(workers=0), "workers 0"),
     (dict(bind_to="socket"), "bind_to 'socket': choose one of core, none"),
+    (dict(provider="none", paired=True), "paired with provider 'none'"),
+    (dict(provider="shm", workers=1, batch=64, paired=True), "1 worker(s)"),
+    (dict(provider="shm", mode="ps", ps=1, paired=True), "mode ps"),
 ])
 def test_a_job_that_cannot_run_is_refused_naming_the_field(fields, message):
     with pytest.raises(JobError, match=message.replace("(", "\\(").replace(")", "\\)")):
@@ -191,3 +194,46 @@ def test_the_sync_floor_meets_once_per_step_and_rounds_interleave(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "tf_plugin.training.launch", "--provider", "none,shm,none",
                           "--rounds", "2"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "name each provider once" in bad.stderr, bad.stderr[-1000:]
+
+
+def test_paired_turns_hold_every_kind_once_per_cycle_in_varying_orders():
+    from tf_plugin.training.runner import turns
+    assert turns(["shm"], 4, 0) == ["shm"] * 4
+    kinds = ["none", "sync", "shm"]
+    got = turns(kinds, 3 * 20 + 2, 7)
+    assert len(got) == 60 and turns(kinds, 62, 7) == got            # a partial cycle dropped; every rank draws alike
+    cycles = [tuple(got[i:i + 3]) for i in range(0, 60, 3)]
+    assert all(sorted(c) == sorted(kinds) for c in cycles) and len(set(cycles)) > 1
+
+
+def test_paired_shares_are_medians_of_ratios_within_cycles():
+    def worker(rank, shm, none, sync):
+        return RankResult(rank, "worker", "shm", [1.0] * 4, shm, paired_seconds={"none": none, "sync": sync})
+    # each cycle's slowest worker: floor 1, 2, 4; sync 1.25, 2.5, 5; shm 2, 4, 8 (the host slowed between cycles)
+    ranks = [worker(0, [2.0, 3.0, 8.0], [1.0, 2.0, 3.0], [1.25, 2.5, 5.0]),
+             worker(1, [1.0, 4.0, 7.0], [0.5, 1.0, 4.0], [1.0, 2.0, 5.0])]
+    p = summarize(JobConfig(provider="shm", paired=True), ranks).paired
+    assert p["cycles"] == 3 and (p["none_ms"], p["sync_ms"], p["provider_ms"]) == (2000.0, 2500.0, 4000.0)
+    assert (p["of_floor"], p["of_sync"], p["sync_of_floor"]) == (0.5, 0.625, 0.8)
+    assert summarize(JobConfig(provider="shm"), [worker(0, [1.0], [], [])]).paired is None
+
+
+def test_a_paired_job_times_both_floors_beside_the_provider_in_one_run(tmp_path):
+    """rdmatensor-train --provider shm --paired: floor, sync floor and shm steps in turn in the
+    same processes; the provider's counters leave the meetings out."""
+    out = tmp_path / "paired.json"
+    proc = subprocess.run([sys.executable, "-m", "tf_plugin.training.launch", "--workers", "2", "--provider", "shm",
+                           "--paired", "--model", "mlp", "--steps", "8", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "2 cycles of floor, sync floor, shm in turn" in proc.stdout
+    job = json.loads(out.read_text())["jobs"][0]
+    p, summary = job["summary"]["paired"], job["summary"]
+    assert p["cycles"] == 2 and all(p[k] > 0 for k in ("none_ms", "sync_ms", "provider_ms", "of_floor", "of_sync"))
+    assert summary["timed_steps"] == 2 and len(summary["losses"]) == 3       # the warm-up step's loss, then shm's
+    assert summary["writes_per_step"] == 4          # the ring's two writes per worker, not the meetings'
+    for rank in job["ranks"]:
+        assert len(rank["paired_seconds"]["none"]) == len(rank["paired_seconds"]["sync"]) == 2
+    bad = subprocess.run([sys.executable, "-m", "tf_plugin.training.launch", "--provider", "none", "--paired"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "paired with provider 'none'" in bad.stderr, bad.stderr[-1000:]

@@ -77,7 +77,10 @@ class JobConfig:
     all-reduce inside the step's tf.function (ranks in separate processes only);
     `fusion` all-reduces every gradient of a dtype as one bucket; `bind_to` is
     rdmatensor-run's --bind-to for ranks in separate processes (core: each on
-    its own cores; horovodrun's ranks too, so that every backend runs alike)."""
+    its own cores; horovodrun's ranks too, so that every backend runs alike);
+    `paired` times the floor and the sync floor inside the provider's own job,
+    step by step in turn (runner.py; the session's counters then include the
+    meetings' 4-byte writes)."""
     mode: str = "allreduce"
     model: str = "mlp"
     provider: str = "auto"
@@ -92,6 +95,7 @@ class JobConfig:
     fusion: bool = True
     image_size: int = 32
     bind_to: str = "core"
+    paired: bool = False
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -116,6 +120,10 @@ class JobConfig:
             raise JobError(f"lr {self.lr} and timeout {self.timeout} must be positive")
         if self.bind_to not in BINDINGS:
             raise JobError(f"bind_to {self.bind_to!r}: choose one of {', '.join(BINDINGS)}")
+        if self.paired and (backend.kind != "rdmatensor" or self.mode != "allreduce" or self.workers < 2):
+            raise JobError(f"paired with provider {self.provider!r}, mode {self.mode}, {self.workers} worker(s): "
+                           "a paired job times the floors beside an rdmatensor provider's all-reduce "
+                           "of at least 2 workers")
         if self.model in models.APPLICATIONS and self.image_size < models.MIN_IMAGE_SIZE:
             raise JobError(f"image_size {self.image_size}: {self.model} needs at least {models.MIN_IMAGE_SIZE}")
 
@@ -160,6 +168,7 @@ class RankResult:
     note: str = ""
     overlap: float | None = None            # share of the ring's time while backprop still ran
     ring_cpu_seconds: float | None = None   # CPU the communication thread used over the timed steps
+    paired_seconds: dict | None = None      # a paired job's floor steps: {"none": [...], "sync": [...]}
 
     @property
     def timed_steps(self) -> int:
@@ -225,6 +234,7 @@ class Summary:
     grows: int
     losses: list[float]                     # the global loss per step: mean over the workers' shards
     wall_seconds: float = 0.0               # set by the launcher: start to results, setup included
+    paired: dict | None = None              # a paired job's floors, step by step (see paired())
 
     @property
     def provider(self) -> str:
@@ -269,7 +279,30 @@ def summarize(config: JobConfig, results: list[RankResult]) -> Summary:
         ring_cpu_ms_per_step=_mean(None if w.ring_cpu_seconds is None else
                                    1e3 * w.ring_cpu_seconds / max(w.timed_steps, 1) for w in workers),
         dynamic=sum(r.dynamic for r in results), fallbacks=sum(r.fallbacks for r in results),
-        grows=sum(r.grows for r in results), losses=losses)
+        grows=sum(r.grows for r in results), losses=losses, paired=paired(workers))
+
+
+def paired(workers: list[RankResult]) -> dict | None:
+    """A paired job's figures: per kind (`none`, `sync`, the provider) the median
+    of its steps' times (each step's slowest worker's), and the provider's share
+    of each floor as the median over cycles of floor step / provider step, the
+    steps of one cycle having run within a few steps of each other. None for a
+    job that is not paired."""
+    if any(w.paired_seconds is None for w in workers):
+        return None
+    runs = {kind: [w.paired_seconds[kind] for w in workers] for kind in ("none", "sync")}
+    runs["provider"] = [w.step_seconds for w in workers]
+    cycles = min(len(s) for ranks in runs.values() for s in ranks)
+    if not cycles:
+        return None
+    per = {kind: [max(s[i] for s in ranks) for i in range(cycles)] for kind, ranks in runs.items()}
+
+    def share(a, b):
+        return statistics.median(x / y for x, y in zip(per[a], per[b], strict=True))
+
+    return {"cycles": cycles, **{f"{kind}_ms": 1e3 * statistics.median(v) for kind, v in per.items()},
+            "of_floor": share("none", "provider"), "of_sync": share("sync", "provider"),
+            "sync_of_floor": share("none", "sync")}
 
 
 def _mean(values):

@@ -2,7 +2,7 @@
 
     rdmatensor-train --mode ps|allreduce --workers N [--ps M] --provider P[,P...] \\
                      --model M [--image-size S] --steps K [--batch B] [--json FILE] [--seed S] \\
-                     [--timeline FILE] [--rounds N]
+                     [--timeline FILE] [--rounds N] [--paired]
 
 One process per rank, started by rdmatensor-run's launcher (TF_CONFIG and a
 shared random token per rank; a failing rank is named and stops the job),
@@ -32,6 +32,13 @@ steps/s as a ratio to TensorFlow's own (when tf-grpc is in the list) and to
 Horovod's (when horovod is). --rounds N runs the list N times, interleaved,
 and shows each figure as the median over rounds (lowest-highest), each ratio
 taken within its round.
+
+--paired times the floor and the sync floor inside each provider's own job:
+its timed steps run none, sync and the provider in turn, each cycle of three
+in its own order, so all three see the same state of the host (whose cores
+drift in speed over seconds), and reports the provider's share of each floor
+as the median over cycles. Its losses are not a training run's: floor steps
+apply each rank's own gradients.
 
 --softroce-vm re-runs the command inside `rdmatensor softroce vm` (all ranks
 in one VM, real SoftRoCE); that happens by itself when verbs is asked for and
@@ -74,6 +81,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--json", metavar="FILE", help="write the results here")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the provider list this many times, interleaved; ratios as median (range)")
+    p.add_argument("--paired", action="store_true",
+                   help="time none and sync inside each provider's job, step by step in turn")
     p.add_argument("--no-fusion", action="store_true", help="allreduce: one ring per gradient")
     p.add_argument("--timeline", metavar="FILE",
                    help="per-rank Chrome trace of the all-reduce's buckets (RDMATENSOR_TIMELINE)")
@@ -107,7 +116,7 @@ def config_of(args, provider: str) -> JobConfig:
     return JobConfig(mode=args.mode, model=args.model, provider=provider, workers=args.workers,
                      ps=args.ps if args.mode == "ps" else 0, steps=args.steps, seed=args.seed, batch=args.batch,
                      lr=args.lr, in_graph=not threads, fusion=not args.no_fusion, image_size=args.image_size,
-                     bind_to=args.bind_to)
+                     bind_to=args.bind_to, paired=args.paired)
 
 
 # ------------------------------------------------------------------ the VM
@@ -229,6 +238,12 @@ def report(s: Summary, out=None) -> None:
     if s.overlap is not None:
         print(f"  overlap             {100 * s.overlap:.0f}% of the rings' time ran while backprop still ran; "
               f"the rings used {_fmt(s.ring_cpu_ms_per_step)} ms of CPU per step per worker", file=out)
+    if s.paired is not None:
+        p = s.paired
+        print(f"  paired              {p['cycles']} cycles of floor, sync floor, {c.provider} in turn: "
+              f"{p['none_ms']:.1f} / {p['sync_ms']:.1f} / {p['provider_ms']:.1f} ms; "
+              f"{c.provider} at {100 * p['of_floor']:.0f}% of the floor, {100 * p['of_sync']:.0f}% of the sync "
+              f"floor (the sync floor at {100 * p['sync_of_floor']:.0f}% of the floor)", file=out)
     if s.dynamic:
         print(f"  dynamic tensors     {s.dynamic} sends, {s.fallbacks} fallbacks, {s.grows} grows", file=out)
     print(f"  final loss          {_fmt(s.final_loss, '.6f')}", file=out, flush=True)

@@ -20,10 +20,18 @@ theirs. Nothing of the model moves, but each step waits for the slowest
 worker's backprop, as every synchronous all-reduce must: the gap from `none`
 to `sync` is the cost of synchronizing itself, the gap from `sync` to a
 provider is what the provider adds.
+
+A paired job (JobConfig.paired) times all three in the same processes: its
+timed steps run the floor, the sync floor and the provider in turn, in an
+order drawn anew for every cycle of three (the same on every rank). Jobs run
+one after the other see a host whose cores drift in speed by 20% and more
+over seconds; steps taken in turn see the same host. Its losses are not a
+training run's (floor steps apply each rank's own gradients).
 """
 from __future__ import annotations
 
 import os
+import random
 import secrets
 import threading
 import time
@@ -58,46 +66,77 @@ def run_rank(cluster, config: JobConfig, token: str | None = None) -> RankResult
         from ..engine.analyzer import analyze
         analysis = analyze(step, mode, cluster.num_workers, cluster.num_ps if mode == "ps" else 0,
                            fusion=cfg.fusion)
-        plan = analysis.plan
+        plan = Plan([*analysis.plan.specs.values(), *meeting_specs(cluster)]) if cfg.paired else analysis.plan
     t_setup = time.perf_counter()
     with connect(cluster.rank, cluster.peers(), plan, provider=FLOORS.get(cfg.provider, cfg.provider), token=token,
                  timeout=cfg.timeout) as session:
         JobFailure(cluster.rank).watch(session)     # a lost rank fails every call of this one
         setup_seconds = time.perf_counter() - t_setup
-        loop = _loop(cfg, cluster, session, analysis, step, model, signature, meter, shard, losses)
-        loop(0)                              # first step traces the functions: not timed
+        loops = _loops(cfg, cluster, session, analysis, step, model, signature, meter, shard)
+        for kind, loop in loops.items():     # first steps trace the functions: not timed
+            loss = loop(0)
+            if kind == cfg.provider:
+                losses.append(loss)
         session.barrier("tf_plugin-warm")    # everyone traced: time steps, not tracing
         meter.restart()
         before, tally0 = session.stats(), dict(meter.tally)
-        step_seconds = []
-        for k in range(1, cfg.steps):
+        seconds = {kind: [] for kind in loops}
+        for k, kind in enumerate(turns(list(loops), cfg.steps - 1, cfg.seed), start=1):
             t0 = time.perf_counter()
-            loop(k)
-            step_seconds.append(time.perf_counter() - t0)
+            loss = loops[kind](k)
+            seconds[kind].append(time.perf_counter() - t0)
+            if kind == cfg.provider:
+                losses.append(loss)
         session.barrier("tf_plugin-done")
         after = session.stats()
+    losses = [x for x in losses if x is not None]      # a parameter server has none
+    step_seconds = seconds.pop(cfg.provider)
     if cfg.provider == "none":
         return RankResult(cluster.rank, cluster.task_type, "none", losses, step_seconds, setup_seconds,
                           comm_seconds=0.0, bytes_sent_per_step=0.0, writes_per_step=0.0,
                           session_copies_per_step=0.0, plugin_copies_per_step=0.0, zero_copy_per_step=0.0)
-    return RankResult.from_session(cluster, losses, step_seconds, setup_seconds, meter.comm_seconds,
-                                   before, after, tally0, dict(meter.tally), overlap=meter.overlap,
-                                   ring_cpu_seconds=meter.ring_cpu_seconds if meter.rounds else None)
+    result = RankResult.from_session(cluster, losses, step_seconds, setup_seconds, meter.comm_seconds,
+                                     before, after, tally0, dict(meter.tally), overlap=meter.overlap,
+                                     ring_cpu_seconds=meter.ring_cpu_seconds if meter.rounds else None)
+    if seconds:                              # paired: the meetings' writes are not the provider's
+        meetings = len(seconds["sync"]) * (cluster.num_workers - 1) / max(len(step_seconds), 1)
+        result.writes_per_step -= meetings
+        result.bytes_sent_per_step -= meetings * Meeting.BYTES
+        result.paired_seconds = seconds
+    return result
 
 
-def _loop(cfg: JobConfig, cluster, session, analysis, step, model, signature, meter, shard, losses):
-    """The function that runs step k on this rank (and records a worker's loss)."""
+def turns(kinds: list[str], steps: int, seed: int) -> list[str]:
+    """Which kind of step each timed step runs: with one kind, always it; with
+    several, cycles holding each once, each cycle in its own order (drawn from
+    `seed`, so every rank draws the same), so that no kind always follows the
+    same other one (a step leaves its caches to the next). A last partial
+    cycle is dropped."""
+    if len(kinds) == 1:
+        return kinds * steps
+    rng, out = random.Random(seed), []
+    for _ in range(steps // len(kinds)):
+        cycle = list(kinds)
+        rng.shuffle(cycle)
+        out += cycle
+    return out
+
+
+def _loops(cfg: JobConfig, cluster, session, analysis, step, model, signature, meter, shard) -> dict:
+    """The functions that run step k on this rank, returning a worker's loss (None
+    elsewhere), by kind: the job's provider alone, or in a paired job also the
+    floor (`none`) and the sync floor (`sync`), sharing the model and optimizer."""
     from . import models
     if cfg.mode == "ps" and not cluster.is_worker:
         if cfg.provider in FLOORS:
-            return lambda k: None                                         # a floor without servers
+            return {cfg.provider: lambda k: None}                         # a floor without servers
         from ..engine.ps import ParameterServer
         server = ParameterServer(session, analysis, step.variables, models.optimizer(cfg.lr), meter)
-        return lambda k: server.train_step()
+        return {cfg.provider: lambda k: server.train_step()}
     if cfg.mode == "ps" and cfg.provider not in FLOORS:
         from ..engine.ps import PSWorker
         worker = PSWorker(session, analysis, step, meter)
-        return lambda k: losses.append(worker.train_step(*shard(k)))
+        return {cfg.provider: lambda k: worker.train_step(*shard(k))}
     ring = None
     if cfg.provider not in FLOORS:
         from ..engine.ring import RingAllReduce
@@ -106,10 +145,20 @@ def _loop(cfg: JobConfig, cluster, session, analysis, step, model, signature, me
     opt.build(step.variables)
     if ring is not None:
         ring.broadcast(step.variables)
-    meet = Meeting(session, cluster) if cfg.provider == "sync" else None
+    meeting = Meeting(session, cluster) if cfg.provider == "sync" or cfg.paired else None
+    kinds = {cfg.provider: (ring, meeting if cfg.provider == "sync" else None)}
+    if cfg.paired:
+        kinds = {"none": (None, None), "sync": (None, meeting), **kinds}
+    return {kind: _step_fn(cfg, model, opt, r, m, step, signature, shard) for kind, (r, m) in kinds.items()}
+
+
+def _step_fn(cfg: JobConfig, model, opt, ring, meet, step, signature, shard):
+    """Step k: through `ring` (None: each rank applies its own gradients), after
+    meeting the other workers where `meet` is given."""
+    from . import models
     if cfg.in_graph:
         train_step = in_graph_step(model, opt, ring, models.loss_fn, signature, meet)
-        return lambda k: losses.append(float(train_step(*shard(k))))
+        return lambda k: float(train_step(*shard(k)))
     apply = tf_function(lambda grads: opt.apply_gradients(zip(grads, step.variables, strict=True)))
 
     def loop(k):
@@ -117,7 +166,7 @@ def _loop(cfg: JobConfig, cluster, session, analysis, step, model, signature, me
         if meet is not None:
             meet()
         apply(ring.allreduce(grads) if ring is not None else grads)
-        losses.append(float(loss))
+        return float(loss)
     return loop
 
 
@@ -136,12 +185,13 @@ def meeting_specs(cluster) -> list:
 class Meeting:
     """One step's meeting of the `sync` floor: send to every other worker, then
     wait for each of theirs; returns when every worker has reached it."""
+    BYTES = 4                                      # written to each other worker
 
     def __init__(self, session, cluster):
         import numpy as np
         self.session, self.me = session, cluster.rank
         self.others = [r for r in cluster.worker_ranks if r != self.me]
-        self.token = np.ones(1, np.float32)
+        self.token = np.ones(1, np.float32)         # BYTES
 
     def __call__(self, *_):
         for r in self.others:
