@@ -28,6 +28,33 @@ def test_add_gives_numpys_bits(dtype, n, skew):
         assert out.tobytes() == want.tobytes()
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_add_into_an_output_not_aligned_to_its_elements(dtype):
+    """No line starts on such an output: nothing streams, and the bits are still numpy's."""
+    n, size = 70001, np.dtype(dtype).itemsize
+    a, b = (np.random.default_rng(k).standard_normal(n).astype(dtype) for k in (1, 2))
+    raw = np.zeros(n * size + 1, np.uint8)
+    out = raw[1:].view(dtype)
+    streaming.add(out, a, b, dtype(0.5), stream=True)
+    assert out.tobytes() == ((a + b) * dtype(0.5)).tobytes() and raw[0] == 0
+
+
+def test_pieces_written_side_by_side_share_lines_and_keep_every_byte():
+    """A fused bucket goes out one gradient at a time into one destination: the
+    calls' ends share lines (streamed only where a call covers a whole line)."""
+    rng = np.random.default_rng(5)
+    lengths = rng.integers(1, 300, 200)
+    lengths[::7] = 70000                              # some above the GIL and line thresholds
+    a, b = (rng.standard_normal(lengths.sum()).astype(np.float32) for _ in "ab")
+    out, copied, at = np.zeros_like(a), np.zeros_like(a), 0
+    for n in lengths:
+        part = slice(at, at + n)
+        streaming.add(out[part], a[part], b[part], np.float32(0.5), stream=True)
+        streaming.copy(copied[part], a[part], stream=True)
+        at += n
+    assert out.tobytes() == ((a + b) * np.float32(0.5)).tobytes() and copied.tobytes() == a.tobytes()
+
+
 @pytest.mark.parametrize("n", [0, 1, 15, 64, 1000, (1 << 20) + 3])
 def test_copy_writes_exactly_the_destination(n):
     src = np.random.default_rng(n).integers(0, 256, n + 1, dtype=np.uint8)[1:]
