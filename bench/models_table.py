@@ -9,6 +9,13 @@ strategy and over real Horovod's. A file of several rounds
 (`rdmatensor-train --rounds N`) shows each figure as the median over rounds,
 and each share or ratio, taken within its round, as median (lowest–highest).
 A backend no file ran has no column; one missing from a file shows as "–".
+
+    python -m bench.models_table --paired docs/models/paired/*.json
+
+Files of `rdmatensor-train --paired` jobs instead: per model and provider, the
+median step of the floor, the sync floor and the provider, timed in turn in
+the same processes, and the provider's shares of both floors (medians over
+cycles of the ratio of one cycle's steps).
 """
 from __future__ import annotations
 
@@ -75,12 +82,31 @@ def table(paths: list[str]) -> str:
     return "\n".join(lines)
 
 
+def paired_table(paths: list[str]) -> str:
+    """The table of these files' paired jobs (rdmatensor-train --paired)."""
+    header = ["model", "provider", "floor ms", "sync floor ms", "provider ms", "of floor", "of sync floor",
+              "sync floor: of floor", "cycles"]
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    for path in paths:
+        for job in json.loads(Path(path).read_text())["jobs"]:
+            p, model = job["summary"].get("paired"), job["config"]["model"]
+            if p is None:
+                continue
+            lines.append("| " + " | ".join([NAMES.get(model, model), job["config"]["provider"],
+                                            *(f"{p[k]:.1f}" for k in ("none_ms", "sync_ms", "provider_ms")),
+                                            *(f"{100 * p[k]:.0f}%" for k in ("of_floor", "of_sync", "sync_of_floor")),
+                                            str(p["cycles"])]) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
-    paths = list(sys.argv[1:] if argv is None else argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    paired = "--paired" in args
+    paths = [a for a in args if a != "--paired"]
     if not paths:
         print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
         return 2
-    print(table(paths))
+    print(paired_table(paths) if paired else table(paths))
     return 0
 
 

@@ -1,7 +1,7 @@
 """bench.models_table: the README's table of real models, from bench-models' JSON."""
 import json
 
-from bench.models_table import table
+from bench.models_table import paired_table, table
 
 
 def test_a_row_per_run_with_shares_and_ratios_and_dashes_for_what_did_not_run(tmp_path):
@@ -34,3 +34,16 @@ def test_rounds_show_medians_and_the_range_of_each_share_taken_within_its_round(
     assert header == "| model | floor | sync floor | rdmatensor shm | shm: of floor | shm: of sync floor |"
     # steps/s: medians over rounds; shares: 90%, 80%, 85% within the rounds
     assert line == "| DenseNet121 | 8.00 | 8.00 | 6.80 | 85% (80%–90%) | 85% (80%–95%) |"
+
+
+def test_paired_jobs_give_one_row_each_with_both_floors_and_the_shares(tmp_path):
+    paired = {"cycles": 60, "none_ms": 42.25, "sync_ms": 46.9, "provider_ms": 52.3, "of_floor": 0.804,
+              "of_sync": 0.876, "sync_of_floor": 0.913}
+    path = tmp_path / "mobilenetv2.json"
+    path.write_text(json.dumps({"jobs": [
+        {"config": {"provider": "shm", "model": "mobilenetv2"}, "summary": {"paired": paired}},
+        {"config": {"provider": "tcp", "model": "mobilenetv2"}, "summary": {"paired": None}}]}))
+    lines = paired_table([str(path)]).splitlines()
+    assert lines[0] == ("| model | provider | floor ms | sync floor ms | provider ms | of floor | of sync floor "
+                        "| sync floor: of floor | cycles |") and len(lines) == 3      # the unpaired job has no row
+    assert lines[2] == "| MobileNetV2 | shm | 42.2 | 46.9 | 52.3 | 80% | 88% | 91% | 60 |"
