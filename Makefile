@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo demo-two-hosts test test-host test-rdma clean proto bench bench-models bench-hierarchical bench-ring soak \
+.PHONY: setup demo demo-two-hosts test test-host test-rdma clean proto bench bench-models bench-models-paired bench-hierarchical bench-ring soak \
 	horovod-reference horovodrun-two-hosts
 
 setup:
@@ -37,6 +37,19 @@ bench-models: setup horovod-reference
 	    $(PY) -m tf_plugin.training.launch --model $$m --workers 2 --batch 16 --steps $(BENCH_STEPS) \
 	        --provider $(BENCH_PROVIDERS) --rounds $(BENCH_ROUNDS) --json docs/models/$$m.json || exit 1; \
 	done
+
+# The same models over shm with both floors timed in turn inside each job
+# (--paired: immune to the host's cores drifting between jobs), 60 cycles of
+# three steps; JSON in docs/models/paired/, table by
+# `python -m bench.models_table --paired docs/models/paired/*.json`.
+BENCH_PAIRED_STEPS ?= 181
+bench-models-paired: setup
+	mkdir -p docs/models/paired
+	for m in $(BENCH_MODELS); do \
+	    $(PY) -m tf_plugin.training.launch --model $$m --workers 2 --batch 16 --steps $(BENCH_PAIRED_STEPS) \
+	        --provider shm --paired --json docs/models/paired/$$m.json || exit 1; \
+	done
+	$(PY) -m bench.models_table --paired $(addprefix docs/models/paired/,$(addsuffix .json,$(BENCH_MODELS)))
 
 # The flat ring against the hierarchical all-reduce, side by side in one job
 # of 4 ranks on 2 hosts (Horovod API): on this host with loopback addresses as
