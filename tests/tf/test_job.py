@@ -26,6 +26,7 @@ from tf_plugin.training.job import BACKENDS, JobConfig, JobError, RankResult, co
     (dict(provider="none", paired=True), "paired with provider 'none'"),
     (dict(provider="shm", workers=1, batch=64, paired=True), "1 worker(s)"),
     (dict(provider="shm", mode="ps", ps=1, paired=True), "mode ps"),
+    (dict(provider="shm", steps=3, paired=True), "steps 3: a paired job needs at least 4"),
 ])
 def test_a_job_that_cannot_run_is_refused_naming_the_field(fields, message):
     with pytest.raises(JobError, match=message.replace("(", "\\(").replace(")", "\\)")):

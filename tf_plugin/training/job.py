@@ -124,6 +124,9 @@ class JobConfig:
             raise JobError(f"paired with provider {self.provider!r}, mode {self.mode}, {self.workers} worker(s): "
                            "a paired job times the floors beside an rdmatensor provider's all-reduce "
                            "of at least 2 workers")
+        if self.paired and self.steps < 4:
+            raise JobError(f"steps {self.steps}: a paired job needs at least 4 (one to trace, then a cycle "
+                           "of floor, sync floor and provider)")
         if self.model in models.APPLICATIONS and self.image_size < models.MIN_IMAGE_SIZE:
             raise JobError(f"image_size {self.image_size}: {self.model} needs at least {models.MIN_IMAGE_SIZE}")
 
