@@ -79,8 +79,8 @@ class JobConfig:
     rdmatensor-run's --bind-to for ranks in separate processes (core: each on
     its own cores; horovodrun's ranks too, so that every backend runs alike);
     `paired` times the floor and the sync floor inside the provider's own job,
-    step by step in turn (runner.py; the session's counters then include the
-    meetings' 4-byte writes)."""
+    step by step in turn (runner.py; the provider's counters leave the
+    meetings' 4-byte writes out)."""
     mode: str = "allreduce"
     model: str = "mlp"
     provider: str = "auto"

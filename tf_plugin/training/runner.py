@@ -66,7 +66,9 @@ def run_rank(cluster, config: JobConfig, token: str | None = None) -> RankResult
         from ..engine.analyzer import analyze
         analysis = analyze(step, mode, cluster.num_workers, cluster.num_ps if mode == "ps" else 0,
                            fusion=cfg.fusion)
-        plan = Plan([*analysis.plan.specs.values(), *meeting_specs(cluster)]) if cfg.paired else analysis.plan
+        plan = analysis.plan
+        if cfg.paired:                       # the analyzed plan, and the sync floor's meetings
+            plan = Plan([*plan.specs.values(), *meeting_specs(cluster)], plan.max_arena_bytes, plan.checksum)
     t_setup = time.perf_counter()
     with connect(cluster.rank, cluster.peers(), plan, provider=FLOORS.get(cfg.provider, cfg.provider), token=token,
                  timeout=cfg.timeout) as session:
@@ -185,13 +187,13 @@ def meeting_specs(cluster) -> list:
 class Meeting:
     """One step's meeting of the `sync` floor: send to every other worker, then
     wait for each of theirs; returns when every worker has reached it."""
-    BYTES = 4                                      # written to each other worker
+    BYTES = 4                                      # the float32 token, written to each other worker
 
     def __init__(self, session, cluster):
         import numpy as np
         self.session, self.me = session, cluster.rank
         self.others = [r for r in cluster.worker_ranks if r != self.me]
-        self.token = np.ones(1, np.float32)         # BYTES
+        self.token = np.ones(1, np.float32)
 
     def __call__(self, *_):
         for r in self.others:
