@@ -7,12 +7,6 @@
 2. rdma:  the tests marked `rdma`, natively where this host has an ACTIVE
           RDMA port, else inside a SoftRoCE VM (`rdmatensor softroce vm`).
 
-The two suites run side by side: the host suite leaves about a third of two
-cores idle (it waits on processes starting, on timeouts, on VMs booting), and
-the rdma suite's VM fills it. The host suite prints as it goes; the rdma
-suite's output goes to test-results/rdma.log and is printed when both are
-done. `--one-by-one` runs them in turn, each printing as it goes.
-
 Arguments after `--` go to every pytest run (e.g. `-- -k write -x`).
 Ends with one line: `total: N passed, N failed, N skipped`.
 """
@@ -41,17 +35,10 @@ def counts(junit: Path) -> dict[str, int]:
     return total
 
 
-def _wait(proc: subprocess.Popen) -> float:
-    proc.wait()
-    return time.monotonic()
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=("host", "rdma"))
-    parser.add_argument("--one-by-one", action="store_true",
-                        help="run the suites in turn instead of side by side")
     parser.add_argument("pytest_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     extra = [a for a in args.pytest_args if a != "--"]
@@ -81,37 +68,16 @@ def main() -> int:
     ok = True
     summary = []
     started = time.monotonic()
-    running = []          # [name, process, log or None, start, end]
-    for i, (name, cmd, where) in enumerate(suites):
-        (results / f"{name}.xml").unlink(missing_ok=True)
-        log = None
-        if i == 0 or args.one_by_one:
-            print(f"\n=== {name} tests, {where}", flush=True)
-        else:
-            log = results / f"{name}.log"
-            print(f"\n=== {name} tests, {where}, alongside (output in {log.relative_to(ROOT)}, "
-                  "printed at the end)", flush=True)
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w") if log else None,
-                                stderr=subprocess.STDOUT if log else None)
-        running.append([name, proc, log, time.monotonic(), None])
-        if args.one_by_one:
-            proc.wait()
-            running[-1][4] = time.monotonic()
-    while any(r[4] is None for r in running):
-        for r in running:
-            if r[4] is None and r[1].poll() is not None:
-                r[4] = time.monotonic()
-        time.sleep(0.2)
-    for name, proc, log, t0, t1 in running:
-        if log:
-            print(f"\n=== {name} tests (from {log.relative_to(ROOT)})", flush=True)
-            sys.stdout.write(log.read_text(errors="replace"))
-            sys.stdout.flush()
-        rc = proc.returncode
-        c = counts(results / f"{name}.xml")
+    for name, cmd, where in suites:
+        junit = results / f"{name}.xml"
+        junit.unlink(missing_ok=True)
+        print(f"\n=== {name} tests, {where}", flush=True)
+        t0 = time.monotonic()
+        rc = subprocess.run(cmd, cwd=ROOT).returncode
+        c = counts(junit)
         failed = c["failures"] + c["errors"]
         passed = c["tests"] - failed - c["skipped"]
-        seconds = t1 - t0
+        seconds = time.monotonic() - t0
         if rc != 0 or c["tests"] == 0:
             ok = False
             if c["tests"] == 0:
