@@ -72,18 +72,22 @@ def test_sender_killed_mid_stream_never_yields_a_partial_tensor(provider):
     received, detected = 0, None
     try:
         with connect(0, peers, fault_plan(), provider=provider, token=TOKEN, timeout=60) as s:
-            killer = threading.Timer(1.5, os.kill, (proc.pid, signal.SIGKILL))
-            killer.start()
-            t_kill = time.monotonic() + 1.5
+            killer = t_kill = None
             try:
                 while True:
                     with s.recv("big", timeout=60) as v:
                         first = int(v[0])
                         assert (v == first).all(), "a tensor arrived partly written"
                         received += 1
+                    if killer is None:     # mid-stream: 1.5 s after the first tensor, however slow the start
+                        killer = threading.Timer(1.5, os.kill, (proc.pid, signal.SIGKILL))
+                        killer.start()
+                        t_kill = time.monotonic() + 1.5
             except PeerLost:
-                detected = time.monotonic() - t_kill
-            killer.join()
+                if t_kill is not None:        # else the sender died before its first tensor: failed below
+                    detected = time.monotonic() - t_kill
+            if killer is not None:
+                killer.join()
     finally:
         proc.kill()
         proc.wait()
