@@ -131,12 +131,22 @@ class TcpChannel(StreamChannel):
 
     def _look_again(self, sleep: float) -> float:
         """The background thread, before it sleeps: send what is owed (what the
-        kernel takes at once) and say when it looks again; how long it sleeps."""
-        with self._send_lock:
+        kernel takes at once) and say when it looks again; how long it sleeps.
+        It never waits for the send lock: a sender holds it while blocked in the
+        kernel until the peer reads, and the peer's sender may be blocked the
+        same way, so this thread must go on reading (owed credits ride with that
+        sender's write)."""
+        if not self._send_lock.acquire(blocking=False):
+            sleep = min(sleep, PARK_SECONDS)
+            self._looks_by = time.monotonic() + sleep      # one float: notify_later reads it under the lock
+            return sleep
+        try:
             self._send_owed(block=False)
             if self._owed:
                 sleep = min(sleep, PARK_SECONDS)     # the rest at the next look
             self._looks_by = time.monotonic() + sleep
+        finally:
+            self._send_lock.release()
         return sleep
 
     def _before_wait(self) -> None:

@@ -543,6 +543,32 @@ def test_data_sent_before_a_close_is_not_lost(provider):
     assert check(run_ranks(2, plan, provider, body))[1] == [0.0, 1.0, 2.0, 3.0, 4.0]
 
 
+@pytest.mark.parametrize("provider", ["shm", "tcp"])
+def test_both_ranks_send_tens_of_megabytes_to_each_other_at_once(provider):
+    """What a ring's step does with large buckets: each rank writes more than the
+    kernel buffers to the other before either receives. Each side must take in
+    what arrives while its own sender is blocked (tcp hung here every time: its
+    background reader waited for the lock its blocked sender held). The stream
+    providers only: verbs posts its writes and the NIC reads them, no sender
+    waits for the peer to read."""
+    n, size, rounds = 4, 6 << 20, 1          # 4 x 24 MiB each way
+    plan = Plan([TensorSpec(f"x{r}/{i}", (size,), np.float32, r, 1 - r) for r in (0, 1) for i in range(n)])
+
+    def body(s, r):
+        got = []
+        for k in range(rounds):
+            s.send_many([(f"x{r}/{i}", np.full(size, 10 * k + i + r, np.float32)) for i in range(n)], timeout=60)
+            for i in range(n):
+                with s.recv(f"x{1 - r}/{i}", timeout=60) as v:
+                    got.append((float(v[0]), float(v[-1])))
+        return got
+
+    res = check(run_ranks(2, plan, provider, body, join_timeout=120.0))
+    for r in (0, 1):
+        want = [10 * k + i + (1 - r) for k in range(rounds) for i in range(n)]
+        assert res[r] == [(float(w), float(w)) for w in want]
+
+
 def test_megabytes_sent_right_before_a_close_all_arrive_while_the_peer_writes_back(provider):
     """The sender closes the moment its last send returns, while the receiver
     is still writing to it. A stream socket closed with unread data resets the
