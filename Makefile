@@ -64,7 +64,8 @@ bench-hierarchical: setup
 
 # The ring's CPU per all-reduce of real models' gradient sets (2 ranks, no model
 # computing): streaming stores and gather writes (what training runs), gather
-# writes alone, and the copy-first ring, side by side in one job (about a minute).
+# writes alone, the copy-first ring, and the ring's memory traffic done locally
+# (its floor), side by side in one job (2-4 minutes).
 bench-ring: setup
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m bench.ring_cpu --models resnet50,vgg16,densenet121,mobilenetv2,lstm_lm \
 	    --providers shm,tcp --json docs/ring-cpu.json

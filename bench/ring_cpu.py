@@ -14,6 +14,13 @@ them), with no model computing beside: the ring alone. Each round times
 - `copy`: as before both: the gradients copied into one bucket buffer first
   (copy_fused=True), plain copies and numpy.
 
+Beside them, `traffic`: the memory traffic a 2-rank ring of each bucket cannot
+avoid, done locally with the same streaming copies and add and no peer, no
+protocol and no waiting (half the bucket written out, the add into the output,
+the sum written out, the peer's sum copied in), both ranks at once: the floor
+under any 2-rank all-reduce in memory on this host. stream / traffic is what the
+ring's protocol and synchronization add over its bytes.
+
 Per model, provider and way: the median wall and CPU milliseconds (every
 thread of the rank's process) per all-reduce, over both ranks, and copy /
 stream (above 1: stream is cheaper). Every way's first result is checked bit
@@ -23,14 +30,44 @@ model and provider, then a table.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing
+import queue
 import secrets
 import statistics
 import sys
 import time
 
 WAYS = ("stream", "gather", "copy")
+COLUMNS = (*WAYS, "traffic")
+
+
+def _traffic(buckets, mine: dict, theirs: dict):
+    """A callable doing, locally, the memory traffic of a 2-rank ring of every
+    bucket (`mine`, `theirs`: each rank's gradients by key)."""
+    import numpy as np
+
+    from rdmatensor import streaming
+
+    def fused(b, arrays):
+        flat = np.zeros(b.size, b.dtype)
+        for key, offset, n in b.members:
+            flat[offset:offset + n] = arrays[key].reshape(-1)
+        return flat
+
+    work = [(fused(b, mine), fused(b, theirs), np.empty(b.size, b.dtype), np.empty(b.size - b.size // 2, b.dtype),
+             b.dtype.type(0.5)) for b in buckets]
+
+    def run():
+        for flat, peer, out, slot, scale in work:
+            h = flat.size // 2
+            streaming.copy(slot, flat[h:])                    # reduce-scatter: my other half, to the peer
+            streaming.add(out[:h], flat[:h], peer[:h], scale)  # the add, into the output
+            streaming.copy(slot[:h], out[:h])                 # all-gather: my sum, to the peer
+            streaming.copy(out[h:], peer[h:])                 # the peer's sum, out of my slot
+        return work
+    return run
 
 
 def _inputs(model: str, rank: int):
@@ -57,15 +94,24 @@ def _rank(rank: int, peers: dict, token: str, model: str, provider: str, rounds:
     keys = [v.key for v in infos]
     with connect(rank, peers, analysis.plan, provider=provider, token=token) as session:
         rings = {way: RingAllReduce(session, analysis, copy_fused=way == "copy") for way in WAYS}
-        wall = {way: [] for way in WAYS}
-        cpu = {way: [] for way in WAYS}
+        calls_of = {way: functools.partial(ring.allreduce_arrays, keys, mine) for way, ring in rings.items()}
+        calls_of["traffic"] = _traffic(buckets, dict(zip(keys, mine, strict=True)),
+                                       dict(zip(keys, theirs, strict=True)))
+        wall = {way: [] for way in COLUMNS}
+        cpu = {way: [] for way in COLUMNS}
         for r in range(rounds + 1):               # round 0 warms up and checks
-            for way, ring in rings.items():
-                streaming.enabled = way == "stream" and streaming.BUILD_ERROR is None
+            for way, call in calls_of.items():
+                streaming.enabled = way in ("stream", "traffic") and streaming.BUILD_ERROR is None
                 w0, c0 = time.perf_counter(), time.process_time()
                 for _ in range(calls):
-                    got = ring.allreduce_arrays(keys, mine)
+                    got = call()
                 w1, c1 = time.perf_counter(), time.process_time()
+                if r == 0 and way == "traffic":      # its add is the ring's: the mean of its half
+                    for flat, peer, res, _, scale in got:
+                        h = flat.size // 2
+                        if not np.array_equal(res[:h], (flat[:h] + peer[:h]) * scale):
+                            raise SystemExit(f"rank {rank}: the traffic way's add is wrong")
+                    continue
                 if r == 0:
                     pairs = (mine, theirs) if rank == 0 else (theirs, mine)
                     for k, g, a, b in zip(keys, got, *pairs, strict=True):
@@ -90,9 +136,18 @@ def measure(model: str, provider: str, rounds: int, calls: int) -> dict:
     for p in procs:
         p.start()
     results = {}
+    deadline = time.monotonic() + 600
     try:
         while len(results) < 2:
-            got = out.get(timeout=600)
+            try:
+                got = out.get(timeout=1)
+            except queue.Empty:        # a rank that died says so now, not at the deadline
+                failed = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode and r not in results}
+                if failed or time.monotonic() > deadline:
+                    raise SystemExit(f"{model} over {provider}: " + (
+                        f"rank(s) {', '.join(map(str, failed))} failed (exit codes {list(failed.values())})"
+                        if failed else "no result within 600 s")) from None
+                continue
             results[got["rank"]] = got
     finally:
         for p in procs:
@@ -103,21 +158,23 @@ def measure(model: str, provider: str, rounds: int, calls: int) -> dict:
         raise SystemExit(f"{model} over {provider}: a rank failed (exit codes {[p.exitcode for p in procs]})")
     row = {"model": model, "provider": provider, "bytes": results[0]["bytes"], "buckets": results[0]["buckets"],
            "fused_buckets": results[0]["fused"], "rounds": rounds, "calls": calls}
-    for way in WAYS:          # both ranks' samples: a rank's CPU is what its neighbour's compute loses
+    for way in COLUMNS:       # both ranks' samples: a rank's CPU is what its neighbour's compute loses
         row[f"{way}_wall_ms"] = round(statistics.median(results[0]["wall"][way] + results[1]["wall"][way]), 2)
         row[f"{way}_cpu_ms"] = round(statistics.median(results[0]["cpu"][way] + results[1]["cpu"][way]), 2)
     row["cpu_copy_over_stream"] = round(row["copy_cpu_ms"] / row["stream_cpu_ms"], 3)
     row["wall_copy_over_stream"] = round(row["copy_wall_ms"] / row["stream_wall_ms"], 3)
+    row["wall_stream_over_traffic"] = round(row["stream_wall_ms"] / row["traffic_wall_ms"], 3)
     return row
 
 
 def table(rows: list[dict]) -> str:
     lines = ["| model | provider | MB | stream: wall / CPU ms | gather: wall / CPU ms | copy first: wall / CPU ms "
-             "| CPU copy/stream |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| traffic alone: wall / CPU ms | CPU copy/stream | wall stream/traffic |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['provider']} | {r['bytes'] / 1e6:.1f} | "
-                     + " | ".join(f"{r[f'{w}_wall_ms']} / {r[f'{w}_cpu_ms']}" for w in WAYS)
-                     + f" | {r['cpu_copy_over_stream']}x |")
+                     + " | ".join(f"{r[f'{w}_wall_ms']} / {r[f'{w}_cpu_ms']}" for w in COLUMNS)
+                     + f" | {r['cpu_copy_over_stream']}x | {r['wall_stream_over_traffic']}x |")
     return "\n".join(lines)
 
 

@@ -144,7 +144,9 @@ def test_ring_cpu_measures_every_way_with_results_checked(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     (row,) = json.loads(out.read_text())["rows"]
     assert row["model"] == "mobilenetv2" and row["provider"] == "shm" and row["fused_buckets"] >= 1
-    assert all(row[f"{way}_cpu_ms"] > 0 and row[f"{way}_wall_ms"] > 0 for way in ("stream", "gather", "copy"))
+    assert all(row[f"{way}_cpu_ms"] > 0 and row[f"{way}_wall_ms"] > 0
+               for way in ("stream", "gather", "copy", "traffic"))
+    assert row["wall_stream_over_traffic"] > 0
     assert "| mobilenetv2 | shm |" in res.stdout
     bad = subprocess.run([sys.executable, "-m", "bench.ring_cpu", "--rounds", "0"], capture_output=True, text=True,
                          timeout=120, cwd=ROOT)
