@@ -134,8 +134,8 @@ class TcpChannel(StreamChannel):
         kernel takes at once) and say when it looks again; how long it sleeps.
         It never waits for the send lock: a sender holds it while blocked in the
         kernel until the peer reads, and the peer's sender may be blocked the
-        same way, so this thread must go on reading (owed credits ride with that
-        sender's write)."""
+        same way, so this thread must go on reading. What was owed when that
+        sender took the lock left with its write; the rest goes at the next look."""
         if not self._send_lock.acquire(blocking=False):
             sleep = min(sleep, PARK_SECONDS)
             self._looks_by = time.monotonic() + sleep      # one float: notify_later reads it under the lock
