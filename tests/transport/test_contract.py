@@ -551,7 +551,7 @@ def test_both_ranks_send_tens_of_megabytes_to_each_other_at_once(provider):
     background reader waited for the lock its blocked sender held). The stream
     providers only: verbs posts its writes and the NIC reads them, no sender
     waits for the peer to read."""
-    n, size, rounds = 4, 6 << 20, 1          # 4 x 24 MiB each way
+    n, size, rounds = 4, 6 << 20, 3          # 4 x 24 MiB each way, per round
     plan = Plan([TensorSpec(f"x{r}/{i}", (size,), np.float32, r, 1 - r) for r in (0, 1) for i in range(n)])
 
     def body(s, r):
