@@ -5,6 +5,7 @@ on one rank (call_identity_script.py), one process per rank."""
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from .processes import run_workers
@@ -17,9 +18,11 @@ def reports(out_dir, n):
 
 
 def check(rep, size, calls):
-    # Integer pre/postscale as Horovod: each factor applied in float64, truncated back to int32.
-    assert rep["prescale"] == [sum(int(v * (r + 1) * 0.19) for r in range(size)) for v in (1, 2, 3, 50)]
-    assert rep["postscale"] == [int(sum(v * (r + 1) for r in range(size)) * 0.19) for v in (1, 2, 3, 50)]
+    # Integer pre/postscale as Horovod: each factor rounded to float32 (its op attribute), applied in
+    # float64, truncated back to int32 (real Horovod 0.28.1 on 2 ranks: [0, 0, 1, 27] and [0, 1, 1, 28]).
+    f = float(np.float32(0.19))
+    assert rep["prescale"] == [sum(int(v * (r + 1) * f) for r in range(size)) for v in (1, 2, 3, 50)]
+    assert rep["postscale"] == [int(sum(v * (r + 1) for r in range(size)) * f) for v in (1, 2, 3, 50)]
     assert rep["int_average"] == [int(sum(v * (r + 1) for r in range(size)) * (1.0 / size))
                                   for v in (-3, 3, -5, 7)]
     # One allgather name, two dtypes, both planned, one per rank: a typed error on every rank,
@@ -42,3 +45,65 @@ def test_no_value_reaches_another_call_and_mismatches_fail_every_rank(tmp_path, 
     run_workers(SCRIPT, size, provider, tmp_path, args=(calls, size), timeout=300)
     for rep in reports(tmp_path, size):
         check(rep, size, calls)
+
+
+# ----------------------------------------------------------------------------------------------
+# Five cases that once gave a wrong value or no error (five_cases_script.py: one job, 2 ranks, shm).
+FIVE = Path(__file__).parent / "five_cases_script.py"
+
+
+@pytest.fixture(scope="module")
+def five(tmp_path_factory):
+    out = tmp_path_factory.mktemp("five")
+    run_workers(FIVE, 2, "shm", out, timeout=240)
+    return reports(out, 2)
+
+
+def raised_everywhere(calls: list, index: int) -> None:
+    for rank, c in enumerate(calls):
+        got = c[index]
+        assert got.get("error") and got["failed_precondition"], f"rank {rank}, call {index}: {got}"
+
+
+def test_a_grouped_call_of_two_dtypes_never_hands_on_a_failed_calls_bucket_or_error(five):
+    calls = [rep["grouped"] for rep in five]
+    for c in calls:
+        assert c[0] == {"values": [2.0, 2.0]}, c
+    raised_everywhere(calls, 1)
+    for c in calls:
+        assert c[2] == {"values": [200.0, 200.0]}, c
+        assert c[3] == {"values": [2000.0, 2000.0]}, c
+
+
+def test_an_empty_tensor_on_one_rank_is_a_mismatch_and_later_calls_get_their_own_values(five):
+    calls = [rep["empty"] for rep in five]
+    raised_everywhere(calls, 0)
+    assert "shape" in calls[0][0]["message"] or "[0]" in calls[0][0]["message"], calls[0][0]
+    for c in calls:
+        assert c[1] == {"values": [[30.0, 60.0, 90.0]]}, c
+        assert c[2] == {"values": [[60.0, 120.0, 180.0]]}, c
+        assert c[3] == {"values": [[]]}, c
+
+
+def test_reducescatter_against_allreduce_of_one_name_raises_on_both_ranks(five):
+    calls = [rep["kinds"] for rep in five]
+    raised_everywhere(calls, 0)
+    assert calls[0][1] == {"values": [[3, 6]]} and calls[1][1] == {"values": [[9, 12]]}, calls
+    for c in calls:
+        assert c[2] == {"values": [[3, 6, 9, 12]]}, c
+
+
+def test_integer_scaling_is_horovods_float32_factors_one_truncation(five):
+    for rep in five:
+        # Average with postscale 1.5 over 2 ranks: trunc(-23 * 0.75) = -17 (not trunc(trunc(-11.5) * 1.5) = -16).
+        # prescale 0.19 is float32(0.19) = 0.18999999761...: trunc(18.99...) = 18 per rank, 36 in all.
+        assert rep["scaling"] == [{"values": [[-17]]}, {"values": [[36]]}], rep["scaling"]
+
+
+def test_scale_factors_that_differ_between_ranks_raise_on_every_rank(five):
+    calls = [rep["factors"] for rep in five]
+    raised_everywhere(calls, 0)
+    raised_everywhere(calls, 1)
+    assert "scale" in calls[0][0]["message"], calls[0][0]
+    for c in calls:
+        assert c[2] == {"values": [[4.0, 8.0, 12.0]]}, c

@@ -52,11 +52,13 @@ class CommThread:
     """Rings on a background thread, in the order rounds are opened.
 
     launch(key, j, arrays, buckets, run, describe) hands bucket j of the round of
-    `key` over (opening a round when the last one of `key` already has bucket j);
+    `key` over (opening a round when the last one of `key` already has bucket j) and returns the round's number;
     `run(j, arrays)` is bucket j's ring, returning its outputs, and
     `describe(j)` says what the bucket holds (for errors and the time line).
-    collect(key, j) waits for bucket j of the oldest round of `key` not yet
-    collected and returns its outputs."""
+    collect(key, j, number) waits for bucket j of that round and returns its
+    outputs: a result only ever reaches the call that launched it, even when
+    an earlier call of the same key failed before collecting all its buckets
+    (without a number: the oldest round of `key` with bucket j uncollected)."""
 
     def __init__(self, rank: int, timeout: float, meter: Meter | None = None, timeline: Timeline | None = None):
         self.rank, self.timeout = rank, timeout
@@ -71,7 +73,7 @@ class CommThread:
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------ TensorFlow's side
-    def launch(self, key, j: int, arrays: list, buckets: int, run, describe) -> None:
+    def launch(self, key, j: int, arrays: list, buckets: int, run, describe) -> int:
         with self._cond:
             self._check()
             rnd = self._open.get(key)
@@ -80,7 +82,10 @@ class CommThread:
                 self._rounds += 1
                 self._open[key] = rnd
                 self._queue.append(rnd)
-                self._uncollected.setdefault(key, collections.deque()).append(rnd)
+                rounds = self._uncollected.setdefault(key, collections.deque())
+                for old in [r for r in rounds if r.error is not None]:
+                    rounds.remove(old)      # a failed round whose step gave up on it: its error was raised
+                rounds.append(rnd)
             rnd.inputs[j], rnd.ready[j] = arrays, time.perf_counter()
             if rnd.handed == len(rnd.ready):
                 del self._open[key]
@@ -92,13 +97,16 @@ class CommThread:
         if self.timeline is not None:
             self.timeline.instant(f"ready {j}", TENSORFLOW, rnd.ready[j], round=rnd.number, bucket=j,
                                   **describe(j))
+        return rnd.number
 
-    def collect(self, key, j: int) -> list:
+    def collect(self, key, j: int, number: int | None = None) -> list:
         with self._cond:
             rounds = self._uncollected.get(key, ())
-            rnd = next((r for r in rounds if not r.collected[j]), None)
+            rnd = next((r for r in rounds if not r.collected[j] and number in (None, r.number)), None)
             if rnd is None:
-                raise UsageError(f"rank {self.rank}: bucket {j} of {key!r} is collected but was never launched")
+                which = "" if number is None else f" of round {number}"
+                raise UsageError(f"rank {self.rank}: bucket {j}{which} of {key!r} is collected but was never "
+                                 f"launched, or was collected already")
             rnd.collected[j] = True
             if all(rnd.collected):
                 rounds.remove(rnd)

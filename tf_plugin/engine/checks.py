@@ -100,24 +100,25 @@ class CheckedCollectives(Collectives):
         finally:
             self._planning = None
 
-    def launch(self, group, j: int, arrays: list) -> None:
+    def launch(self, group, j: int, arrays: list) -> int:
         kind, op, names, described = group.request
         if self.check_finite:
             self._local_bad[(group.key, j)] = self._non_finite(self._members(group, j), arrays)
         with self._naming(kind, op, names, described):
-            super().launch(group, j, arrays)
+            return super().launch(group, j, arrays)
 
-    def collect(self, group, j: int) -> np.ndarray:
+    def collect(self, group, j: int, number: int | None = None) -> np.ndarray:
         kind, op, names, described = group.request
         with self._naming(kind, op, names, described):
-            out = super().collect(group, j)
+            out = super().collect(group, j, number)
         if self.check_finite:
             self._check_outputs(group, j, group.members(j, out))
         return out
 
-    def allreduce(self, names, arrays, op: str = "average"):
-        with self._naming("allreduce", op, names, arrays):
-            return super().allreduce(names, arrays, op)
+    def allreduce(self, names, arrays, op: str = "average", prescale: float = 1.0, postscale: float = 1.0,
+                  scatter: bool = False):
+        with self._naming("reducescatter" if scatter else "allreduce", op, names, arrays):
+            return super().allreduce(names, arrays, op, prescale, postscale, scatter)
 
     def broadcast(self, names, arrays, root: int):
         with self._naming("broadcast", str(root), names, arrays):

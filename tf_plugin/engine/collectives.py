@@ -50,7 +50,7 @@ import numpy as np
 from rdmatensor import PeerLost, Plan, PlanMismatch, RdmaTensorError, TensorSpec, Timeout, UsageError, connect
 from rdmatensor.providers.base import MAX_TAG
 
-from . import adasum
+from . import adasum, scaling
 from .analyzer import Analysis, Hierarchy, VarInfo, buckets_of, fusion_threshold, hierarchical_specs, ring_specs
 from .background import CommThread
 from .bootstrap import Bootstrap, PortReservation
@@ -92,17 +92,53 @@ REDUCTIONS = ("average", "sum", "min", "max", "product")
 COMBINE = {"average": np.add, "sum": np.add, "min": np.minimum, "max": np.maximum, "product": np.multiply}
 
 
-def allreduce_op(op: str, threshold: int) -> str:
+def allreduce_op(op: str, threshold: int, prescale: float = 1.0, postscale: float = 1.0,
+                 scatter: bool = False) -> str:
     """An all-reduce set's op: how it combines (one of REDUCTIONS), the fusion
-    threshold that cut its buckets, and ":h" when the all-reduce is to be
+    threshold that cut its buckets, ":h" when the all-reduce is to be
     hierarchical wherever several hosts hold the same number (> 1) of ranks
     each: by default, unlike Horovod, as it measured faster there (bench.hierarchical);
-    HOROVOD_HIERARCHICAL_ALLREDUCE=0 keeps the flat ring. Read at each new set;
-    the ranks must agree, as on the threshold."""
+    HOROVOD_HIERARCHICAL_ALLREDUCE=0 keeps the flat ring. Then Horovod's pre- and
+    postscale factors (rounded to float32, as its op attributes are) where they
+    are not 1, and ":scatter" for a reducescatter (the same ring; each rank keeps
+    its rows). Read at each new set; the ranks must agree on all of it: a set
+    that differs in any part is another set, compared when it is proposed."""
     if op not in REDUCTIONS:
         raise ValueError(f"reduction {op!r} is not one of {REDUCTIONS}")
     flag = os.environ.get("HOROVOD_HIERARCHICAL_ALLREDUCE", "1").strip().lower()
-    return f"{op}:{threshold}" + ("" if flag in ("0", "false", "no", "off") else ":h")
+    pre, post = scaling.factor(prescale), scaling.factor(postscale)
+    return (f"{op}:{threshold}" + ("" if flag in ("0", "false", "no", "off") else ":h")
+            + (f":pre={pre!r}" if pre != 1.0 else "") + (f":post={post!r}" if post != 1.0 else "")
+            + (":scatter" if scatter else ""))
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """An all-reduce set's op (allreduce_op), read back."""
+    op: str
+    threshold: int
+    hierarchical: bool = False
+    prescale: float = 1.0
+    postscale: float = 1.0
+    scatter: bool = False
+
+    @classmethod
+    def of(cls, text: str) -> "Reduction":
+        op, threshold, *flags = text.split(":")
+        named = dict(f.split("=") for f in flags if "=" in f)
+        return cls(op, int(threshold), "h" in flags, float(named.get("pre", 1.0)), float(named.get("post", 1.0)),
+                   "scatter" in flags)
+
+    def after_sum(self, size: int) -> float | None:
+        """What the combined values are multiplied by (an Average's 1/N folded into
+        the postscale, in double, as Horovod does), or None for nothing."""
+        scale = self.postscale / size if self.op == "average" else self.postscale
+        return None if scale == 1.0 else scale
+
+    def words(self) -> str:
+        """As a message says it: "sum", "average, prescale 2.0"."""
+        return ", ".join([self.op] + ([f"prescale {self.prescale!r}"] if self.prescale != 1.0 else [])
+                         + ([f"postscale {self.postscale!r}"] if self.postscale != 1.0 else []))
 
 
 def allreduce_buckets(shapes, dtypes, threshold: int) -> list:
@@ -135,6 +171,10 @@ def first_difference(proposals: list[list[dict]]) -> str | None:
     mine = proposals[0]
     for rank, theirs in enumerate(proposals[1:], 1):
         for a, b in zip(mine, theirs):  # noqa: B905 - lengths compared below
+            factors = _factors(a["op"]), _factors(b["op"])
+            if factors[0] != factors[1] and _unscaled(a["op"]) == _unscaled(b["op"]):
+                return (f"Mismatched prescale and/or postscale factors: rank 0 sent factors {factors[0]} for "
+                        f"tensor {a['name']!r}, rank {rank} sent factors {factors[1]}")
             diff = "; ".join(f"{k}: {a[k]} vs {b[k]}" for k in ("op", "shape", "dtype") if a[k] != b[k])
             if diff:
                 also = f" (rank {rank} calls it {b['name']!r})" if b["name"] != a["name"] else ""
@@ -146,12 +186,26 @@ def first_difference(proposals: list[list[dict]]) -> str | None:
     return None
 
 
+def _factors(op: str) -> tuple[float, float] | None:
+    """An entry's (prescale, postscale), for an all-reduce's."""
+    kind, _, arg = op.partition(":")
+    return (Reduction.of(arg).prescale, Reduction.of(arg).postscale) if kind == "allreduce" else None
+
+
+def _unscaled(op: str) -> str:
+    return ":".join(part for part in op.split(":") if not part.startswith(("pre=", "post=")))
+
+
 def describe(entries: list[dict]) -> str:
     """A collective as a message shows it: its op and first tensors with dtype and shape."""
     if not entries:
         return "an empty collective"
     kind, _, arg = entries[0]["op"].partition(":")
-    op = {"allreduce": f"allreduce ({arg.split(':')[0]})", "broadcast": f"broadcast from rank {arg}"}.get(kind, kind)
+    if kind == "allreduce":
+        reduction = Reduction.of(arg)
+        op = f"{'reducescatter' if reduction.scatter else 'allreduce'} ({reduction.words()})"
+    else:
+        op = {"broadcast": f"broadcast from rank {arg}"}.get(kind, kind)
     shown = ", ".join(f"{e['name']!r} {e['dtype']} {list(e['shape'])}" for e in entries[:3])
     more = f" and {len(entries) - 3} more" if len(entries) > 3 else ""
     return f"{op} of {shown}{more}"
@@ -403,11 +457,15 @@ class Collectives:
         dtypes = [np.dtype(e["dtype"]) for e in ts.entries]
         if ts.kind == "allreduce":
             infos = [VarInfo(str(j), s, d, False, {}) for j, (s, d) in enumerate(zip(shapes, dtypes, strict=True))]
-            threshold = int(ts.op.split(":")[1])
-            buckets = [replace(b, key=f"{prefix}/{b.key}") for b in allreduce_buckets(shapes, dtypes, threshold)]
-            hierarchy = Hierarchy.of(self.hosts) if ts.op.endswith(":h") else None
+            reduction = Reduction.of(ts.op)
+            buckets = [replace(b, key=f"{prefix}/{b.key}")
+                       for b in allreduce_buckets(shapes, dtypes, reduction.threshold)]
+            hierarchy = Hierarchy.of(self.hosts) if reduction.hierarchical else None
             ts.specs = [spec for spec, _ in (hierarchical_specs(buckets, hierarchy) if hierarchy else
                                              ring_specs(buckets, n))]
+            if not buckets:       # nothing to reduce: one byte between every pair still makes it a call
+                ts.specs = [TensorSpec(f"{prefix}/here/r{src}/r{dst}", (1,), np.uint8, src, dst)
+                            for src in range(n) for dst in range(n) if src != dst]
             ts.analysis = Analysis(Plan(ts.specs), "allreduce", n, 0, infos, buckets=buckets, hierarchy=hierarchy)
         elif ts.kind == "broadcast":
             root = int(ts.op)
@@ -431,11 +489,13 @@ class Collectives:
         session.close()
 
     # --------------------------------------------------------- collectives
-    def allreduce_group(self, names, shapes, dtypes, op: str = "average") -> AllreduceGroup:
+    def allreduce_group(self, names, shapes, dtypes, op: str = "average", prescale: float = 1.0,
+                        postscale: float = 1.0, scatter: bool = False) -> AllreduceGroup:
         """An all-reduce of tensors whose shapes are known ahead (a graph being
         built): its buckets, for launch() and collect()."""
         described = [_Described(tuple(s), np.dtype(d)) for s, d in zip(shapes, dtypes, strict=True)]
-        request = ("allreduce", allreduce_op(op, self.threshold), list(names), described)
+        request = ("allreduce", allreduce_op(op, self.threshold, prescale, postscale, scatter), list(names),
+                   described)
         key = set_key(*request)
         group = self._groups.get(key)     # an eager call repeats its layout every step: derived once
         if group is None:
@@ -445,10 +505,13 @@ class Collectives:
                                                                                        self.threshold))
         return group
 
-    def launch(self, group: AllreduceGroup, j: int, arrays: list) -> None:
-        """Hand bucket j of the group's all-reduce to the communication thread. The
-        first bucket opens a call (and the first call of a new set plans it: every
-        rank must make the same calls)."""
+    def launch(self, group: AllreduceGroup, j: int, arrays: list) -> int:
+        """Hand bucket j of the group's all-reduce to the communication thread; the
+        round's number, for collect. The first bucket opens a call (and the first
+        call of a new set plans it: every rank must make the same calls)."""
+        prescale = Reduction.of(group.request[1]).prescale
+        if prescale != 1.0:         # each rank's input, before the sum, as Horovod
+            arrays = [scaling.scaled(np.asarray(a), prescale) for a in arrays]
         with self._lock:
             if j == 0 or group.key not in self._open_calls:
                 number = self.begin()
@@ -464,47 +527,86 @@ class Collectives:
                     return self._ring(ts).reduce_bucket(k, bucket, tag=tag)
                 return self.attempt(number, body, ts.entries)
 
-            self.comm.launch(ts.index, j, arrays, len(ts.analysis.buckets), run, self._ring(ts).describe)
+            return self.comm.launch(ts.index, j, arrays, len(ts.analysis.buckets), run, self._ring(ts).describe)
 
-    def collect(self, group: AllreduceGroup, j: int) -> np.ndarray:
-        """Bucket j's result (its flat output: group.members splits it), once its ring is done."""
+    def collect(self, group: AllreduceGroup, j: int, number: int | None = None) -> np.ndarray:
+        """Bucket j's result of the round `number` (launch's; its flat output:
+        group.members splits it), once its ring is done."""
         ts = self._sets.get(group.key)
         if ts is None:
             raise UsageError(f"rank {self.rank}: bucket {j} of an all-reduce collected before any launch")
-        return self.comm.collect(ts.index, j)
+        return self.comm.collect(ts.index, j, number)
 
-    def allreduce(self, names, arrays, op: str = "average") -> list[np.ndarray]:
+    def allreduce(self, names, arrays, op: str = "average", prescale: float = 1.0, postscale: float = 1.0,
+                  scatter: bool = False) -> list[np.ndarray]:
         """The arrays combined over the ranks by `op` (average, sum, min, max,
-        product, or adasum: every rank's values gathered, then adasum.combine);
-        the outputs are 64-byte aligned arrays that stay untouched while
-        anything refers to them."""
-        if self.size == 1:
-            return [_contiguous(a) for a in arrays]
+        product, or adasum: every rank's values gathered, then adasum.combine),
+        each rank's input times `prescale` and the result times `postscale`, as
+        Horovod scales (scaling.py); `scatter`: a reducescatter's, which is
+        another collective to compare with. The outputs are 64-byte aligned
+        arrays that stay untouched while anything refers to them."""
         arrays = [_contiguous(a) for a in arrays]
-        if op == "adasum":
-            from .ingest import aligned_empty
-            rows = self.allgather([f"{n}/adasum" for n in names], [a.reshape(1, -1) for a in arrays])
-            out = [aligned_empty(a.shape, a.dtype) for a in arrays]
-            for o, r in zip(out, rows, strict=True):
-                o.reshape(-1)[...] = adasum.combine(r)
-            return out
-        group = self.allreduce_group(names, [a.shape for a in arrays], [a.dtype for a in arrays], op)
+        pre, post = scaling.factor(prescale), scaling.factor(postscale)
+        if self.size == 1 or op == "adasum":
+            if pre != 1.0:
+                arrays = [scaling.scaled(a, pre) for a in arrays]
+            out = arrays if self.size == 1 else self._adasum(names, arrays)
+            after = post / self.size if op == "average" and self.size == 1 else post    # adasum: no 1/N
+            return [scaling.scaled(o, after) if after != 1.0 else o for o in out]
+        group = self.allreduce_group(names, [a.shape for a in arrays], [a.dtype for a in arrays], op, pre, post,
+                                     scatter)
+        if not group.buckets:
+            self._present(group)
+            return [np.zeros_like(a) for a in arrays]
         members = [[int(key) for key, _, _ in b.members] for b in group.buckets]
-        for j, positions in enumerate(members):
-            self.launch(group, j, [arrays[p] for p in positions])
-        out = [None] * len(arrays)
-        for j, positions in enumerate(members):
-            for p, result in zip(positions, group.members(j, self.collect(group, j)), strict=True):
+        rounds = [self.launch(group, j, [arrays[p] for p in positions]) for j, positions in enumerate(members)]
+        out, error = [None] * len(arrays), None
+        for j, positions in enumerate(members):     # every bucket collected, even after one failed
+            try:
+                flat = self.collect(group, j, rounds[j])
+            except RdmaTensorError as exc:
+                error = error or exc
+                continue
+            for p, result in zip(positions, group.members(j, flat), strict=True):
                 out[p] = result
+        if error is not None:
+            raise error
         return [o if o is not None else np.zeros_like(a) for o, a in zip(out, arrays, strict=True)]
+
+    def _adasum(self, names, arrays) -> list[np.ndarray]:
+        from .ingest import aligned_empty
+        rows = self.allgather([f"{n}/adasum" for n in names], [a.reshape(1, -1) for a in arrays])
+        out = [aligned_empty(a.shape, a.dtype) for a in arrays]
+        for o, r in zip(out, rows, strict=True):
+            o.reshape(-1)[...] = adasum.combine(r)
+        return out
+
+    def _present(self, group: AllreduceGroup) -> None:
+        """An all-reduce with nothing to reduce (every tensor empty) is still a
+        call: it takes its number and its set, and one byte to and from every
+        rank proves that every rank made this same call."""
+        number = self.begin()
+
+        def body():
+            with self._lock, self.meter.comm():
+                (ts,) = self.ensure([group.request], number)
+                tag, prefix = self.active(number, ts), f"s{ts.index}"
+                self.session.send_many([(f"{prefix}/here/r{self.rank}/r{dst}", OK) for dst in range(self.size)
+                                        if dst != self.rank], tag=tag)
+                for src in range(self.size):
+                    if src != self.rank:
+                        self.session.recv(f"{prefix}/here/r{src}/r{self.rank}", tag=tag).release()
+
+        self.attempt(number, body, entries_of(*group.request))
 
     def _ring(self, ts: TensorSet):
         ring = self._rings.get(ts.index)
         if ring is None or ring.session is not self.session:
             from .ring import RingAllReduce
-            op = ts.op.split(":")[0]
-            ring = self._rings[ts.index] = RingAllReduce(self.session, ts.analysis, self.meter,
-                                                         average=op == "average", combine=COMBINE[op])
+            reduction = Reduction.of(ts.op)
+            ring = self._rings[ts.index] = RingAllReduce(self.session, ts.analysis, self.meter, average=False,
+                                                         combine=COMBINE[reduction.op],
+                                                         scale=reduction.after_sum(self.size))
         return ring
 
     def broadcast(self, names, arrays, root: int) -> list[np.ndarray]:

@@ -73,8 +73,9 @@ def bucketed(tensors: list, layouts: list[list[tuple]], launch, collect, name: s
     """The all-reduced tensors, in a graph. `layouts[j]`: bucket j's members, in
     order, as (position in `tensors`, offset in the bucket's flat output, shape:
     the plan's, which the tensor's static shape may only partly know, as a
-    sparse gradient made dense); `launch(j, arrays)` hands bucket j over,
-    `collect(j)` returns its flat output. A tensor in no bucket (zero elements)
+    sparse gradient made dense); `launch(j, arrays)` hands bucket j over and
+    returns its round's number, `collect(j, number)` returns that round's flat
+    output (a step never takes an earlier step's result). A tensor in no bucket (zero elements)
     comes back as zeros."""
     tokens, out = [], [None] * len(tensors)
     with in_program_order() as done:
@@ -117,14 +118,13 @@ def _sliced_in_place(offset: int, n: int, size: int, itemsize: int) -> bool:
 
 def _launcher(launch, j: int):
     def run(*arrays):
-        launch(j, list(arrays))
-        return np.int64(j)
+        return np.int64(launch(j, list(arrays)))     # the round's number: its wait collects that round alone
     return run
 
 
 def _collector(collect, j: int, size: int, dtype, odd: list):
-    def run(_token):
-        flat = collect(j)
+    def run(token):
+        flat = collect(j, int(token))
         if flat.shape != (size,) or flat.dtype != dtype:    # sliced by the graph's layout: never a wrong value
             raise RuntimeError(f"bucket {j}'s result is {flat.shape} {flat.dtype}; the graph lays out "
                                f"({size},) {np.dtype(dtype)}")

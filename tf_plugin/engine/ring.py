@@ -25,8 +25,8 @@ gather write (Pieces: shm copies each straight into the peer's slot, tcp
 hands them to one sendmsg, verbs copies them once into registered staging),
 and the chunks it adds to are added straight from its members. Fusion still
 makes fewer, larger writes (on tcp the per-write cost dominates small models).
-An average is the sum times 1/N, computed as Horovod does (in float32 for
-float16; integers in float64, truncated): float32 and float64 sums are added
+An average is the sum times 1/N (times any postscale), computed as Horovod
+does (scaling.py): float32 and float64 sums are added
 and multiplied in one pass (rdmatensor.streaming, with streaming stores for
 large chunks: the all-gather reads them back from memory anyway), other
 dtypes block by block right after each block is added, while it is still in
@@ -52,8 +52,7 @@ import tensorflow as tf
 
 from rdmatensor import Pieces, streaming
 
-from . import ingest
-from . import overlap
+from . import ingest, overlap, scaling
 from .analyzer import Analysis, bcast_name, ring_bounds, ring_chunk, ring_name, var_key
 from .background import CommThread
 from .meter import Meter
@@ -106,13 +105,18 @@ class BucketView:
 
 class RingAllReduce:
     def __init__(self, session, analysis: Analysis, meter: Meter | None = None, average: bool = True,
-                 combine=np.add, copy_fused: bool = False):
+                 combine=np.add, copy_fused: bool = False, scale: float | None = None):
         # combine: how two ranks' values make one (np.add; np.minimum, np.maximum, np.multiply).
+        # scale: the factor the combined values are multiplied by (Horovod's postscale, which
+        # holds an average's 1/N); default 1/N when `average`, else none.
         # copy_fused: copy a bucket's members together first, as before gather writes
         # (kept so that bench.ring_cpu measures both in one run).
-        self.session, self.analysis, self.average, self.combine = session, analysis, average, combine
+        self.session, self.analysis, self.combine = session, analysis, combine
         self.meter = meter or Meter()
         self.rank, self.size = session.rank, analysis.workers
+        self.factor = scale if scale is not None else (1.0 / self.size if average else None)
+        self.factor = None if self.factor == 1.0 else self.factor
+        self.average = self.factor is not None        # whether the combined values are scaled
         self.index = {v.key: i for i, v in enumerate(analysis.variables)}
         self.shapes = {v.key: v.shape for v in analysis.variables}
         self._fused = {}        # copy_fused: a fused bucket's input buffer, reused every step, padding stays zero
@@ -200,14 +204,10 @@ class RingAllReduce:
         p, left = group.index(me), group[group.index(me) - 1]
         live = [i for i, f in enumerate(flats) if f.size]
         bounds = {i: [slice(lo, hi) for lo, hi in ring_bounds(flats[i].size, n)] for i in live}
-        scale = self.size
+        factor = self.factor if self.factor is not None else 1.0 / self.size   # allreduce_arrays(average=True)
 
-        def finish(chunk):                 # this rank's fully summed chunk, in place
-            if chunk.dtype.kind in "fc":       # as Horovod: in the chunk's precision (float32 for float16)
-                np.multiply(chunk, (np.float32 if chunk.dtype == np.float16 else chunk.dtype.type)(1.0 / scale),
-                            out=chunk, casting="same_kind")
-            else:                          # integers as Horovod: scaled in float64, truncated back
-                np.copyto(chunk, np.trunc(chunk * (1.0 / scale)), casting="unsafe")
+        def finish(chunk):                 # this rank's fully combined chunk, in place, as Horovod scales
+            scaling.scale_into(chunk, chunk, factor)
 
         first = ring_chunk("rs", 0, p, n)
         outgoing = {i: flats[i].source(bounds[i][first].start, bounds[i][first].stop) for i in live}
@@ -226,7 +226,7 @@ class RingAllReduce:
         """dst = this rank's elements [lo, lo + dst.size) of `flat` combined with the
         peer's `chunk`, then finish(dst) (the division by N) where one is given."""
         if self.combine is np.add and dst.dtype in streaming.FLOATS:     # added and divided in one pass
-            scale = dst.dtype.type(1.0 / self.size) if finish else None    # as finish() multiplies
+            scale = scaling.in_dtype(self.factor if self.factor is not None else 1.0 / self.size, dst.dtype) if finish else None    # as finish() multiplies
             stream = dst.nbytes >= streaming.STREAM_BYTES
             for at, piece in flat.cover(lo, lo + dst.size):
                 part = slice(at, at + piece.size)
@@ -258,17 +258,19 @@ class RingAllReduce:
                     streaming.copy(dst, chunk)         # read next by the optimizer, from memory
                 outgoing[i] = dst                  # forwarded next step (N > 2) from the output itself
 
-    def launch(self, j: int, arrays: list) -> None:
-        """Hand bucket j's gradients to the communication thread (in a graph: see RingGradientTape)."""
+    def launch(self, j: int, arrays: list) -> int:
+        """Hand bucket j's gradients to the communication thread (in a graph: see
+        RingGradientTape); the round's number, for collect."""
         if self._comm is None:
             self._comm = CommThread(self.rank, self.session.timeout, self.meter, Timeline.from_env(self.rank))
-        self._comm.launch("gradients", j, arrays, len(self.analysis.buckets), self.reduce_bucket, self.describe)
+        return self._comm.launch("gradients", j, arrays, len(self.analysis.buckets), self.reduce_bucket,
+                                 self.describe)
 
-    def collect(self, j: int) -> np.ndarray:
+    def collect(self, j: int, number: int | None = None) -> np.ndarray:
         """Bucket j's averaged gradients, once its ring is done: its flat output,
         which TensorFlow takes with no copy (64-byte aligned), its members as views:
         each counted as a zero-copy receive, as allreduce() counts them."""
-        out = self._comm.collect("gradients", j)
+        out = self._comm.collect("gradients", j, number)
         self.meter.tally["zero_copy"] += len(self.analysis.buckets[j].members)
         return out
 

@@ -132,21 +132,26 @@ def _through_numpy(fn, tensors: list, shapes: list, name: str) -> list:
     return list(outs)
 
 
-def _allreduce_many(tensors, names, op: str, compression, group: Group) -> list:
+def _allreduce_many(tensors, names, op: str, compression, group: Group, prescale: float = 1.0,
+                    postscale: float = 1.0, scatter: bool = False) -> list:
     """Eagerly: every bucket handed to the communication thread, then collected.
     In a graph, with static shapes: one launch op per bucket, fed only by that
     bucket's tensors, and one wait op per bucket (tf_plugin.engine.overlap), so rings run
     while backprop still computes later buckets; otherwise one numpy_function.
-    `op`: a reduction of collectives.REDUCTIONS."""
+    `op`: a reduction of collectives.REDUCTIONS; the factors scale as Horovod's
+    (tf_plugin.engine.scaling); `scatter`: the all-reduce of a reducescatter."""
     packed = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
     sent = [p[0] for p in packed]
     collectives = group.collectives
-    if tf.executing_eagerly() or not overlap.static(sent) or group.size == 1 or op == "adasum":
-        reduced = _through_numpy(lambda arrays: group.collectives.allreduce(names, arrays, op),
+    empty = not any(t.shape.num_elements() for t in sent) if overlap.static(sent) else False
+    if tf.executing_eagerly() or not overlap.static(sent) or group.size == 1 or op == "adasum" or empty:
+        reduced = _through_numpy(lambda arrays: group.collectives.allreduce(names, arrays, op, prescale, postscale,
+                                                                             scatter),
                                  sent, [t.shape for t in sent], "rdmatensor_allreduce")
     else:
         buckets = collectives.allreduce_group(names, [tuple(t.shape) for t in sent],
-                                              [t.dtype.as_numpy_dtype for t in sent], op)
+                                              [t.dtype.as_numpy_dtype for t in sent], op, prescale, postscale,
+                                              scatter)
         layouts = [[(int(key), offset, sent[int(key)].shape) for key, offset, _ in b.members]
                    for b in buckets.buckets]
         # looked up at run time: an elastic reset replaces the collectives under a traced graph
@@ -201,12 +206,13 @@ def reduce_gradients(grads, sources, compression=NoneCompressor, sparse_as_dense
             raise NotImplementedError("pre/postscale_factor are not supported with tf.IndexedSlices "
                                       "(as in Horovod): pass sparse_as_dense=True, or scale the values yourself")
     if dense:
-        scaled = [_scaled(tf.convert_to_tensor(flat[j]), prescale_factor) for j in dense]
+        tensors = [tf.convert_to_tensor(flat[j]) for j in dense]
         if op == Adasum:
-            _adasum_fits(scaled, [names[j] for j in dense], group)
-        reduced = _allreduce_many(scaled, [names[j] for j in dense], reduction, compression, group)
+            _adasum_fits(tensors, [names[j] for j in dense], group)
+        reduced = _allreduce_many(tensors, [names[j] for j in dense], reduction, compression, group,
+                                  prescale_factor, postscale_factor)
         for j, r in zip(dense, reduced, strict=True):
-            out[j] = _scaled(r, postscale_factor)
+            out[j] = r
     if sparse:
         gathered = _allgather_slices([flat[j] for j in sparse], [names[j] for j in sparse], reduction == "average",
                                      group)
@@ -242,15 +248,6 @@ def reduce_shared(grads: list, sources: list, local: set, compression, sparse_as
                 out[j] = (tf.IndexedSlices(g.values / n, g.indices, g.dense_shape)
                           if isinstance(g, tf.IndexedSlices) else g / n)
     return out
-
-
-def _scaled(tensor, factor: float):
-    """tensor * factor as Horovod computes it on CPU: integers in float64, truncated
-    back toward zero; float16 in float32; other floats in their own precision."""
-    if factor == 1.0:
-        return tensor
-    wide = {tf.float16: tf.float32, tf.float32: tf.float32, tf.float64: tf.float64}.get(tensor.dtype, tf.float64)
-    return tf.cast(tf.cast(tensor, wide) * tf.constant(factor, wide), tensor.dtype)
 
 
 def plan_ahead(model) -> None:
@@ -392,15 +389,13 @@ def grouped_allreduce(tensors, average=None, device_dense: str = "", device_spar
         _adasum_fits(tensors, names, group)
 
     def forward(*xs):
-        return _allreduce_many([_scaled(x, prescale_factor) for x in xs], names, reduction, compression, group)
+        return _allreduce_many(list(xs), names, reduction, compression, group, prescale_factor, postscale_factor)
 
-    def backward(upstream, inputs, outputs):
-        out = _allreduce_many([_scaled(tf.convert_to_tensor(g), prescale_factor) for g in upstream],
-                              [f"{n}/grad" for n in names], reduction, compression, group)
-        return [_scaled(g, postscale_factor) for g in out]
+    def backward(upstream, inputs, outputs):     # as Horovod: the same all-reduce of the upstream gradients
+        return _allreduce_many([tf.convert_to_tensor(g) for g in upstream], [f"{n}/grad" for n in names],
+                               reduction, compression, group, prescale_factor, postscale_factor)
 
-    out = _with_gradient(lambda *xs: [_scaled(t, postscale_factor) for t in forward(*xs)], backward)(*tensors)
-    return list(out)
+    return list(_with_gradient(forward, backward)(*tensors))
 
 
 def allgather(tensor, device_dense: str = "", device_sparse: str = "", name: str | None = None,
@@ -547,8 +542,9 @@ def grouped_reducescatter(tensors, device_dense: str = "", compression=Compressi
     n, r = group.size, group.rank
 
     def forward(*xs):
-        reduced = grouped_allreduce(list(xs), None, device_dense, "", compression, op, prescale_factor,
-                                    postscale_factor, process_set, name=base)
+        names = [base if len(xs) == 1 else f"{base}/{j}" for j in range(len(xs))]
+        reduced = _allreduce_many(list(xs), names, _reduction(op), compression, group, prescale_factor,
+                                  postscale_factor, scatter=True)
         out = []
         for t in reduced:            # this rank's rows: the first rows % size ranks get one more
             rows = tf.shape(t)[0]
