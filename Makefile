@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 
 .PHONY: setup demo demo-two-hosts test test-host test-rdma clean proto bench bench-models bench-models-paired bench-hierarchical bench-ring soak \
-	horovod-reference horovodrun-two-hosts
+	horovod-reference horovodrun-two-hosts horovod-diff
 
 setup:
 	@bash scripts/setup.sh $(VENV)
@@ -101,6 +101,26 @@ demo-two-hosts: setup
 # then horovodrun starting an rdmatensor job.
 horovod-reference: setup
 	bash scripts/horovod_reference.sh .venv-horovod
+
+# Real Horovod against tf_plugin, call by call (tests/differential): seeded random
+# sequences of eager collectives (every kind, op and dtype Horovod's CPU build
+# takes; mismatches injected on one rank) under horovodrun --gloo and
+# rdmatensor-run, every outcome compared, both against a numpy model of
+# Horovod's semantics: 20 seeds of DIFF_CALLS calls on 2 and on 3 ranks, over shm
+# and tcp; then verbs in the SoftRoCE VM, replayed against Horovod's recordings.
+# Counts in docs/differential/.
+DIFF_CALLS ?= 500
+DIFF_DIR ?= test-results/differential
+horovod-diff: setup horovod-reference
+	mkdir -p docs/differential $(DIFF_DIR)
+	$(PY) -m tests.differential.compare --ranks 2 --providers shm,tcp --seeds 1-20 --calls $(DIFF_CALLS) \
+	    --out $(DIFF_DIR)/2 --json docs/differential/ranks2.json
+	$(PY) -m tests.differential.compare --ranks 3 --providers shm,tcp --seeds 1-20 --calls $(DIFF_CALLS) \
+	    --out $(DIFF_DIR)/3 --json docs/differential/ranks3.json
+	$(PY) -m tests.differential.compare --ranks 2 --providers "" --seeds 1-2 --calls 200 --out $(DIFF_DIR)/verbs-horovod
+	$(PY) -m rdmatensor softroce vm --timeout 1500 -- $(PY) -m tests.differential.compare --ranks 2 \
+	    --providers verbs --seeds 1-2 --calls 200 --out $(DIFF_DIR)/verbs --recorded $(DIFF_DIR)/verbs-horovod \
+	    --json docs/differential/verbs.json
 
 # Real horovodrun (built by horovod-reference) starting an rdmatensor job over
 # ssh on two SoftRoCE VMs, 2 ranks each: rank 0 publishes its rendezvous in

@@ -134,6 +134,9 @@ for call in range(calls):
         results["changed"] += 1
         results["changed_raised"] += error is not None
         results["slowest_raise"] = max(results["slowest_raise"], took if error else 0.0)
+        if error and took > 5:
+            results.setdefault("slow", []).append(f"call {call}: {change} on rank {victim} ({kind} {name}) "
+                                                  f"raised after {took:.1f} s: {error[:200]}")
         if error is None:
             results["wrong"].append(f"call {call}: changed ({change} on rank {victim}) but no error")
     else:

@@ -116,8 +116,8 @@ def test_a_bucket_comes_back_as_views_of_its_flat_output_and_odd_members_as_thei
     @tf.function
     def step():
         grads = [tf.zeros(s) for s in shapes]
-        out = overlap.bucketed(grads, [layout], lambda j, arrays: handed.append(len(arrays)),
-                               lambda j: flat, "test_allreduce")
+        out = overlap.bucketed(grads, [layout], lambda j, arrays: handed.append(len(arrays)) or 0,
+                               lambda j, number: flat, "test_allreduce")
         where = [tf.numpy_function(lambda a: np.int64(a.ctypes.data), [o], tf.int64, stateful=True) for o in out]
         return out, where
 
@@ -129,8 +129,8 @@ def test_a_bucket_comes_back_as_views_of_its_flat_output_and_odd_members_as_thei
 
     @tf.function
     def misfit():       # a result laid out otherwise than the graph expects is refused, never sliced
-        return overlap.bucketed([tf.zeros(s) for s in shapes], [layout], lambda j, arrays: None,
-                                lambda j: flat[:48], "test_allreduce")
+        return overlap.bucketed([tf.zeros(s) for s in shapes], [layout], lambda j, arrays: 0,
+                                lambda j, number: flat[:48], "test_allreduce")
 
     with pytest.raises(tf.errors.OpError, match=r"bucket 0's result is \(48,\) float32; the graph lays out \(51,\)"):
         misfit()

@@ -25,9 +25,11 @@ What each set becomes in the plan:
   collected. The fusion threshold is part of the set, so ranks that disagree
   on it fail with PlanMismatch;
 - broadcast: one tensor per (tensor, non-root rank), written by the root,
-  and one byte per non-root rank, written once every rank released the
-  value: a rank returns only when every rank took part in the same call, so
-  a broadcast that fails on one rank fails on all (as Horovod's does);
+  one byte from every non-root rank to the root (ranks that disagree on the
+  root each write to another), and one byte per non-root rank, written once
+  every rank released the value: a rank returns only when every rank took
+  part in the same call, so a broadcast that fails on one rank fails on all
+  (as Horovod's does);
 - allgather, alltoall: one dynamic-shape tensor (first dimension None) per
   (tensor, ordered pair of ranks), its first room the largest any rank
   proposed (an alltoall part is at most its whole tensor).
@@ -149,12 +151,14 @@ def allreduce_buckets(shapes, dtypes, threshold: int) -> list:
 
 
 def set_key(kind: str, op: str, names, arrays) -> tuple:
-    """What identifies a tensor set in this process: kind, op, and each tensor's
-    name, shape and dtype in order. Names make a set specific (a call that
-    differs from any before is proposed to every rank, so a difference between
-    ranks is seen there), though ranks need not agree on them."""
+    """What identifies a tensor set: kind, op, and each tensor's shape and dtype in
+    order; not names. Every rank must agree on it, and ranks need not agree on
+    names (Keras numbers layers per process, and eager Horovod ignores them):
+    two calls that differ only in names are the same collective, on one rank
+    as between ranks, so a set keyed by names could be planned on one rank and
+    new on another."""
     dims = (lambda a: a.shape[1:]) if kind in ROWS_VARY else (lambda a: a.shape)
-    return (kind, op, tuple((n, tuple(dims(a)), np.dtype(a.dtype)) for n, a in zip(names, arrays, strict=True)))
+    return (kind, op, tuple((tuple(dims(a)), np.dtype(a.dtype)) for a in arrays))
 
 
 def entries_of(kind: str, op: str, names, arrays) -> list[dict]:
@@ -287,7 +291,7 @@ class Collectives:
         self._order: list[TensorSet] = []
         self._rings: dict[int, object] = {}       # set index -> RingAllReduce over the current session
         self._open_calls: dict[tuple, tuple] = {}  # all-reduce set key -> (its latest call's number, set)
-        self._groups: dict[tuple, AllreduceGroup] = {}   # set key -> its all-reduce's layout
+        self._groups: dict[tuple, AllreduceGroup] = {}   # (set key, names) -> its all-reduce's layout
         self._retired_session = None
         self._retired = dict.fromkeys(COUNTED, 0)  # counters of closed generations
         self._lock = threading.RLock()             # one collective at a time per process
@@ -474,6 +478,8 @@ class Collectives:
                         for dst in range(n) if dst != root]
             ts.specs += [TensorSpec(f"{prefix}/ok/r{dst}", (1,), np.uint8, root, dst)
                          for dst in range(n) if dst != root]
+            ts.specs += [TensorSpec(f"{prefix}/here/r{src}", (1,), np.uint8, src, root)
+                         for src in range(n) if src != root]
         else:
             ts.specs = [TensorSpec(f"{prefix}/g{j}/r{src}/r{dst}", s, d, src, dst, capacity=max(room[j], 64))
                         for j, (s, d) in enumerate(zip(shapes, dtypes, strict=True))
@@ -497,11 +503,11 @@ class Collectives:
         request = ("allreduce", allreduce_op(op, self.threshold, prescale, postscale, scatter), list(names),
                    described)
         key = set_key(*request)
-        group = self._groups.get(key)     # an eager call repeats its layout every step: derived once
+        group = self._groups.get((key, tuple(names)))    # an eager call repeats its layout every step: derived once
         if group is None:
             if len(self._groups) >= 4096:
                 self._groups.clear()
-            group = self._groups[key] = AllreduceGroup(request, key, allreduce_buckets(shapes, dtypes,
+            group = self._groups[(key, tuple(names))] = AllreduceGroup(request, key, allreduce_buckets(shapes, dtypes,
                                                                                        self.threshold))
         return group
 
@@ -627,10 +633,16 @@ class Collectives:
                     items = [(f"{prefix}/b{j}/r{dst}", _contiguous(a)) for j, a in enumerate(arrays)
                              for dst in range(self.size) if dst != root and a.size]
                     self.session.send_many(items, tag=tag)
+                    for src in range(self.size):      # every rank calls this broadcast, from this root
+                        if src != root:
+                            self.session.recv(f"{prefix}/here/r{src}", tag=tag).release()
                     self.session.wait_released([name for name, _ in items])   # every rank took it, in this call
                     self.session.send_many([(f"{prefix}/ok/r{dst}", OK) for dst in range(self.size) if dst != root],
                                            tag=tag)
                     return list(arrays)
+                # To the root it names: two ranks that each take another for the root both
+                # write, so each finds the other's byte in a set it is not in (checks.py).
+                self.session.send(f"{prefix}/here/r{self.rank}", OK, tag=tag)
                 out = []
                 for j, a in enumerate(arrays):
                     if not a.size:
