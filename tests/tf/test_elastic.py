@@ -20,10 +20,11 @@ COMMIT = 4                                          # elastic_script.py's steps 
 
 
 def elastic_job(tmp_path: Path, provider: str, mode: str, steps: int, kill_at: int, add_at: int,
-                min_np: int = 2, elastic_timeout: float = 60.0, slots: int = 3) -> subprocess.CompletedProcess:
+                min_np: int = 2, elastic_timeout: float = 60.0, slots: int = 3,
+                discovery: str | None = None) -> subprocess.CompletedProcess:
     (tmp_path / "hosts").write_text(f"localhost:{slots}\n")
     discover = tmp_path / "discover.sh"
-    discover.write_text(f"#!/bin/sh\ncat {tmp_path / 'hosts'}\n")
+    discover.write_text(discovery or f"#!/bin/sh\ncat {tmp_path / 'hosts'}\n")
     discover.chmod(0o755)
     cmd = [sys.executable, "-m", "tf_plugin.launcher.run", "--min-np", str(min_np), "--max-np", str(slots),
            "--host-discovery-script", str(discover), "--provider", provider, "--timeout", "200",
@@ -84,6 +85,25 @@ def test_tape_job_loses_a_rank_goes_on_with_two_and_takes_a_new_worker_back(tmp_
                                             for ln in (early, final))
         print(f"worker {w}: fds {fds0} -> {fds}, threads {threads0} -> {threads}")
         assert fds <= fds0 + 2 and threads <= threads0 + 1, (early, final)
+
+
+def test_a_discovery_that_reads_nothing_once_stops_no_worker(tmp_path):
+    """A discovery script that `cat`s a hosts file another process rewrites can read it
+    between truncation and write, and print nothing: once, here, right after the kill.
+    The launcher once took that for "no host is offered" and stopped every worker; new
+    workers then started the job over, and it still ended with status 0 (a clean
+    clone's CI saw the first test fail so: worker 0 reported no step with 2 ranks).
+    Nothing offered is taken as a failed read: the workers go on."""
+    once = tmp_path / "blank-done"
+    script = (f"#!/bin/sh\nif [ -e {tmp_path / 'killed'} ] && [ ! -e {once} ]; then touch {once}; exit 0; fi\n"
+              f"cat {tmp_path / 'hosts'}\n")
+    proc = elastic_job(tmp_path, "shm", "tape", steps=16, kill_at=6, add_at=-1, discovery=script)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert once.exists()
+    assert "no longer offered" not in out and "offered no slots" in out, out[-4000:]
+    check_lost_rank_recovered(out, 6, survivors=[0, 2])
+    assert not steps_of(out, 3), "a new worker started the job over"
 
 
 def test_keras_fit_loses_a_rank_mid_epoch_and_finishes_with_two(tmp_path):

@@ -12,7 +12,10 @@ again without it (tf_plugin.elastic.run); when the script offers slots that
 no worker uses, new workers start there and join at the next commit. Unlike
 horovodrun, a host whose worker failed is not blacklisted: a slot the script
 still offers gets a new worker; a host no longer listed has its workers
-stopped, one listed with fewer slots keeps the workers it runs.
+stopped, one listed with fewer slots keeps the workers it runs. A script that
+lists no host at all is taken as a failed read (a hosts file caught between
+truncation and write reads empty): the workers are kept, and the job ends
+only once nothing has been offered for --elastic-timeout.
 
 Every worker gets RDMATENSOR_RENDEZVOUS (this launcher's rendezvous server,
 see rendezvous.py) and RDMATENSOR_WORKER_ID, and no TF_CONFIG: its rank and
@@ -80,6 +83,7 @@ class ElasticJob(Job):
         self.next_id = 0
         self.finishing = False          # a worker ended with 0: training is over, start no other
         self.short_since: float | None = None
+        self.nothing_since: float | None = None     # since when discovery offers no slot at all
         # Slots not refilled: a worker failed there before any round it was in committed. A new
         # one would fail the same way (a script that fails to start, or that runs a collective
         # before hvd.elastic.run, which a joiner cannot). Refilled once the offered hosts change.
@@ -176,9 +180,17 @@ class ElasticJob(Job):
                 if now - last_discovery >= self.discovery_interval and not self.finishing:
                     last_discovery = now
                     try:
-                        self._scale(discover(self.script))
+                        offered = discover(self.script)
                     except (LaunchError, OSError, subprocess.TimeoutExpired) as exc:
                         self.say(f"host discovery failed, keeping the workers as they are: {exc}")
+                    else:
+                        if self._nothing_offered(offered, now):
+                            why = (f"host discovery offered no slots for {self.elastic_timeout:g} s "
+                                   f"(--elastic-timeout): the job cannot go on")
+                            self.rounds.close(why)
+                            self.stop(why)
+                            status = 1
+                            break
                 alive = self._alive_ids()
                 members = self._last_members()
                 if self.finishing and alive and not members & set(alive):
@@ -216,6 +228,22 @@ class ElasticJob(Job):
             self.server.close()
             self.cleanup()
         return status
+
+    def _nothing_offered(self, offered: list[tuple[str, int]], now: float) -> bool:
+        """Scale to what discovery offers, unless it offers no slot at all: a script
+        that `cat`s a hosts file being rewritten reads it empty between truncation
+        and write, and stopping every worker for it ended jobs (or started them
+        over). No slot is taken as a failed read, the workers kept, until it has
+        lasted --elastic-timeout: then True (the job is to end)."""
+        if any(count > 0 for _, count in offered):
+            self.nothing_since = None
+            self._scale(offered)
+            return False
+        if self.nothing_since is None:
+            self.nothing_since = now
+            self.say("host discovery offered no slots: keeping the workers as they are (a hosts file read while "
+                     "being rewritten reads empty: write it to a new file and rename that over it)")
+        return now - self.nothing_since > self.elastic_timeout
 
     def _last_members(self) -> set[int]:
         r = self.rounds.current
