@@ -90,6 +90,15 @@ report["factors"] = [
     outcome(lambda: hvd.allreduce(y, op=hvd.Sum, prescale_factor=2.0, name="f")),
 ]
 
+# And a broadcast whose ranks disagree on the root, each taking itself for it (no value to
+# write: the tensor is empty) or each the other: a mismatch on both ranks, at once.
+empty, small = tf.zeros([2, 0], tf.bool), tf.constant([1, 2, 3], tf.int32) * (rank + 1)
+report["roots"] = [
+    outcome(lambda: hvd.broadcast(empty, root_rank=rank, name="r")),
+    outcome(lambda: hvd.broadcast(small, root_rank=1 - rank, name="r")),
+    outcome(lambda: hvd.broadcast(small, root_rank=1, name="r")),
+]
+
 with open(f"{out_dir}/rank{rank}.json", "w") as f:
     json.dump(report, f)
 hvd.shutdown()

@@ -107,3 +107,12 @@ def test_scale_factors_that_differ_between_ranks_raise_on_every_rank(five):
     assert "scale" in calls[0][0]["message"], calls[0][0]
     for c in calls:
         assert c[2] == {"values": [[4.0, 8.0, 12.0]]}, c
+
+
+def test_ranks_that_disagree_on_a_broadcasts_root_raise_at_once(five):
+    calls = [rep["roots"] for rep in five]
+    raised_everywhere(calls, 0)          # each its own root, nothing to send: once both waited for ever
+    raised_everywhere(calls, 1)          # each the other's: once both waited as receivers
+    for c in calls:
+        assert all("did not arrive" not in x["message"] for x in c[:2]), c     # seen, not timed out
+        assert c[2] == {"values": [[2, 4, 6]]}, c

@@ -633,15 +633,17 @@ class Collectives:
                     items = [(f"{prefix}/b{j}/r{dst}", _contiguous(a)) for j, a in enumerate(arrays)
                              for dst in range(self.size) if dst != root and a.size]
                     self.session.send_many(items, tag=tag)
-                    for src in range(self.size):      # every rank calls this broadcast, from this root
-                        if src != root:
-                            self.session.recv(f"{prefix}/here/r{src}", tag=tag).release()
                     self.session.wait_released([name for name, _ in items])   # every rank took it, in this call
                     self.session.send_many([(f"{prefix}/ok/r{dst}", OK) for dst in range(self.size) if dst != root],
                                            tag=tag)
+                    for src in range(self.size):      # and named this root: the other half of the check
+                        if src != root:
+                            self.session.recv(f"{prefix}/here/r{src}", tag=tag).release()
                     return list(arrays)
-                # To the root it names: two ranks that each take another for the root both
-                # write, so each finds the other's byte in a set it is not in (checks.py).
+                # To the root it names, first: two ranks that each take the other for the root
+                # both write before they wait, as two that each take themselves for it do (the
+                # byte after the values, even with no value), so each finds the other's write
+                # in a set it is not in (checks.py).
                 self.session.send(f"{prefix}/here/r{self.rank}", OK, tag=tag)
                 out = []
                 for j, a in enumerate(arrays):
