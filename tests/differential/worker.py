@@ -89,7 +89,9 @@ def main(out_dir: str, impl: str, seeds: str, calls: int) -> None:
     with open(f"{out_dir}/{impl}-s{seeds}-rank{rank}.pkl", "wb") as f:
         pickle.dump(record, f)
     if rank == 0:
-        print(f"{impl}: {done} calls on rank 0 in {time.monotonic() - t0:.1f} s", flush=True)
+        plan = {k: v for k, v in hvd.stats().items() if k in ("tensor_sets", "generations")} \
+            if impl == "rdmatensor" else {}
+        print(f"{impl}: {done} calls on rank 0 in {time.monotonic() - t0:.1f} s {plan}", flush=True)
     hvd.shutdown()
 
 
