@@ -118,9 +118,9 @@ horovod-diff: setup horovod-reference
 	$(PY) -m tests.differential.compare --ranks 3 --providers shm,tcp --seeds 1-20 --calls $(DIFF_CALLS) \
 	    --out $(DIFF_DIR)/3 --json docs/differential/ranks3.json
 	$(PY) -m tests.differential.compare --ranks 2 --providers "" --seeds 1-2 --calls 200 --out $(DIFF_DIR)/verbs-horovod
-	$(PY) -m rdmatensor softroce vm --timeout 1500 -- $(PY) -m tests.differential.compare --ranks 2 \
-	    --providers verbs --seeds 1-2 --calls 200 --out $(DIFF_DIR)/verbs --recorded $(DIFF_DIR)/verbs-horovod \
-	    --json docs/differential/verbs.json
+	$(PY) -m rdmatensor softroce vm --timeout 1500 --share $(DIFF_DIR) --share docs/differential -- \
+	    env RDMATENSOR_TIMEOUT=60 $(PY) -m tests.differential.compare --ranks 2 --providers verbs --seeds 1-2 \
+	    --calls 200 --out $(DIFF_DIR)/verbs --recorded $(DIFF_DIR)/verbs-horovod --json docs/differential/verbs.json
 
 # Real horovodrun (built by horovod-reference) starting an rdmatensor job over
 # ssh on two SoftRoCE VMs, 2 ranks each: rank 0 publishes its rendezvous in

@@ -185,10 +185,8 @@ class ElasticJob(Job):
                         self.say(f"host discovery failed, keeping the workers as they are: {exc}")
                     else:
                         if self._nothing_offered(offered, now):
-                            why = (f"host discovery offered no slots for {self.elastic_timeout:g} s "
-                                   f"(--elastic-timeout): the job cannot go on")
-                            self.rounds.close(why)
-                            self.stop(why)
+                            self._end(f"host discovery offered no slots for {self.elastic_timeout:g} s "
+                                      f"(--elastic-timeout): the job cannot go on")
                             status = 1
                             break
                 alive = self._alive_ids()
@@ -204,30 +202,30 @@ class ElasticJob(Job):
                 if not self.finishing and len(alive) < self.min_np:
                     self.short_since = self.short_since or now
                     if now - self.short_since > self.elastic_timeout:
-                        why = (f"{len(alive)} worker(s) left, fewer than --min-np {self.min_np}, for "
-                               f"{self.elastic_timeout:g} s (--elastic-timeout): the job cannot go on")
-                        self.rounds.close(why)
-                        self.stop(why)
+                        self._end(f"{len(alive)} worker(s) left, fewer than --min-np {self.min_np}, for "
+                                  f"{self.elastic_timeout:g} s (--elastic-timeout): the job cannot go on")
                         status = 1
                         break
                 else:
                     self.short_since = None
                 if self.stop_request:
                     why, status = self.stop_request
-                    self.rounds.close(why)
-                    self.stop(why)
+                    self._end(why)
                     break
                 if deadline is not None and now > deadline:
                     status = TIMEOUT_STATUS
-                    why = f"the job did not finish within its {timeout:g} s timeout (--timeout)"
-                    self.rounds.close(why)
-                    self.stop(why)
+                    self._end(f"the job did not finish within its {timeout:g} s timeout (--timeout)")
                     break
                 time.sleep(0.05)
         finally:
             self.server.close()
             self.cleanup()
         return status
+
+    def _end(self, why: str) -> None:
+        """Close the rendezvous and stop every worker, saying why in one line."""
+        self.rounds.close(why)
+        self.stop(why)
 
     def _nothing_offered(self, offered: list[tuple[str, int]], now: float) -> bool:
         """Scale to what discovery offers, unless it offers no slot at all: a script
