@@ -83,6 +83,8 @@ def main(out_dir: str, impl: str, seeds: str, calls: int) -> None:
                 record[(seed, index)] = ("ok", [np.array(o) for o in out])
             except Exception as exc:  # noqa: BLE001 - every outcome is recorded
                 record[(seed, index)] = ("error", tf_class(exc), str(exc)[:300])
+                if os.environ.get("RDMATENSOR_DIFF_VERBOSE"):
+                    print(f"seed {seed} call {index}: {tf_class(exc)}: {str(exc)[:400]}", flush=True)
             done += 1
             if rank == 0 and done % 500 == 0:
                 print(f"{impl}: {done} calls, seed {seed}, {time.monotonic() - t0:.0f} s", flush=True)

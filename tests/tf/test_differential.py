@@ -21,9 +21,12 @@ def run(tmp_path, ranks, provider, seeds, calls):
     return judge(ranks, seeds_of(seeds), calls, load(tmp_path, "rdmatensor", ranks), None)
 
 
-@pytest.mark.parametrize("ranks,provider,seeds,calls", [(2, "shm", "101,102", 150), (3, "tcp", "103", 120)])
+@pytest.mark.parametrize("ranks,provider,seeds,calls", [(2, "shm", "101,102", 150), (3, "tcp", "1", 260)])
 def test_random_collectives_match_the_model_and_every_change_raises_everywhere(tmp_path, ranks, provider, seeds,
                                                                                calls):
+    # seed 1 on 3 ranks, call 251: an empty broadcast whose dtype differs on one non-root rank;
+    # the root once released the other non-root before hearing from that one, which returned
+    # normally and was one call ahead of the others from then on.
     result = run(tmp_path, ranks, provider, seeds, calls)
     counts = result["counts"]
     assert not result["problems"], result["problems"][:5]

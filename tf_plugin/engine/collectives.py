@@ -24,12 +24,13 @@ What each set becomes in the plan:
   takes its result later (collect); eagerly, all are handed over, then
   collected. The fusion threshold is part of the set, so ranks that disagree
   on it fail with PlanMismatch;
-- broadcast: one tensor per (tensor, non-root rank), written by the root,
-  one byte from every non-root rank to the root (ranks that disagree on the
-  root each write to another), and one byte per non-root rank, written once
-  every rank released the value: a rank returns only when every rank took
-  part in the same call, so a broadcast that fails on one rank fails on all
-  (as Horovod's does);
+- broadcast: one tensor per (tensor, non-root rank), written by the root (a
+  byte instead when every tensor is empty), one byte from every non-root
+  rank to the root, and one byte per non-root rank, written once the root
+  has every other rank's byte and every rank released the value: a rank
+  returns only when every rank took part in the same call, so a broadcast
+  that fails on one rank fails on all (as Horovod's does), and ranks that
+  disagree on the root each write into a set the other is not in;
 - allgather, alltoall: one dynamic-shape tensor (first dimension None) per
   (tensor, ordered pair of ranks), its first room the largest any rank
   proposed (an alltoall part is at most its whole tensor).
@@ -480,6 +481,9 @@ class Collectives:
                          for dst in range(n) if dst != root]
             ts.specs += [TensorSpec(f"{prefix}/here/r{src}", (1,), np.uint8, src, root)
                          for src in range(n) if src != root]
+            if not any(0 not in s for s in shapes):      # nothing to write: a byte from the root instead
+                ts.specs += [TensorSpec(f"{prefix}/go/r{dst}", (1,), np.uint8, root, dst)
+                             for dst in range(n) if dst != root]
         else:
             ts.specs = [TensorSpec(f"{prefix}/g{j}/r{src}/r{dst}", s, d, src, dst, capacity=max(room[j], 64))
                         for j, (s, d) in enumerate(zip(shapes, dtypes, strict=True))
@@ -629,22 +633,30 @@ class Collectives:
             with self._lock, self.meter.comm():
                 (ts,) = self.ensure([request], number)
                 tag, prefix = self.active(number, ts), f"s{ts.index}"
+                empty = not any(a.size for a in arrays)     # alike on every rank: shapes are the set's
                 if self.rank == root:
+                    # Writes first, so that two ranks that each take themselves for the root
+                    # each find the other's write in a set they are not in (checks.py); with no
+                    # value to write, a byte. Then every other rank's byte, which proves it makes
+                    # this call; the done bytes only after that: no rank returns from a call
+                    # another rank did not make.
                     items = [(f"{prefix}/b{j}/r{dst}", _contiguous(a)) for j, a in enumerate(arrays)
                              for dst in range(self.size) if dst != root and a.size]
+                    if empty:
+                        items = [(f"{prefix}/go/r{dst}", OK) for dst in range(self.size) if dst != root]
                     self.session.send_many(items, tag=tag)
+                    for src in range(self.size):
+                        if src != root:
+                            self.session.recv(f"{prefix}/here/r{src}", tag=tag).release()
                     self.session.wait_released([name for name, _ in items])   # every rank took it, in this call
                     self.session.send_many([(f"{prefix}/ok/r{dst}", OK) for dst in range(self.size) if dst != root],
                                            tag=tag)
-                    for src in range(self.size):      # and named this root: the other half of the check
-                        if src != root:
-                            self.session.recv(f"{prefix}/here/r{src}", tag=tag).release()
                     return list(arrays)
-                # To the root it names, first: two ranks that each take the other for the root
-                # both write before they wait, as two that each take themselves for it do (the
-                # byte after the values, even with no value), so each finds the other's write
-                # in a set it is not in (checks.py).
+                # A byte to the root it names, before it waits: two ranks that each take the
+                # other for the root each find the other's byte in a set they are not in.
                 self.session.send(f"{prefix}/here/r{self.rank}", OK, tag=tag)
+                if empty:
+                    self.session.recv(f"{prefix}/go/r{self.rank}", tag=tag).release()
                 out = []
                 for j, a in enumerate(arrays):
                     if not a.size:
