@@ -204,7 +204,7 @@ class RingAllReduce:
         p, left = group.index(me), group[group.index(me) - 1]
         live = [i for i, f in enumerate(flats) if f.size]
         bounds = {i: [slice(lo, hi) for lo, hi in ring_bounds(flats[i].size, n)] for i in live}
-        factor = self.factor if self.factor is not None else 1.0 / self.size   # allreduce_arrays(average=True)
+        factor = self._after_sum()
 
         def finish(chunk):                 # this rank's fully combined chunk, in place, as Horovod scales
             scaling.scale_into(chunk, chunk, factor)
@@ -222,11 +222,16 @@ class RingAllReduce:
                 outgoing[i] = dst
         return outgoing
 
+    def _after_sum(self) -> float:
+        """What a finished chunk is multiplied by: the ring's factor, else (allreduce_arrays
+        asked to average on a ring made without one) 1/N."""
+        return self.factor if self.factor is not None else 1.0 / self.size
+
     def _combine_into(self, dst: np.ndarray, flat: BucketView, lo: int, chunk: np.ndarray, finish) -> None:
         """dst = this rank's elements [lo, lo + dst.size) of `flat` combined with the
         peer's `chunk`, then finish(dst) (the division by N) where one is given."""
         if self.combine is np.add and dst.dtype in streaming.FLOATS:     # added and divided in one pass
-            scale = scaling.in_dtype(self.factor if self.factor is not None else 1.0 / self.size, dst.dtype) if finish else None    # as finish() multiplies
+            scale = scaling.in_dtype(self._after_sum(), dst.dtype) if finish else None    # as finish() multiplies
             stream = dst.nbytes >= streaming.STREAM_BYTES
             for at, piece in flat.cover(lo, lo + dst.size):
                 part = slice(at, at + piece.size)
