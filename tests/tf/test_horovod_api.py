@@ -55,9 +55,14 @@ def test_horovod_tape_script_on_two_processes(tmp_path):
         # ... as rdmatensor's PlanMismatch that is also TensorFlow's FailedPreconditionError (as Horovod)
         assert rep["mismatch"].startswith("tf_plugin.engine.tf_errors.CollectiveMismatch")
         assert "'differs'" in rep["mismatch"]
-        assert "shape: [2] vs [3]" in rep["mismatch"]
+        # both shapes named: compared as proposals ("shape: [2] vs [3]"), or, where one rank has
+        # the set planned already (sets are keyed by what they move, not by names), seen by the
+        # watchdog ("... float32 [2] ... while ... float32 [3]")
+        assert "shape: [2] vs [3]" in rep["mismatch"] or ("[2]" in rep["mismatch"] and "[3]" in rep["mismatch"])
         s = rep["stats"]
-        assert s["generations"] == s["tensor_sets"] and s["extensions"] == s["generations"] - 1
+        # every generation added a set, but for at most one: the mismatch's reset, where one rank
+        # had the set of its call planned already
+        assert s["generations"] - s["tensor_sets"] in (0, 1) and s["extensions"] == s["generations"] - 1
         assert s["provider"] == "tcp"
 
 

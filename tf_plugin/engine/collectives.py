@@ -333,10 +333,12 @@ class Collectives:
             return exc
         return PlanMismatch(f"rank {reset.rank}: {reset.why}", peer=reset.rank, tensor=exc.tensor)
 
-    def active(self, number: int, ts: TensorSet) -> int:
-        """Mark call `number` as moving the values of `ts` (the watchdog's view); its tag."""
+    def active(self, number: int, ts: TensorSet, entries: list) -> int:
+        """Mark call `number` as moving the values of `ts` (the watchdog's view), its
+        tensors as this call names them (`entries`: a set is shared by every call that
+        moves the same shapes and dtypes, whatever their names); its tag."""
         tag = number % TAGS
-        self._active[tag] = (number, ts.index, ts.entries)
+        self._active[tag] = (number, ts.index, entries)
         return tag
 
     def _recover(self, number: int, generation: int, exc: RdmaTensorError, entries: list) -> Reset:
@@ -522,10 +524,10 @@ class Collectives:
         prescale = Reduction.of(group.request[1]).prescale
         if prescale != 1.0:         # each rank's input, before the sum, as Horovod
             arrays = [scaling.scaled(np.asarray(a), prescale) for a in arrays]
+        entries = entries_of(*group.request)     # this call's names (the set may have been planned under others)
         with self._lock:
             if j == 0 or group.key not in self._open_calls:
                 number = self.begin()
-                entries = entries_of(*group.request)
                 ts = self.attempt(number, lambda: self._sets.get(group.key) or self.ensure([group.request], number)[0],
                                   entries)
                 self._open_calls[group.key] = (number, ts)
@@ -533,9 +535,9 @@ class Collectives:
 
             def run(k: int, bucket: list, number=number, ts=ts):
                 def body():
-                    tag = self.active(number, ts)
+                    tag = self.active(number, ts, entries)
                     return self._ring(ts).reduce_bucket(k, bucket, tag=tag)
-                return self.attempt(number, body, ts.entries)
+                return self.attempt(number, body, entries)
 
             return self.comm.launch(ts.index, j, arrays, len(ts.analysis.buckets), run, self._ring(ts).describe)
 
@@ -600,7 +602,7 @@ class Collectives:
         def body():
             with self._lock, self.meter.comm():
                 (ts,) = self.ensure([group.request], number)
-                tag, prefix = self.active(number, ts), f"s{ts.index}"
+                tag, prefix = self.active(number, ts, entries_of(*group.request)), f"s{ts.index}"
                 self.session.send_many([(f"{prefix}/here/r{self.rank}/r{dst}", OK) for dst in range(self.size)
                                         if dst != self.rank], tag=tag)
                 for src in range(self.size):
@@ -632,7 +634,7 @@ class Collectives:
         def body():
             with self._lock, self.meter.comm():
                 (ts,) = self.ensure([request], number)
-                tag, prefix = self.active(number, ts), f"s{ts.index}"
+                tag, prefix = self.active(number, ts, entries_of(*request)), f"s{ts.index}"
                 empty = not any(a.size for a in arrays)     # alike on every rank: shapes are the set's
                 if self.rank == root:
                     # Writes first, so that two ranks that each take themselves for the root
@@ -683,7 +685,7 @@ class Collectives:
         def body():
             with self._lock, self.meter.comm():
                 (ts,) = self.ensure([request], number)
-                tag, prefix = self.active(number, ts), f"s{ts.index}"
+                tag, prefix = self.active(number, ts, entries_of(*request)), f"s{ts.index}"
                 self.session.send_many([(f"{prefix}/g{j}/r{self.rank}/r{dst}", _contiguous(a))
                                         for j, a in enumerate(arrays) for dst in range(self.size)
                                         if dst != self.rank], tag=tag)
@@ -727,7 +729,7 @@ class Collectives:
         def body():
             with self._lock, self.meter.comm():
                 (ts,) = self.ensure([request], number)
-                tag, prefix = self.active(number, ts), f"s{ts.index}"
+                tag, prefix = self.active(number, ts, entries_of(*request)), f"s{ts.index}"
                 self.session.send_many([(f"{prefix}/g0/r{self.rank}/r{dst}", parts[dst]) for dst in range(self.size)
                                         if dst != self.rank], tag=tag)
                 with contextlib.ExitStack() as held:
