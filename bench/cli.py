@@ -31,7 +31,7 @@ import sys
 from dataclasses import asdict
 
 from rdmatensor.providers import NAMES, provider_class
-from rdmatensor.providers.rc import ENDPOINTS
+from rdmatensor.providers.verbs.choose_endpoint import ENDPOINTS
 
 from . import model_grads, report
 from .points import Point, run_point

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rdmatensor import Plan, TensorSpec, connect
-from rdmatensor.providers.rc import ENDPOINT_ENV
+from rdmatensor.providers.verbs.choose_endpoint import ENDPOINT_ENV
 
 TOKEN = "rdmatensor-bench"
 SETUP_TIMEOUT = 120.0    # also bounds every wait: a peer that died is not waited on for long

@@ -23,7 +23,8 @@ import time
 
 import numpy as np
 
-from rdmatensor.providers.rc import LOCAL_ONLY, RECV_BATCH, RcParams, RemoteRegion, endpoint_class
+from rdmatensor.providers.verbs.choose_endpoint import endpoint_class
+from rdmatensor.providers.verbs.rc import LOCAL_ONLY, RECV_BATCH, RcParams, RemoteRegion
 
 IMM = 0x5EED0001
 DEADLINE = 60.0

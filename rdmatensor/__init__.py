@@ -10,7 +10,7 @@ from .errors import (AuthenticationError, BadRequest, CallMismatch, CreditViolat
                      PlanError, PlanMismatch, ProviderUnavailable, RdmaTensorError, RecvTimeout, RefusedWrite,
                      RemoteError, SendTimeout, TensorMismatch, Timeout, TransportError, UnknownTensor, UsageError)
 from .plan import Plan, TensorSpec
-from .providers.base import Pieces
+from .providers.contract import Pieces
 from .session import Received, Session, connect
 
 __version__ = "0.1.0"

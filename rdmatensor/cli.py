@@ -5,13 +5,13 @@ import argparse
 import json
 import sys
 
-from . import devices, softroce
+from . import devices, providers, softroce
 from .errors import RdmaTensorError, VmTimeout
 
 
 def _print_devices(as_json: bool) -> int:
     devs = devices.list_devices()
-    viable = devices.provider_viability()
+    viable = providers.viability()
     if as_json:
         print(json.dumps({"devices": devices.as_dict(devs),
                           "providers": {k: {"viable": v, "reason": r} for k, (v, r) in viable.items()}},

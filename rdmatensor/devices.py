@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 # Held while a device context or completion channel is opened, so the event
-# descriptor each one adds to the process can be told apart (rc_endpoint).
+# descriptor each one adds to the process can be told apart (pyverbs_endpoint).
 CONTEXT_LOCK = threading.Lock()
 
 SYSFS = Path("/sys/class/infiniband")
@@ -117,12 +117,6 @@ def active_port() -> tuple[Device, Port] | None:
                 port.gids = _gids(SYSFS / dev.name / "ports" / str(port.number), first_roce_v2_ipv4=True)
                 return dev, port
     return None
-
-
-def provider_viability() -> dict[str, tuple[bool, str]]:
-    """Which data providers can run here, and why not where not (each provider says)."""
-    from .providers import REGISTRY
-    return {name: info.viable() for name, info in REGISTRY.items()}
 
 
 def as_dict(devices: list[Device]) -> list[dict]:

@@ -20,7 +20,7 @@ import numpy as np
 
 from .errors import PlanError
 
-MAX_SLOTS = 1 << 18     # per ordered pair of ranks: the slot-index bits of an immediate (providers/base.py)
+MAX_SLOTS = 1 << 18     # per ordered pair of ranks: the slot-index bits of an immediate (providers/contract.py)
 
 ALIGN = 64                    # every slot starts on a cache line
 MAX_ARENA_BYTES = 4 << 30     # one registered region at most

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Compile rdmatensor's C extensions for the virtualenv's Python, each when its
 # built module is missing or older than its source, and check that it imports:
-#   - the verbs endpoint (rdmatensor/providers/_verbs_native.c), against libibverbs;
+#   - the verbs endpoint (rdmatensor/providers/verbs/_native_endpoint.c), against libibverbs;
 #   - streaming copies and sums (rdmatensor/_streaming.c), x86-64 only (SSE2):
 #     elsewhere rdmatensor.streaming uses numpy;
 #   - a slot's state and the immediates that move it (rdmatensor/session/_slots.c);
-#   - the shm completion ring (rdmatensor/providers/_ring.c), x86-64 only, as
+#   - the shm completion ring (rdmatensor/providers/shm/_completion_ring.c), x86-64 only, as
 #     shm itself (it relies on x86-64's store order);
-#   - tcp's inbox (rdmatensor/providers/_inbox.c).
+#   - tcp's inbox (rdmatensor/providers/tcp/_inbox.c).
 # Fails loudly: `make setup` installs what they need (gcc, libibverbs-dev, python3-dev).
 #
 #   scripts/build_native.sh [VENV]      (default: .venv next to this repository)
@@ -20,8 +20,10 @@ include=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
 build() {   # build SOURCE [LIBS...]
   local src=$1 out="${1%.c}$suffix"
   shift
-  local newer
-  newer=$(find "$(dirname "$src")" -maxdepth 1 -name '*.h' -newer "$out" 2>/dev/null | head -1 || true)
+  local newer="" header
+  for header in $(sed -n 's/^#include "\(.*\)"/\1/p' "$src"); do   # the project's own headers it includes
+    [ "$(dirname "$src")/$header" -nt "$out" ] && newer=1
+  done
   if [ ! -f "$out" ] || [ "$src" -nt "$out" ] || [ -n "$newer" ]; then
     echo "setup: compiling $out"
     cc -O2 -g -Wall -Wno-missing-field-initializers -shared -fPIC -I"$include" "$src" -o "$out.tmp" "$@"
@@ -38,17 +40,17 @@ check() {   # check MODULE WHAT: the extension imports and the package says it i
 
 # Every extension first, then the checks: importing one imports the package,
 # which needs the others current (an older build of one would fail it).
-build rdmatensor/providers/_verbs_native.c -libverbs
+build rdmatensor/providers/verbs/_native_endpoint.c -libverbs
 build rdmatensor/session/_slots.c
-build rdmatensor/providers/_inbox.c
+build rdmatensor/providers/tcp/_inbox.c
 if [ "$(uname -m)" = x86_64 ]; then
   build rdmatensor/_streaming.c
-  build rdmatensor/providers/_ring.c
+  build rdmatensor/providers/shm/_completion_ring.c
 fi
-check providers.rc_native "the verbs endpoint"
+check providers.verbs.native_endpoint "the verbs endpoint"
 check session.slots "the compiled slots"
-check providers.inbox "the compiled tcp inbox"
+check providers.tcp.inbox "the compiled tcp inbox"
 if [ "$(uname -m)" = x86_64 ]; then
   check streaming "the streaming extension"
-  check providers.ring "the compiled shm ring"
+  check providers.shm.completion_ring "the compiled shm ring"
 fi

@@ -2,8 +2,11 @@
 
 `REGISTRY` is the one list of providers: everything that names them (`auto`,
 `rdmatensor devices`, the launchers, the benchmark, the tests) reads it.
-Adding a provider means its own file, one entry here, and its channel
-parameters in control.proto.
+Each provider is a folder of the same shape: `channel.py` (its Channel, the
+contract in contract.py), the mechanism behind it, and the mechanism's
+compiled twin where it has one. `emulated/` holds what shm and tcp share;
+`baselines/` the providers measured against, never chosen. Adding a provider
+means its folder, one entry here, and its channel parameters in control.proto.
 
 `auto` decides per peer, as NCCL does: shm with a peer on this host, verbs
 with a peer elsewhere where an ACTIVE RDMA port exists, else tcp. Each
@@ -18,7 +21,7 @@ import socket
 from dataclasses import dataclass
 
 from ..errors import ProviderUnavailable
-from .base import Channel
+from .contract import Channel
 
 log = logging.getLogger("rdmatensor")
 
@@ -44,19 +47,25 @@ class Provider:
 
 
 REGISTRY: dict[str, Provider] = {p.name: p for p in (
-    Provider("verbs", "verbs", "VerbsChannel",
+    Provider("verbs", "verbs.channel", "VerbsChannel",
              "real RDMA (InfiniBand, RoCE, SoftRoCE), through the compiled RC endpoint or pyverbs", needs_rdma=True),
-    Provider("shm", "shm", "ShmChannel", "same host: shared-memory arenas, memcpy + a completion on a Unix socket"),
-    Provider("tcp", "tcp", "TcpChannel",
+    Provider("shm", "shm.channel", "ShmChannel",
+             "same host: shared-memory arenas, memcpy + a completion on a Unix socket"),
+    Provider("tcp", "tcp.channel", "TcpChannel",
              "the same contract emulated over TCP, payload received straight into the slot"),
-    Provider("grpc", "grpc_baseline", "GrpcChannel",
+    Provider("grpc", "baselines.grpc_channel", "GrpcChannel",
              "the baseline being replaced: tensors serialized into gRPC messages", baseline=True),
-    Provider("verbs-rpc", "verbs_rpc", "VerbsRpcChannel",
+    Provider("verbs-rpc", "baselines.verbs_rpc_channel", "VerbsRpcChannel",
              "a baseline: RPC over the same verbs device, the way RDMA-optimized RPC libraries do it "
              "(SEND/RECV into private buffers, chunked, protobuf-serialized, copied out)",
              baseline=True, needs_rdma=True),
 )}
 NAMES = tuple(REGISTRY)
+
+
+def viability() -> dict[str, tuple[bool, str]]:
+    """Which providers can run here, and why not where not (each provider says)."""
+    return {name: info.viable() for name, info in REGISTRY.items()}
 
 
 def provider_class(name: str) -> type[Channel]:

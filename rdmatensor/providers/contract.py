@@ -22,7 +22,6 @@ asks for a provider by name.
 from __future__ import annotations
 
 import secrets
-import struct
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable
@@ -273,9 +272,3 @@ def pair_imm(data: int, credit: int) -> int | None:
 def unpair_imm(imm: int) -> tuple[int, int]:
     """A PAIR immediate's (CREDIT slot index, DATA slot index)."""
     return (imm >> PAIR_BITS) & ((1 << PAIR_BITS) - 1), imm & ((1 << PAIR_BITS) - 1)
-
-
-# The header of an emulated write on a stream (tcp payload follows it; shm has
-# already copied the payload into the mapped region).
-WRITE_HEADER = struct.Struct("<IiIIQQ")   # magic, region, key, imm, offset, length
-WRITE_MAGIC = 0x52445457                  # "RDTW"

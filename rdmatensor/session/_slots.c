@@ -25,7 +25,7 @@
 #include <structmember.h>
 #include <stdint.h>
 
-#define IMM_DATA 0               /* providers/base.py's kinds */
+#define IMM_DATA 0               /* providers/contract.py's kinds */
 #define IMM_CREDIT 1
 #define IMM_PAIR 2
 #define PAIR_BITS 15

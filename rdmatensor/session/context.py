@@ -11,7 +11,7 @@ from ..control.service import ControlClient, TlsConfig
 from ..memory import Arena
 from ..plan import Plan, TensorSpec
 from ..errors import UnknownTensor
-from ..providers.base import Channel
+from ..providers.contract import Channel
 
 COUNTERS = ("copies", "dynamic", "fallbacks", "grows", "waits", "corrupt")
 

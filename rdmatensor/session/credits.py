@@ -17,7 +17,7 @@ import numpy as np
 from ..errors import CreditViolation, RdmaTensorError, RemoteError, SendTimeout
 from ..memory import Arena
 from ..plan import Slot
-from ..providers.base import (IMM_CREDIT, IMM_DATA, IMM_PAIR, INDEX_BITS, MAX_SLOTS, MAX_TAG, make_imm,
+from ..providers.contract import (IMM_CREDIT, IMM_DATA, IMM_PAIR, INDEX_BITS, MAX_SLOTS, MAX_TAG, make_imm,
                               unpair_imm)
 from .context import SessionContext
 from .flag import Flag

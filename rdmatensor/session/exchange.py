@@ -19,7 +19,7 @@ from functools import partial
 
 from ..control.service import pb
 from ..errors import AuthenticationError, BadRequest, PeerLost, PlanMismatch, RdmaTensorError
-from ..providers.base import WIRE_VERSION, ControlPlane
+from ..providers.contract import WIRE_VERSION, ControlPlane
 from . import wire
 from .barrier import ranks_and_coordinator
 from .context import SessionContext

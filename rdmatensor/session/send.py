@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import PeerLost, RdmaTensorError, SendTimeout, TensorMismatch, UnknownTensor, UsageError
 from ..plan import TensorSpec
-from ..providers.base import INDEX_BITS, MAX_TAG, Pieces
+from ..providers.contract import INDEX_BITS, MAX_TAG, Pieces
 from . import wire
 from .context import SessionContext
 from .credits import Credits, SendSlot

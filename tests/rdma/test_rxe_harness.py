@@ -31,7 +31,7 @@ def test_device_listed_active_with_roce_v2_gid(rdma_port):
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.float16, np.float32, np.int64, np.complex128])
 def test_register_numpy_buffers(rdma_port, dtype):
-    from rdmatensor.providers.rc_endpoint import RcEndpoint
+    from rdmatensor.providers.verbs.pyverbs_endpoint import RcEndpoint
     arr = np.arange(4099, dtype=dtype)
     with RcEndpoint() as ep:
         mr = ep.register(arr)

@@ -1,5 +1,5 @@
 """The two RC endpoints on a real RDMA device (SoftRoCE in the VM under `make
-test`): the compiled one (`_verbs_native.c`, the default) and pyverbs' carry
+test`): the compiled one (`_native_endpoint.c`, the default) and pyverbs' carry
 the same session byte for byte and talk to each other; the compiled one
 refuses a bad post before posting it, reports a dead peer, closes twice, and
 waits with the GIL released."""
@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 
 from rdmatensor import PeerLost, Plan, TensorSpec, TransportError, UsageError, connect
-from rdmatensor.providers.base import IMM_CREDIT, IMM_DATA, make_imm, pair_imm
-from rdmatensor.providers.rc import ENDPOINT_ENV, LOCAL_ONLY, MAX_CHAIN, REMOTE_WRITE, endpoint_class
-from rdmatensor.providers.rc_endpoint import RcEndpoint
-from rdmatensor.providers.rc_native import NativeEndpoint
+from rdmatensor.providers.contract import IMM_CREDIT, IMM_DATA, make_imm, pair_imm
+from rdmatensor.providers.verbs.choose_endpoint import ENDPOINT_ENV, endpoint_class
+from rdmatensor.providers.verbs.rc import LOCAL_ONLY, MAX_CHAIN, REMOTE_WRITE
+from rdmatensor.providers.verbs.pyverbs_endpoint import RcEndpoint
+from rdmatensor.providers.verbs.native_endpoint import NativeEndpoint
 from rdmatensor.session.flag import Flag
 
 from ..support.ranks import check, free_ports, run_ranks

@@ -29,7 +29,7 @@ from rdmatensor import AuthenticationError, Plan, TensorSpec
 from rdmatensor.control import control_pb2 as pb
 from rdmatensor.control import control_pb2_grpc as pb_grpc
 from rdmatensor.control.service import TOKEN_KEY, ControlClient
-from rdmatensor.providers.base import WIRE_VERSION
+from rdmatensor.providers.contract import WIRE_VERSION
 
 from ..support.ranks import TOKEN, check, run_ranks
 from .helpers import LivePair, fd_count
@@ -690,7 +690,7 @@ class _FakeRank1(pb_grpc.ControlServicer):
 
 
 def _hostile_replies(provider: str, tmp_path):
-    from rdmatensor.providers.shm import host_id
+    from rdmatensor.providers.shm.channel import host_id
     good_key = "ab" * 32
     if provider == "tcp":
         ch = lambda **kw: pb.ChannelParams(provider="tcp", **kw)          # noqa: E731

@@ -1,6 +1,6 @@
 """The emulated NICs (tcp, shm) enforce bounds against a hostile peer.
 
-The attacker speaks the data-channel wire format itself (stream.py: the
+The attacker speaks the data-channel wire format itself (emulated/stream_channel.py: the
 32-byte auth key; then for tcp 32-byte WRITE_HEADERs, each followed by its
 payload; for shm the payload in the shared segment and the same header as
 an entry of the receiver's completion ring, ring.py, written through a raw
@@ -30,11 +30,12 @@ from rdmatensor.control import control_pb2 as pb
 from rdmatensor.control import control_pb2_grpc as pb_grpc
 from rdmatensor.control.service import ControlClient, start_server
 from rdmatensor.memory import PAGE, Arena, MappedArena
-from rdmatensor.providers.base import IMM_DATA, WIRE_VERSION, WRITE_HEADER, WRITE_MAGIC, make_imm
-from rdmatensor.providers.ring import ENTRY, HEAD_AT, HEADER_BYTES, INFO, CompletionRing
-from rdmatensor.providers.shm import ShmChannel, host_id
-from rdmatensor.providers.stream import AUTH_BYTES, HANDSHAKE_TIMEOUT
-from rdmatensor.providers.tcp import TcpChannel
+from rdmatensor.providers.contract import IMM_DATA, WIRE_VERSION, make_imm
+from rdmatensor.providers.emulated.write_header import WRITE_HEADER, WRITE_MAGIC
+from rdmatensor.providers.shm.completion_ring import ENTRY, HEAD_AT, HEADER_BYTES, INFO, CompletionRing
+from rdmatensor.providers.shm.channel import ShmChannel, host_id
+from rdmatensor.providers.emulated.stream_channel import AUTH_BYTES, HANDSHAKE_TIMEOUT
+from rdmatensor.providers.tcp.channel import TcpChannel
 
 from ..support.ranks import TOKEN, free_ports
 from .helpers import assert_untouched, canary_arena
@@ -392,7 +393,7 @@ def test_truncated_header_then_silence_does_not_hang_close():
 
 def test_grpc_baseline_push_checks_like_a_nic():
     """The grpc baseline's receiving end applies the same checks to a Push."""
-    from rdmatensor.providers.grpc_baseline import GrpcChannel
+    from rdmatensor.providers.baselines.grpc_channel import GrpcChannel
     imms, lost = [], []
     ch = GrpcChannel(1, 0, "127.0.0.1", on_imm=imms.append, on_lost=lost.append)
     arena = Arena(2 * PAGE)

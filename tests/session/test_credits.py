@@ -11,8 +11,8 @@ import pytest
 from rdmatensor.errors import CreditViolation, PeerLost, SendTimeout
 from rdmatensor.memory import Arena
 from rdmatensor.plan import Plan, TensorSpec
-from rdmatensor.providers.base import IMM_CREDIT, IMM_DATA, make_imm, pair_imm
-from rdmatensor.providers.tcp import TcpChannel
+from rdmatensor.providers.contract import IMM_CREDIT, IMM_DATA, make_imm, pair_imm
+from rdmatensor.providers.tcp.channel import TcpChannel
 from rdmatensor.session.context import SessionContext
 from rdmatensor.session.credits import Credits, RecvSlot, SendSlot
 from rdmatensor.session.liveness import Liveness

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rdmatensor.providers.base import IMM_CREDIT, IMM_DATA, IMM_PAIR, INDEX_BITS, MAX_TAG, make_imm, pair_imm
+from rdmatensor.providers.contract import IMM_CREDIT, IMM_DATA, IMM_PAIR, INDEX_BITS, MAX_TAG, make_imm, pair_imm
 from rdmatensor.session import slots
 from rdmatensor.session.flag import Flag
 

@@ -19,12 +19,12 @@ import pytest
 
 from rdmatensor import PeerLost, Pieces, TransportError, connect
 from rdmatensor.memory import Arena
-from rdmatensor.providers import shm
-from rdmatensor.providers import ring as ring_mod
-from rdmatensor.providers.base import WRITE_MAGIC
-from rdmatensor.providers.ring import (ENTRY, HEAD_AT, HEADER_BYTES, MIN_ENTRIES, RING_ENV, SLEEPING_AT, TAIL_AT,
-                                       CompletionRing)
-from rdmatensor.providers.shm import ShmChannel
+from rdmatensor.providers.shm import channel as shm
+from rdmatensor.providers.shm import completion_ring as ring_mod
+from rdmatensor.providers.emulated.write_header import WRITE_MAGIC
+from rdmatensor.providers.shm.completion_ring import (ENTRY, HEAD_AT, HEADER_BYTES, MIN_ENTRIES, RING_ENV,
+                                                     SLEEPING_AT, TAIL_AT, CompletionRing)
+from rdmatensor.providers.shm.channel import ShmChannel
 
 from .peer_proc import TOKEN, fault_plan
 from .test_faults import _spawn, _wait_line

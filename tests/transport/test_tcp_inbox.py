@@ -1,4 +1,4 @@
-"""tcp's inbox (providers/inbox.py) on a real socket pair: the compiled one
+"""tcp's inbox (providers/tcp/inbox.py) on a real socket pair: the compiled one
 (_inbox.c) and the Python one take in the same writes from a stream cut at
 random places, land the same bytes, and refuse, stop and report a closed
 connection the same way."""
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from rdmatensor.memory import Arena
-from rdmatensor.providers import inbox as inbox_mod
-from rdmatensor.providers.base import WRITE_HEADER, WRITE_MAGIC
+from rdmatensor.providers.tcp import inbox as inbox_mod
+from rdmatensor.providers.emulated.write_header import WRITE_HEADER, WRITE_MAGIC
 
 KEY = 0x1234
 CAPACITY = 256                   # small, so that payloads often go straight into the region

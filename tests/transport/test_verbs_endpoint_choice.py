@@ -5,23 +5,24 @@ import pytest
 
 from rdmatensor.devices import active_port
 from rdmatensor.errors import DeviceError, ProviderUnavailable
-from rdmatensor.providers import rc, rc_native
-from rdmatensor.providers.rc import ENDPOINT_ENV, endpoint_class, endpoint_kind
+from rdmatensor.providers.verbs import _native_endpoint as compiled
+from rdmatensor.providers.verbs import native_endpoint, rc
+from rdmatensor.providers.verbs.choose_endpoint import ENDPOINT_ENV, endpoint_class, endpoint_kind
 
 
 def test_the_compiled_endpoint_is_built_and_imports():
-    assert rc_native.BUILD_ERROR is None, f"run make setup: {rc_native.BUILD_ERROR}"
-    assert issubclass(rc_native.NativeEndpoint, rc_native._verbs_native.Endpoint)
-    assert rc_native._verbs_native.status_name(12) == "IBV_WC_RETRY_EXC_ERR"
-    assert (rc_native._verbs_native.MAX_CHAIN, rc_native._verbs_native.RECV_BATCH) == (rc.MAX_CHAIN, rc.RECV_BATCH)
+    assert native_endpoint.BUILD_ERROR is None, f"run make setup: {native_endpoint.BUILD_ERROR}"
+    assert issubclass(native_endpoint.NativeEndpoint, compiled.Endpoint)
+    assert compiled.status_name(12) == "IBV_WC_RETRY_EXC_ERR"
+    assert (compiled.MAX_CHAIN, compiled.RECV_BATCH) == (rc.MAX_CHAIN, rc.RECV_BATCH)
 
 
 def test_the_compiled_endpoint_pairs_immediates_as_the_layout_says():
-    """A credit rides in a write's immediate by base.pair_imm's rule: the
+    """A credit rides in a write's immediate by contract.pair_imm's rule: the
     compiled endpoint's copy of it agrees on every kind, tag and index edge."""
     import random
 
-    from rdmatensor.providers.base import IMM_CREDIT, IMM_DATA, IMM_PAIR, MAX_SLOTS, make_imm, pair_imm
+    from rdmatensor.providers.contract import IMM_CREDIT, IMM_DATA, IMM_PAIR, MAX_SLOTS, make_imm, pair_imm
     rng = random.Random(3)
     edges = [0, 1, (1 << 15) - 1, 1 << 15, MAX_SLOTS - 1]
     cases = [(make_imm(dk, di, dt), make_imm(ck, ci, ct))
@@ -32,33 +33,33 @@ def test_the_compiled_endpoint_pairs_immediates_as_the_layout_says():
               for _ in range(1000)]
     paired = 0
     for data, credit in cases:
-        assert rc_native._verbs_native.pair_imm(data, credit) == pair_imm(data, credit), (hex(data), hex(credit))
+        assert compiled.pair_imm(data, credit) == pair_imm(data, credit), (hex(data), hex(credit))
         paired += pair_imm(data, credit) is not None
     assert paired > 100
 
 
 def test_opening_a_device_that_is_not_there_is_a_device_error():
     with pytest.raises(DeviceError, match="no-such-device|no RDMA device"):
-        rc_native.NativeEndpoint("no-such-device")
+        native_endpoint.NativeEndpoint("no-such-device")
     if active_port() is None:                    # this host has no RDMA at all (this project's CI)
         with pytest.raises(DeviceError, match="no RDMA device with an ACTIVE port"):
-            rc_native.NativeEndpoint()
+            native_endpoint.NativeEndpoint()
 
 
 def test_the_environment_picks_the_endpoint(monkeypatch):
     monkeypatch.delenv(ENDPOINT_ENV, raising=False)
-    assert endpoint_kind() == "native" and endpoint_class() is rc_native.NativeEndpoint
+    assert endpoint_kind() == "native" and endpoint_class() is native_endpoint.NativeEndpoint
     monkeypatch.setenv(ENDPOINT_ENV, "pyverbs")
     assert endpoint_class().__name__ == "RcEndpoint"
     monkeypatch.setenv(ENDPOINT_ENV, "native")
-    assert endpoint_class() is rc_native.NativeEndpoint
+    assert endpoint_class() is native_endpoint.NativeEndpoint
     monkeypatch.setenv(ENDPOINT_ENV, "fast")
     with pytest.raises(ProviderUnavailable, match="RDMATENSOR_VERBS_ENDPOINT='fast'"):
         endpoint_class()
 
 
 def test_asking_for_the_compiled_endpoint_where_it_is_not_built_says_so(monkeypatch):
-    monkeypatch.setattr(rc_native, "BUILD_ERROR", "No module named '_verbs_native'")
+    monkeypatch.setattr(native_endpoint, "BUILD_ERROR", "No module named '_native_endpoint'")
     monkeypatch.delenv(ENDPOINT_ENV, raising=False)
     assert endpoint_kind() == "pyverbs"                   # the default falls back
     with pytest.raises(ProviderUnavailable, match="not built.*make setup"):

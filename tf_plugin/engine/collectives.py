@@ -51,7 +51,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from rdmatensor import PeerLost, Plan, PlanMismatch, RdmaTensorError, TensorSpec, Timeout, UsageError, connect
-from rdmatensor.providers.base import MAX_TAG
+from rdmatensor.providers.contract import MAX_TAG
 
 from . import adasum, scaling
 from .analyzer import Analysis, Hierarchy, VarInfo, buckets_of, fusion_threshold, hierarchical_specs, ring_specs

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..control.service import ControlClient, pb
-from ..errors import PeerLost, TransportError
-from .base import Channel, ControlPlane
+from ...control.service import ControlClient, pb
+from ...errors import PeerLost, TransportError
+from ..contract import Channel, ControlPlane
 
 
 class GrpcChannel(Channel):

@@ -24,12 +24,12 @@ import threading
 
 import numpy as np
 
-from ..control.service import pb
-from ..errors import RefusedWrite
-from ..memory import Arena
-from .base import Capabilities, Channel
-from .rc import LOCAL_ONLY, RECV_BATCH
-from .verbs import VerbsChannel
+from ...control.service import pb
+from ...errors import RefusedWrite
+from ...memory import Arena
+from ..contract import Capabilities, Channel
+from ..verbs.rc import LOCAL_ONLY, RECV_BATCH
+from ..verbs.channel import VerbsChannel
 
 CHUNK = 256 << 10         # one private receive (and send) buffer
 RECV_BUFFERS = 32         # pre-posted receives: 8 MiB in flight towards this side

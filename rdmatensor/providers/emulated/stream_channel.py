@@ -20,8 +20,9 @@ import time
 from abc import abstractmethod
 
 
-from ..errors import PeerLost, RefusedWrite, TransportError
-from .base import WRITE_MAGIC, Channel
+from ...errors import PeerLost, RefusedWrite, TransportError
+from ..contract import Channel
+from .write_header import WRITE_MAGIC
 
 AUTH_BYTES = 32
 HANDSHAKE_TIMEOUT = 5.0     # seconds a dialer has to present the key

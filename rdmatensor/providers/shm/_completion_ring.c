@@ -1,4 +1,4 @@
-/* The shm completion ring's per-message operations, compiled (ring.py has
+/* The shm completion ring's per-message operations, compiled (completion_ring.py has
  * the layout, the ordering argument and the same operations in Python).
  *
  * Per message, the Python ring packed a struct, took a lock as a fence, and
@@ -11,7 +11,7 @@
  * it in `refused`, so that the channel raises its own typed error for it.
  * Everything runs under the GIL, as the Python version did.
  */
-#include "_landing.h"
+#include "../emulated/_write_header.h"
 #include <sched.h>
 #include <string.h>
 
@@ -470,7 +470,7 @@ static PyMethodDef Ring_methods[] = {
 
 static PyTypeObject RingType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "rdmatensor.providers._ring.Ring",
+    .tp_name = "rdmatensor.providers.shm._completion_ring.Ring",
     .tp_basicsize = sizeof(Ring),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Ring(buffer, entries): one side of an shm completion ring",
@@ -481,9 +481,9 @@ static PyTypeObject RingType = {
     .tp_getset = Ring_getset,
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_ring", "The shm completion ring, compiled.", -1, NULL};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_completion_ring", "The shm completion ring, compiled.", -1, NULL};
 
-PyMODINIT_FUNC PyInit__ring(void) {
+PyMODINIT_FUNC PyInit__completion_ring(void) {
     if (PyType_Ready(&RingType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);

@@ -2,7 +2,7 @@
 
 The receiver's arenas are shared-memory segments the sender maps; a write is
 a memcpy into one, then an entry (the write header) in the receiver's
-completion ring (ring.py), which the receiver checks like a NIC (region,
+completion ring (completion_ring.py), which the receiver checks like a NIC (region,
 key, bounds) before it reports the immediate. A waiting receiver polls its
 ring for a short while, then sleeps on the Unix socket the sender dialed; the
 sender sends a doorbell byte only when the ring says its consumer sleeps.
@@ -20,12 +20,12 @@ import time
 
 import numpy as np
 
-from .. import streaming
-from ..errors import ForeignSegment, PeerLost, RdmaTensorError, RefusedWrite, TransportError
-from ..memory import Arena, MappedArena
-from .base import Capabilities, Pieces
-from .ring import ORDERED_CPU, CompletionRing
-from .stream import StreamChannel
+from ... import streaming
+from ...errors import ForeignSegment, PeerLost, RdmaTensorError, RefusedWrite, TransportError
+from ...memory import Arena, MappedArena
+from ..contract import Capabilities, Pieces
+from .completion_ring import ORDERED_CPU, CompletionRing
+from ..emulated.stream_channel import StreamChannel
 
 SPIN_SECONDS = 50e-6       # a waiter polls its ring this long before it sleeps
 SLEEP_SLICE = 0.05         # the longest sleep before a waiter looks at its own side again
@@ -175,7 +175,7 @@ class ShmChannel(StreamChannel):
         if ring is None or self._lost or self._closing:
             raise PeerLost(f"the shm channel to peer {self.peer} is "
                            f"{'not connected' if ring is None else 'closed'}", peer=self.peer)
-        if payload is None:                  # push and write are atomic (ring.py): no lock here
+        if payload is None:                  # push and write are atomic (completion_ring.py): no lock here
             ring_bell = ring.push(region, key, imm, offset, length)
         else:
             ring_bell = ring.write(payload[0], offset, payload[1], region, key, imm)
@@ -248,7 +248,7 @@ class ShmChannel(StreamChannel):
     def _sleep(self, remaining: float) -> None:
         """Sleep on the doorbell, once the ring says so and is still empty."""
         ring = self._ring_in
-        ring.sleeping(True)              # and a full barrier before the last look at head (ring.py)
+        ring.sleeping(True)              # and a full barrier before the last look at head (completion_ring.py)
         try:
             if ring.available():
                 return

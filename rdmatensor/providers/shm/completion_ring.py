@@ -2,7 +2,7 @@
 
 The receiving side owns the segment (0600, unguessable name, unlinked at
 close, like its arenas) and consumes; the peer maps it and produces. Each
-entry is a write header (stream.py's WRITE_HEADER: region, key, immediate,
+entry is a write header (emulated/write_header.py's WRITE_HEADER: region, key, immediate,
 offset, length), so the receiver checks an entry exactly as it checks a
 header that came over a socket.
 
@@ -48,10 +48,10 @@ import time
 
 import numpy as np
 
-from .. import native
-from ..errors import ForeignSegment
-from ..memory import Arena, MappedArena
-from .base import WRITE_HEADER, WRITE_MAGIC
+from ... import native
+from ...errors import ForeignSegment
+from ...memory import Arena, MappedArena
+from ..emulated.write_header import WRITE_HEADER, WRITE_MAGIC
 
 RING_MAGIC = 0x52445452          # "RDTR"
 INFO = struct.Struct("<II")      # magic, entries
@@ -67,7 +67,7 @@ ORDERED_CPU = platform.machine().lower() in ("x86_64", "amd64")
 _FENCE = threading.Lock()
 
 RING_ENV = "RDMATENSOR_SHM_RING"     # "python" forces the Python ring where the compiled one is built
-_compiled, BUILD_ERROR = native.load("rdmatensor.providers._ring")
+_compiled, BUILD_ERROR = native.load("rdmatensor.providers.shm._completion_ring")
 
 
 def compiled() -> bool:

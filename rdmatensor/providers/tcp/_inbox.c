@@ -4,7 +4,7 @@
  * checked it, sliced memoryviews and copied in about ten interpreter frames,
  * and spun on the socket in Python.  Here one poll() reads what the socket
  * holds into a small buffer (the GIL released around each system call),
- * checks every complete header as a NIC checks a write (_landing.h), lands
+ * checks every complete header as a NIC checks a write (emulated/_write_header.h), lands
  * its payload (what is buffered copied, the rest received straight into the
  * region) and hands its immediate to on_imm, spinning with sched_yield until
  * the awaited event is set or the time is up.
@@ -13,7 +13,7 @@
  * only by close(), which the channel calls while no poll() runs: a
  * descriptor number closed and reused elsewhere meanwhile is never read.
  */
-#include "_landing.h"
+#include "../emulated/_write_header.h"
 #include <errno.h>
 #include <sched.h>
 #include <string.h>
@@ -289,7 +289,7 @@ static PyMethodDef Inbox_methods[] = {
 
 static PyTypeObject InboxType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "rdmatensor.providers._inbox.Inbox",
+    .tp_name = "rdmatensor.providers.tcp._inbox.Inbox",
     .tp_basicsize = sizeof(Inbox),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Inbox(fd, capacity): what a tcp connection delivers, taken in",

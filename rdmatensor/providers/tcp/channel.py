@@ -19,10 +19,11 @@ import time
 
 import numpy as np
 
-from ..errors import PeerLost, RefusedWrite, TransportError
+from ...errors import PeerLost, RefusedWrite, TransportError
 from . import inbox
-from .base import WRITE_HEADER, WRITE_MAGIC, Pieces
-from .stream import StreamChannel
+from ..contract import Pieces
+from ..emulated.write_header import WRITE_HEADER, WRITE_MAGIC
+from ..emulated.stream_channel import StreamChannel
 
 IOV_PAIRS = 500            # writes per sendmsg (two parts each, more for Pieces; the kernel takes up to IOV_MAX = 1024)
 DEFER_SECONDS = 0.005     # a credit may wait this long for a write to ride with (PARK_SECONDS)

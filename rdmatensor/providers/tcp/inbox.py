@@ -1,6 +1,6 @@
 """tcp's inbox: what the connection delivers, taken in as a NIC would.
 
-The sender puts each write's header (base.WRITE_HEADER) and payload in one
+The sender puts each write's header (emulated/write_header.py) and payload in one
 sendmsg(). The inbox reads what the socket holds into a small buffer, so
 that many headers and small payloads come in with one system call; checks
 each complete header against the channel's exposed regions (`local`:
@@ -30,12 +30,12 @@ import os
 import socket
 import time
 
-from .. import native
-from .base import WRITE_HEADER, WRITE_MAGIC
+from ... import native
+from ..emulated.write_header import WRITE_HEADER, WRITE_MAGIC
 
 REFUSED, CLOSED, CLOSED_MID = -1, -2, -3
 INBOX_ENV = "RDMATENSOR_TCP_INBOX"   # "python" forces the Python inbox where the compiled one is built
-_compiled, BUILD_ERROR = native.load("rdmatensor.providers._inbox")
+_compiled, BUILD_ERROR = native.load("rdmatensor.providers.tcp._inbox")
 
 
 def compiled() -> bool:

@@ -1,6 +1,6 @@
 /* One reliable-connected (RC) queue pair with its own verbs objects, compiled.
  *
- * The same endpoint as rc_endpoint.py (pyverbs), without the interpreter on
+ * The same endpoint as pyverbs_endpoint.py, without the interpreter on
  * the hot path: under emulation every Python instruction costs, and pyverbs
  * ships no .pxd, so this module owns its device context, protection domain,
  * completion queue (with a completion channel), queue pair and memory
@@ -12,7 +12,7 @@
  *   posted, so a released slot's credit and the next write share a doorbell
  *   (and, on SoftRoCE, the one system call a post costs). An owed credit
  *   rides inside a write's own immediate where both fit a PAIR immediate
- *   (providers/base.py's pair_imm): one work request, one packet, not two.
+ *   (providers/contract.py's pair_imm): one work request, one packet, not two.
  * - Every post is bounds-checked first: the source must lie inside memory
  *   registered local-only with this endpoint, the destination inside the
  *   remote region; otherwise TransportError and nothing is posted.
@@ -52,7 +52,7 @@
 #define MAX_REGION (4ULL << 30)
 #define INLINE_WANTED 64                   /* small writes go inline when the device allows */
 #define SCRATCH_BYTES 64                   /* receives need an SGE; immediates never fill it */
-#define IMM_CREDIT 1u                      /* providers/base.py's immediates: kind (2 bits), tag, index */
+#define IMM_CREDIT 1u                      /* providers/contract.py's immediates: kind (2 bits), tag, index */
 #define IMM_PAIR 2u
 #define PAIR_BITS 15
 
@@ -108,7 +108,7 @@ static PyGetSetDef mr_getset[] = {
 
 static PyTypeObject MemoryRegionType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "rdmatensor.providers._verbs_native.MemoryRegion",
+    .tp_name = "rdmatensor.providers.verbs._native_endpoint.MemoryRegion",
     .tp_doc = "Memory registered with an Endpoint (Endpoint.register); freed by deregister or close.",
     .tp_basicsize = sizeof(MemoryRegion),
     .tp_flags = Py_TPFLAGS_DEFAULT,
@@ -499,7 +499,7 @@ static PyObject *ep_connect_qp(Endpoint *self, PyObject *args)
 
 /* -- data path --------------------------------------------------------- */
 
-/* A tag-0 DATA immediate and a CREDIT as one PAIR immediate (base.py's
+/* A tag-0 DATA immediate and a CREDIT as one PAIR immediate (contract.py's
  * pair_imm); 0 when they cannot pair (no PAIR immediate is 0). */
 static uint32_t pair_imm(uint32_t data, uint32_t credit)
 {
@@ -721,7 +721,7 @@ static void prepared_dealloc(PreparedWrite *self)
 
 static PyTypeObject PreparedWriteType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "rdmatensor.providers._verbs_native.PreparedWrite",
+    .tp_name = "rdmatensor.providers.verbs._native_endpoint.PreparedWrite",
     .tp_doc = "Endpoint.prepare_write(...)(): post the write; its send number, 0 if it did not post",
     .tp_basicsize = sizeof(PreparedWrite),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
@@ -1221,7 +1221,7 @@ static void waiter_dealloc(Waiter *self)
 
 static PyTypeObject WaiterType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "rdmatensor.providers._verbs_native.Waiter",
+    .tp_name = "rdmatensor.providers.verbs._native_endpoint.Waiter",
     .tp_doc = "Endpoint.waiter(channel, on_imm, poll_lock, spin)(flag, limit=None): True once the flag is set, "
               "None to take the channel's wait_for()",
     .tp_basicsize = sizeof(Waiter),
@@ -1398,7 +1398,7 @@ static PyMethodDef ep_methods[] = {
 
 static PyTypeObject EndpointType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "rdmatensor.providers._verbs_native.Endpoint",
+    .tp_name = "rdmatensor.providers.verbs._native_endpoint.Endpoint",
     .tp_doc = "Endpoint(device, port=1, gid_index=0, depth=256, recv_depth=256, psn=0): one RC queue pair",
     .tp_basicsize = sizeof(Endpoint),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
@@ -1433,7 +1433,7 @@ static PyObject *status_name(PyObject *mod, PyObject *arg)
     return PyUnicode_FromString(status_enum_name((int)status));
 }
 
-/* The pairing posts use, for the test that it is base.py's. */
+/* The pairing posts use, for the test that it is contract.py's. */
 static PyObject *module_pair_imm(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 2) {
@@ -1452,15 +1452,15 @@ static PyObject *module_pair_imm(PyObject *mod, PyObject *const *args, Py_ssize_
 static PyMethodDef module_methods[] = {
     {"status_name", status_name, METH_O, "a work completion status, as verbs names it"},
     {"pair_imm", (PyCFunction)(void (*)(void))module_pair_imm, METH_FASTCALL,
-     "pair_imm(data, credit) -> the PAIR immediate posts use, or None (providers/base.py's pair_imm)"},
+     "pair_imm(data, credit) -> the PAIR immediate posts use, or None (providers/contract.py's pair_imm)"},
     {NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_verbs_native", "A compiled RC endpoint (see rc_native.py).", -1, module_methods,
+    PyModuleDef_HEAD_INIT, "_native_endpoint", "A compiled RC endpoint (see native_endpoint.py).", -1, module_methods,
 };
 
-PyMODINIT_FUNC PyInit__verbs_native(void)
+PyMODINIT_FUNC PyInit__native_endpoint(void)
 {
     PyObject *errors = PyImport_ImportModule("rdmatensor.errors");
     if (!errors)

@@ -5,7 +5,7 @@ into the peer's registered receive arena: the receiver's CPU only sees the
 immediate. Credits go back as SENDs with an immediate, owed while this side
 is busy polling, so that they lead the next write's chain: one doorbell (on
 SoftRoCE one system call) for both. One RC queue pair per
-peer, through an RC endpoint (rc.py): the compiled one (`_verbs_native.c`)
+peer, through an RC endpoint (rc.py): the compiled one (`_native_endpoint.c`)
 when it is built, else pyverbs; `RDMATENSOR_VERBS_ENDPOINT` forces either.
 
 Writes are posted, not waited for: write() returns the send's number, which
@@ -32,11 +32,12 @@ import time
 
 import numpy as np
 
-from ..errors import PeerLost, ProviderUnavailable, RdmaTensorError, TransportError
-from ..memory import Arena
-from .base import Capabilities, Channel
-from ..devices import MTU_ENUM
-from .rc import LOCAL_ONLY, MAX_CHAIN, RECV_BATCH, REMOTE_WRITE, RcParams, RemoteRegion, endpoint_class
+from ...errors import PeerLost, ProviderUnavailable, RdmaTensorError, TransportError
+from ...memory import Arena
+from ..contract import Capabilities, Channel
+from ...devices import MTU_ENUM
+from .choose_endpoint import endpoint_class
+from .rc import LOCAL_ONLY, MAX_CHAIN, RECV_BATCH, REMOTE_WRITE, RcParams, RemoteRegion
 
 SEND_DEPTH = 256
 SPIN_SECONDS = 0.002       # a waiter polls the CQ itself this long before it sleeps
@@ -54,7 +55,7 @@ class VerbsChannel(Channel):
             endpoint_class()
         except ProviderUnavailable as exc:
             return False, str(exc)
-        from ..devices import active_port, list_devices
+        from ...devices import active_port, list_devices
         found = active_port()
         if found:
             dev, port = found

@@ -1,4 +1,4 @@
-"""The RC endpoint, compiled (`_verbs_native.c`): the same contract as the
+"""The RC endpoint, compiled (`_native_endpoint.c`): the same contract as the
 pyverbs one (see rc.py), with posting, polling and waiting in C.
 
 The extension is built by `make setup` (scripts/build_native.sh) from
@@ -9,23 +9,23 @@ from __future__ import annotations
 
 import random
 
-from ..devices import CONTEXT_LOCK, MTU_BYTES, MTU_ENUM
-from ..errors import TransportError
+from ...devices import CONTEXT_LOCK, MTU_BYTES, MTU_ENUM
+from ...errors import TransportError
 from .rc import EndpointHelpers, RcParams, find_port, gid_bytes, gid_str
 
 try:
-    from . import _verbs_native
+    from . import _native_endpoint
     BUILD_ERROR: str | None = None
 except ImportError as exc:
-    _verbs_native = None
+    _native_endpoint = None
     BUILD_ERROR = str(exc)
 
 
-if _verbs_native is not None:
-    class NativeEndpoint(EndpointHelpers, _verbs_native.Endpoint):
+if _native_endpoint is not None:
+    class NativeEndpoint(EndpointHelpers, _native_endpoint.Endpoint):
         """One RC queue pair on `device` (default: the first ACTIVE port), owned by C."""
 
-        status_name = staticmethod(_verbs_native.status_name)
+        status_name = staticmethod(_native_endpoint.status_name)
 
         def __init__(self, device: str | None = None, port: int = 1, gid_index: int | None = None,
                      depth: int = 256, recv_depth: int | None = None):

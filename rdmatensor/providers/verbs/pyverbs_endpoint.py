@@ -1,6 +1,6 @@
 """One reliable-connected (RC) queue pair with its protection domain, completion
 queue and memory regions, through pyverbs: the fallback for the compiled
-endpoint (rc_native.py), with the same contract (rc.py).
+endpoint (native_endpoint.py), with the same contract (rc.py).
 
 Resources close children first (QP, MRs, CQ, PD, context), and `close()` is
 idempotent. The hot path builds nothing: the work requests for writes,
@@ -19,9 +19,9 @@ import select
 import threading
 import time
 
-from ..devices import CONTEXT_LOCK, MTU_BYTES, MTU_ENUM
-from ..errors import DeviceError, TransportError, UsageError, VerbsError
-from .base import pair_imm
+from ...devices import CONTEXT_LOCK, MTU_BYTES, MTU_ENUM
+from ...errors import DeviceError, TransportError, UsageError, VerbsError
+from ..contract import pair_imm
 from .rc import (LOCAL_ONLY, MAX_CHAIN, MAX_REGION, RECV_BATCH, REMOTE_WRITE, EndpointHelpers, RcParams,
                  RemoteRegion, find_port)
 

@@ -1,15 +1,15 @@
-"""What the two RC endpoints share, and which one a verbs channel opens.
+"""What the two RC endpoints share: their contract, parameters and helpers.
 
 An RC endpoint is one reliable-connected queue pair with its protection
 domain, completion queue (and completion channel) and memory regions. There
 are two with the same methods:
 
-- `rc_native.NativeEndpoint`, compiled (`_verbs_native.c`, built by `make
+- `native_endpoint.NativeEndpoint`, compiled (`_native_endpoint.c`, built by `make
   setup` from libibverbs-dev): posts, polls and waits with nothing allocated
   and the GIL released where it blocks or spins. The default when built.
-- `rc_endpoint.RcEndpoint`, through Debian's pyverbs: the fallback.
+- `pyverbs_endpoint.RcEndpoint`, through Debian's pyverbs: the fallback.
 
-`RDMATENSOR_VERBS_ENDPOINT=native|pyverbs` forces one.
+`choose_endpoint.py` says which one a channel opens.
 
 The contract (both):
 
@@ -42,11 +42,10 @@ TransportError and is not posted.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
-from ..errors import DeviceError, ProviderUnavailable
+from ...errors import DeviceError
 
 # ibv_access_flags (verbs ABI): receive arenas may be written by the peer,
 # never read remotely; staging memory we send from is local only.
@@ -56,10 +55,6 @@ LOCAL_ONLY = ACCESS_LOCAL_WRITE
 MAX_REGION = 4 << 30
 RECV_BATCH = 16            # consumed receives given back with one post (a chain of work requests)
 MAX_CHAIN = 32             # writes posted with one doorbell (post_writes)
-
-ENDPOINT_ENV = "RDMATENSOR_VERBS_ENDPOINT"
-ENDPOINTS = ("native", "pyverbs")
-
 
 @dataclass(frozen=True)
 class RcParams:
@@ -80,33 +75,6 @@ class RemoteRegion(NamedTuple):
     rkey: int
 
 
-def endpoint_kind(asked: str | None = None) -> str:
-    """The endpoint to open: `asked`, else the environment's, else native when built."""
-    asked = asked or os.environ.get(ENDPOINT_ENV, "")
-    if asked and asked not in ENDPOINTS:
-        raise ProviderUnavailable(f"{ENDPOINT_ENV}={asked!r}: choose {' or '.join(ENDPOINTS)}")
-    if asked:
-        return asked
-    from . import rc_native
-    return "native" if rc_native.BUILD_ERROR is None else "pyverbs"
-
-
-def endpoint_class(asked: str | None = None) -> type:
-    """The endpoint class, or ProviderUnavailable saying why it cannot be used here."""
-    kind = endpoint_kind(asked)
-    if kind == "native":
-        from . import rc_native
-        if rc_native.BUILD_ERROR is not None:
-            raise ProviderUnavailable(f"the compiled verbs endpoint is not built ({rc_native.BUILD_ERROR}): "
-                                      f"run `make setup` (it needs libibverbs-dev), or set {ENDPOINT_ENV}=pyverbs")
-        return rc_native.NativeEndpoint
-    try:
-        from .rc_endpoint import RcEndpoint
-    except Exception as exc:  # noqa: BLE001 - pyverbs missing or broken
-        raise ProviderUnavailable(f"the pyverbs endpoint cannot load: {exc}") from exc
-    return RcEndpoint
-
-
 def gid_bytes(gid: str) -> bytes:
     """'fe80:0000:...' (8 groups of 4 hex digits, as sysfs and pyverbs write it) -> 16 bytes."""
     raw = bytes.fromhex(gid.replace(":", ""))
@@ -124,7 +92,7 @@ def find_port(device: str | None, port: int, gid_index: int | None) -> tuple[str
     its RoCE v2 GID; DeviceError naming what is missing."""
     if device is not None:
         return device, port, gid_index or 0
-    from ..devices import active_port, list_devices
+    from ...devices import active_port, list_devices
     found = active_port()
     if not found:
         names = [d.name for d in list_devices(gids=False)]

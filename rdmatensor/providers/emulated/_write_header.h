@@ -1,9 +1,9 @@
 /* What an emulated NIC checks before a write lands, shared by the compiled
- * shm ring (_ring.c) and tcp's inbox (_inbox.c): the write header both carry,
+ * shm ring (shm/_completion_ring.c) and tcp's inbox (tcp/_inbox.c): the write header both carry,
  * and the check of one against the channel's `local` table (region id ->
  * (arena, key)), as Channel.check_local() does in Python. */
-#ifndef RDMATENSOR_LANDING_H
-#define RDMATENSOR_LANDING_H
+#ifndef RDMATENSOR_WRITE_HEADER_H
+#define RDMATENSOR_WRITE_HEADER_H
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -12,7 +12,7 @@
 
 #define WRITE_MAGIC 0x52445457u
 
-typedef struct {            /* base.py's WRITE_HEADER "<IiIIQQ" (little-endian, as x86-64) */
+typedef struct {            /* write_header.py's WRITE_HEADER "<IiIIQQ" (little-endian, as x86-64) */
     uint32_t magic;
     int32_t region;
     uint32_t key;
