@@ -59,7 +59,7 @@ bench-hierarchical: setup
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m bench.hierarchical local --provider shm
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m bench.hierarchical local --provider tcp
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m rdmatensor softroce vm --hosts 2 --ssh --timeout 1400 -- sh -c \
-	    '$(PY) -m tf_plugin.launcher.run -np 4 -H 192.0.2.1:2,192.0.2.2:2 -x TF_CPP_MIN_LOG_LEVEL \
+	    '$(PY) -m rdmatensor.runner.cli -np 4 -H 192.0.2.1:2,192.0.2.2:2 -x TF_CPP_MIN_LOG_LEVEL \
 	         $(PY) -m bench.hierarchical job --sizes 1K,64K,1M,4M --rounds 5 --calls 5'
 
 # The ring's CPU per all-reduce of real models' gradient sets (2 ranks, no model
@@ -90,8 +90,8 @@ soak: setup
 TWO_HOSTS := -np 2 -H 192.0.2.1:1,192.0.2.2:1 --provider verbs -x TF_CPP_MIN_LOG_LEVEL
 demo-two-hosts: setup
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m rdmatensor softroce vm --hosts 2 --ssh --timeout 1800 -- sh -c \
-	    '$(PY) -m tf_plugin.launcher.run $(TWO_HOSTS) $(PY) examples/horovod_tape.py --model mlp --steps 30 && \
-	     $(PY) -m tf_plugin.launcher.run $(TWO_HOSTS) $(PY) examples/two_ranks.py job && \
+	    '$(PY) -m rdmatensor.runner.cli $(TWO_HOSTS) $(PY) examples/horovod_tape.py --model mlp --steps 30 && \
+	     $(PY) -m rdmatensor.runner.cli $(TWO_HOSTS) $(PY) examples/two_ranks.py job && \
 	     RDMATENSOR_TOKEN=$$(openssl rand -hex 16) mpirun --allow-run-as-root -np 4 -H 192.0.2.1:2,192.0.2.2:2 \
 	         --mca oob_tcp_if_include eth0 --mca btl_tcp_if_include eth0 -x RDMATENSOR_TOKEN \
 	         -x MASTER_ADDR=192.0.2.1 -x MASTER_PORT=29500 $(abspath $(PY)) examples/all_pairs.py'

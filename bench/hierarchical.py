@@ -76,7 +76,7 @@ def job(sizes: list[int], rounds: int, calls: int) -> int:
 
 
 def local(hosts: int, per_host: int, provider: str, argv: list[str]) -> int:
-    from tf_plugin.launcher.cluster import free_ports
+    from rdmatensor.runner.cluster import free_ports
     n = hosts * per_host
     addresses = [f"127.0.0.{1 + r // per_host}" for r in range(n)]
     ports = free_ports(n)

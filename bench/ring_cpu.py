@@ -127,7 +127,7 @@ def _rank(rank: int, peers: dict, token: str, model: str, provider: str, rounds:
 
 
 def measure(model: str, provider: str, rounds: int, calls: int) -> dict:
-    from tf_plugin.launcher.cluster import free_ports
+    from rdmatensor.runner.cluster import free_ports
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     peers = {r: f"127.0.0.1:{p}" for r, p in enumerate(free_ports(2))}

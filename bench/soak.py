@@ -72,7 +72,7 @@ def worker(steps: int, every: int) -> None:
 # ----------------------------------------------------------------- the job
 def run_job(provider: str, steps: int, every: int, timeout: float) -> list[dict]:
     """One soak job over `provider`; every rank's samples."""
-    cmd = [sys.executable, "-m", "tf_plugin.launcher.run", "-np", "2", "--provider", provider,
+    cmd = [sys.executable, "-m", "rdmatensor.runner.cli", "-np", "2", "--provider", provider,
            "--timeout", f"{timeout:g}",
            sys.executable, "-m", __spec__.name, "worker", "--steps", str(steps), "--every", str(every)]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")

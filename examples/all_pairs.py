@@ -22,8 +22,8 @@ import time
 import numpy as np
 
 from rdmatensor import Plan, TensorSpec, connect
-from tf_plugin.launcher import rendezvous
-from tf_plugin.launcher.cluster import Cluster
+from rdmatensor.runner import rendezvous_client as rendezvous
+from rdmatensor.runner.cluster import Cluster
 
 N = 1 << 16
 

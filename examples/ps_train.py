@@ -3,7 +3,7 @@
     rdmatensor-run -np 2 --ps 1 python examples/ps_train.py [--steps 50]
 
 Every task runs this script; TF_CONFIG (set by rdmatensor-run, Kubeflow's
-TFJob, or `python -m tf_plugin.launcher.cluster --slurm`) tells it whether it is a
+TFJob, or `python -m rdmatensor.runner.cluster --slurm`) tells it whether it is a
 worker or a parameter server. The model has an embedding, whose gradients
 cross as deduplicated rows. Each worker prints its losses and a digest of its
 trained weights: every worker ends with the same model.
@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_plugin.parameter_server as ps  # noqa: E402
-from tf_plugin.launcher.cluster import Cluster  # noqa: E402
+from rdmatensor.runner.cluster import Cluster  # noqa: E402
 
 VOCAB, WORDS, CLASSES = 100, 8, 4
 

@@ -100,7 +100,7 @@ def main():
         print(json.dumps(res), flush=True)
         sys.exit(0 if res["ok"] and other.wait(120) == 0 else 1)
     elif a.mode == "job":
-        from tf_plugin.launcher.cluster import Cluster
+        from rdmatensor.runner.cluster import Cluster
         cluster = Cluster.from_tf_config()
         rank, peers = cluster.rank, cluster.peers()
     else:

@@ -5,11 +5,10 @@ DistributedGradientTape, broadcast_variables, allreduce, ...); `import
 tf_plugin.keras as hvd` gives horovod.tensorflow.keras'. The names are
 loaded on first use: importing this package does not import TensorFlow.
 
-Its parts are layers, lowest first; an import only ever runs down them
-(tests/tf/test_layout.py):
+Its parts are layers, lowest first, above rdmatensor (whose runner/ says who
+is who, and whose cores.py this import calls to bind a rank to its cores); an
+import only ever runs down them (tests/test_layout.py):
 
-    launcher/   who is who and how ranks start: the cluster (TF_CONFIG, Slurm), a rank's
-                share of the cores, the rdmatensor-run launcher
     engine/     the collective engine: the graph analyzer, plans grown from what the job
                 calls, rings, overlap with backprop, ingest of received slots, checks
     horovod/    horovod.tensorflow's API over the engine: world (init, rank, size),
@@ -21,7 +20,7 @@ Its parts are layers, lowest first; an import only ever runs down them
 """
 import importlib
 
-from .launcher.cores import bind_cores, share_cores
+from rdmatensor.runner.cores import bind_cores, share_cores
 
 share_cores()     # before TensorFlow's runtime starts: ranks sharing a host split its cores
 bind_cores()      # and, started with --bind-to core, each runs on its own

@@ -56,7 +56,7 @@ def run(model, loss: Callable, optimizer, dataset: Iterable | None, steps: int, 
     from rdmatensor import connect
 
     from .engine.analyzer import analyze
-    from .launcher.cluster import Cluster
+    from rdmatensor.runner.cluster import Cluster
     from .engine.failure import JobFailure
     from .engine.ps import ParameterServer, PSWorker
     from .engine.step import Step

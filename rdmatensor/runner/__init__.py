@@ -1,4 +1,14 @@
-"""Who is who and how ranks start: the cluster from TF_CONFIG or Slurm (cluster), a rank's share of
-the cores (cores), the rdmatensor-run launcher (run), its elastic mode (elastic) and the rounds
-an elastic job's workers join (rendezvous). Imports nothing else of tf_plugin.
+"""rdmatensor-run and what any program's ranks need to find each other; no
+framework is imported here (TensorFlow's face, tf_plugin, reads it).
+
+    cli.py          rdmatensor-run's command line
+    placement.py    hosts and slots, where each rank runs, the environment it starts with
+    processes.py    the job's processes: started, output prefixed, watched, stopped together
+    ssh.py          a rank on another host, stopped when its connection ends
+    elastic.py      elastic jobs: the discovery script, workers added and lost
+    rendezvous_server.py, rendezvous_client.py
+                    the rounds an elastic job's workers join (or, under another
+                    launcher, rank 0 serves them)
+    cluster.py      who is who: TF_CONFIG, Slurm's variables, free ports
+    cores.py        a rank's share of its host's cores, and binding to them
 """

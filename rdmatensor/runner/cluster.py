@@ -13,7 +13,7 @@ Under Slurm (`srun`), `Cluster.from_slurm()` reads the step's environment
 the way `tf.distribute.cluster_resolver.SlurmClusterResolver` does, so both
 agree on every address: nodes sorted by name, each node's tasks on
 consecutive ports from `port_base` (8888), jobs taken in name order ("ps"
-before "worker") from that list. `python -m tf_plugin.launcher.cluster --slurm`
+before "worker") from that list. `python -m rdmatensor.runner.cluster --slurm`
 prints the TF_CONFIG of the calling task.
 
 This module does not import TensorFlow: the launcher uses it too.
@@ -214,7 +214,7 @@ def expand_tasks_per_node(text: str) -> list[int]:
 
 def main(argv=None) -> int:
     import argparse
-    p = argparse.ArgumentParser(prog="python -m tf_plugin.launcher.cluster",
+    p = argparse.ArgumentParser(prog="python -m rdmatensor.runner.cluster",
                                 description="print this task's TF_CONFIG")
     p.add_argument("--slurm", action="store_true", help="from the Slurm step's environment")
     p.add_argument("--ps", type=int, default=0, help="tasks that are parameter servers (Slurm)")

@@ -34,9 +34,10 @@ import time
 from collections import Counter
 from typing import Sequence
 
-from .rendezvous import Rounds, Server
-from .run import (TIMEOUT_STATUS, Job, LaunchError, Placement, _describe, _die_with_parent, _Prefixer, is_local,
-                  stop_on_signals)
+from .placement import LaunchError, Placement, is_local
+from .processes import TIMEOUT_STATUS, Job, Prefixer, describe, die_with_parent, stop_on_signals
+from .rendezvous_server import Rounds, Server
+from .ssh import ssh_command
 
 DISCOVERY_TIMEOUT = 30.0
 
@@ -110,16 +111,15 @@ class ElasticJob(Job):
         if local:
             argv, penv = list(self.command), {k: v for k, v in os.environ.items() if k != "TF_CONFIG"} | env
         else:
-            from .run import ssh_command
             env.update({k: os.environ[k] for k in self.forward if k in os.environ})
             argv, penv = ssh_command(host, env, self.command, os.getcwd(), self.ssh_port, self.grace), None
         proc = subprocess.Popen(argv, env=penv, stdin=subprocess.DEVNULL if local else subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                preexec_fn=_die_with_parent)
+                                preexec_fn=die_with_parent)
         self.started.append((p, proc))
         prefix = f"[{wid}] ".encode()
-        readers = [_Prefixer(proc.stdout, self.stdout, prefix, self._locks[id(self.stdout)]),
-                   _Prefixer(proc.stderr, self.stderr, prefix, self._locks[id(self.stderr)])]
+        readers = [Prefixer(proc.stdout, self.stdout, prefix, self._locks[id(self.stdout)]),
+                   Prefixer(proc.stderr, self.stderr, prefix, self._locks[id(self.stderr)])]
         for r in readers:
             r.start()
         self.readers += readers
@@ -169,7 +169,7 @@ class ElasticJob(Job):
                             barred = not self.finishing and p.rank not in self.rounds.established
                             if barred:
                                 self.barred[p.host] += 1
-                            self.say(f"worker {p.rank} on {p.host} {_describe(code, not is_local(p.host))}"
+                            self.say(f"worker {p.rank} on {p.host} {describe(code, not is_local(p.host))}"
                                      + (" before any commit of a round it was in: its slot is not refilled "
                                         "while the discovery script offers the same hosts" if barred else "")
                                      + f"; {left} worker(s) go on" + ("" if self.finishing else

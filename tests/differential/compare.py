@@ -46,7 +46,7 @@ def launch(impl: str, ranks: int, provider: str, out: Path, seeds: str, calls: i
         cmd = [str(venv / "horovodrun"), "-np", str(ranks), "-H", f"localhost:{ranks}", "--gloo",
                str(venv / "python"), *worker]
     else:
-        cmd = [sys.executable, "-m", "tf_plugin.launcher.run", "-np", str(ranks), "--provider", provider,
+        cmd = [sys.executable, "-m", "rdmatensor.runner.cli", "-np", str(ranks), "--provider", provider,
                "--timeout", f"{timeout:g}", sys.executable, *worker]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout + 120)

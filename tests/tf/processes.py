@@ -32,7 +32,7 @@ def run_workers(script: Path, n: int, provider: str, out_dir: Path, args=(), tim
     rank exits non-zero or the job outlives `timeout`."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "tf_plugin.launcher.run", "-np", str(n), "--provider", provider,
+    proc = subprocess.run([sys.executable, "-m", "rdmatensor.runner.cli", "-np", str(n), "--provider", provider,
                            "--timeout", f"{timeout:g}", sys.executable, str(script), str(out_dir), *map(str, args)],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout + 60)
     lines = (proc.stdout + proc.stderr).splitlines()

@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from tf_plugin.launcher.cluster import Cluster
+from rdmatensor.runner.cluster import Cluster
 
 
 @pytest.fixture(scope="module")

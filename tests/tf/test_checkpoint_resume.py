@@ -18,7 +18,7 @@ SCRIPT = Path(__file__).parent / "checkpoint_script.py"
 
 def job(out_dir: Path, *args) -> subprocess.CompletedProcess:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "tf_plugin.launcher.run", "-np", "2", "--provider", "shm",
+    return subprocess.run([sys.executable, "-m", "rdmatensor.runner.cli", "-np", "2", "--provider", "shm",
                            "--timeout", "150",
                            sys.executable, str(SCRIPT), str(out_dir), *map(str, args)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)

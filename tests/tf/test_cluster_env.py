@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tf_plugin.launcher.cluster import Cluster, expand_hostlist, expand_tasks_per_node
+from rdmatensor.runner.cluster import Cluster, expand_hostlist, expand_tasks_per_node
 
 
 def slurm(procid, nodes="node[01-02]", tasks="2(x2)"):
@@ -57,7 +57,7 @@ def test_slurm_cluster_agrees_with_tensorflows_resolver(monkeypatch):
 
 
 def test_tf_config_from_slurm_on_the_command_line():
-    proc = subprocess.run([sys.executable, "-m", "tf_plugin.launcher.cluster", "--slurm"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "rdmatensor.runner.cluster", "--slurm"], capture_output=True,
                           text=True,
                           env={**slurm(3), "PATH": "/usr/bin:/bin"}, timeout=60)
     assert proc.returncode == 0, proc.stderr

@@ -26,7 +26,7 @@ def elastic_job(tmp_path: Path, provider: str, mode: str, steps: int, kill_at: i
     discover = tmp_path / "discover.sh"
     discover.write_text(discovery or f"#!/bin/sh\ncat {tmp_path / 'hosts'}\n")
     discover.chmod(0o755)
-    cmd = [sys.executable, "-m", "tf_plugin.launcher.run", "--min-np", str(min_np), "--max-np", str(slots),
+    cmd = [sys.executable, "-m", "rdmatensor.runner.cli", "--min-np", str(min_np), "--max-np", str(slots),
            "--host-discovery-script", str(discover), "--provider", provider, "--timeout", "200",
            "--elastic-timeout", f"{elastic_timeout:g}",
            sys.executable, str(SCRIPT), str(tmp_path), mode, str(steps), str(kill_at), str(add_at)]

@@ -19,7 +19,7 @@ PEER_TIMEOUT = 10.0
 # (for a lower rank's Exchange) is tests/transport/test_setup.py's, through the same abort hook.
 @pytest.mark.parametrize("victim", [1])
 def test_a_rank_lost_while_the_plan_is_extended_is_reported_within_the_peer_timeout(tmp_path, victim):
-    cmd = [sys.executable, "-m", "tf_plugin.launcher.run", "-np", "2", "--provider", "tcp", "--timeout", "100",
+    cmd = [sys.executable, "-m", "rdmatensor.runner.cli", "-np", "2", "--provider", "tcp", "--timeout", "100",
            "--failure-wait", "90", sys.executable, str(SCRIPT), str(tmp_path), str(victim)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180,
                           env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(ROOT)})

@@ -114,7 +114,7 @@ def test_package_import_is_cheap_and_names_resolve():
 
 
 def test_local_rank_from_the_launcher_or_from_tf_config(monkeypatch):
-    from tf_plugin.launcher.cluster import Cluster
+    from rdmatensor.runner.cluster import Cluster
     from tf_plugin.horovod.world import local_of
     cluster = Cluster(("a:1", "b:2", "a:3", "a:4"), task_index=2)
     monkeypatch.delenv("RDMATENSOR_LOCAL_RANK", raising=False)

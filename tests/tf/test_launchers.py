@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from rdmatensor import AuthenticationError, PeerLost, UsageError
-from tf_plugin.launcher import rendezvous
-from tf_plugin.launcher.cluster import free_ports
-from tf_plugin.launcher.rendezvous import LauncherEnv
+from rdmatensor.runner import rendezvous_client as rendezvous
+from rdmatensor.runner.cluster import free_ports
+from rdmatensor.runner.rendezvous_client import LauncherEnv
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).parent / "launcher_script.py"

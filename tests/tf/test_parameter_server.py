@@ -13,7 +13,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ps_train.py"
 
 def test_example_trains_through_rdmatensor_run_with_a_ps_task():
     steps = 50
-    proc = subprocess.run([sys.executable, "-m", "tf_plugin.launcher.run", "-np", "2", "--ps", "1", "--provider", "tcp",
+    proc = subprocess.run([sys.executable, "-m", "rdmatensor.runner.cli", "-np", "2", "--ps", "1", "--provider", "tcp",
                            "--timeout", "240", sys.executable, str(EXAMPLE), "--steps", str(steps)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -32,7 +32,7 @@ def test_example_trains_through_rdmatensor_run_with_a_ps_task():
 def test_a_cluster_without_parameter_servers_is_refused():
     import keras
     import tf_plugin.parameter_server as ps
-    from tf_plugin.launcher.cluster import Cluster
+    from rdmatensor.runner.cluster import Cluster
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     with pytest.raises(ValueError, match="needs ps tasks in the cluster"):
         ps.run(model, None, keras.optimizers.SGD(), [], 5, cluster=Cluster.local(2))

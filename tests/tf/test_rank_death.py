@@ -26,7 +26,7 @@ PEER_TIMEOUT = 10.0
 @pytest.mark.parametrize("provider,mode,workers,ps", [("tcp", "ring", 2, 0), ("grpc", "ps", 2, 1)])
 def test_a_rank_killed_mid_training_fails_the_job_fast_and_clean(tmp_path, provider, mode, workers, ps):
     victim = 1
-    cmd = [sys.executable, "-m", "tf_plugin.launcher.run", "-np", str(workers), "--ps", str(ps), "--provider", provider,
+    cmd = [sys.executable, "-m", "rdmatensor.runner.cli", "-np", str(workers), "--ps", str(ps), "--provider", provider,
            "--timeout", "150", sys.executable, str(SCRIPT), str(tmp_path), mode, str(victim), "12"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
                           env={**__import__("os").environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(ROOT)})

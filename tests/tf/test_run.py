@@ -13,11 +13,11 @@ import time
 
 import pytest
 
-from tf_plugin.launcher import run
+from rdmatensor.runner import placement, processes, ssh
 
 from .processes import gone, lines_of
 
-LAUNCHER = [sys.executable, "-m", "tf_plugin.launcher.run"]
+LAUNCHER = [sys.executable, "-m", "rdmatensor.runner.cli"]
 
 
 def launcher(*args, timeout=60, **kw):
@@ -109,7 +109,7 @@ def test_ranks_sharing_a_host_are_bound_each_to_its_own_cores_unless_told_not_to
 
 
 def test_the_cores_of_a_slot_and_refusals_of_a_bad_binding():
-    from tf_plugin.launcher.cores import bind_cores, host_slot, slot_cores
+    from rdmatensor.runner.cores import bind_cores, host_slot, slot_cores
     assert slot_cores({3, 1, 2, 0}, 1, 2) == [2, 3]
     assert slot_cores(range(5), 1, 2) == [2, 3]           # the fifth core stays unbound
     assert slot_cores(range(2), 0, 3) is None and slot_cores(range(4), 0, 1) is None
@@ -315,37 +315,38 @@ def test_eight_ranks_that_end_cleanly_print_only_what_the_script_prints(tmp_path
 
 
 def test_hosts_fill_in_order_with_local_ranks_and_ssh_for_remote_hosts():
-    with pytest.raises(run.LaunchError, match="4 ranks, but the hosts have 3 slot"):
-        run.place(3, run.parse_hosts("localhost:1,node1:2"), ps=1, ports=[0] * 4)
-    placements = run.place(3, run.parse_hosts("localhost:1,node1:2,node2"), ps=1, ports=[7000, 7001, 7002, 7003])
+    with pytest.raises(placement.LaunchError, match="4 ranks, but the hosts have 3 slot"):
+        placement.place(3, placement.parse_hosts("localhost:1,node1:2"), ps=1, ports=[0] * 4)
+    placements = placement.place(3, placement.parse_hosts("localhost:1,node1:2,node2"), ps=1,
+                                 ports=[7000, 7001, 7002, 7003])
     assert [(p.rank, p.task_type, p.index, p.host, p.local_rank, p.local_size, p.local) for p in placements] == [
         (0, "worker", 0, "localhost", 0, 1, True), (1, "worker", 1, "node1", 0, 2, False),
         (2, "worker", 2, "node1", 1, 2, False), (3, "ps", 0, "node2", 0, 1, False)]
-    shared = run.place(3, run.parse_hosts("node1:2,node2:2"), ps=1, ports=[0] * 4)
+    shared = placement.place(3, placement.parse_hosts("node1:2,node2:2"), ps=1, ports=[0] * 4)
     assert [(p.host, p.task_type, p.local_rank, p.local_size) for p in shared] == [
         ("node1", "worker", 0, 2), ("node1", "worker", 1, 2), ("node2", "worker", 0, 1), ("node2", "ps", 0, 1)]
     # a remote peer cannot reach 127.0.0.1: the local rank is named by this machine's host name
     import socket
     assert [p.address for p in placements] == [f"{socket.gethostname()}:7000", "node1:7001", "node1:7002",
                                                "node2:7003"]
-    env = run.rank_env(placements, placements[2], "tok", "verbs")
+    env = placement.rank_env(placements, placements[2], "tok", "verbs")
     assert json.loads(env["TF_CONFIG"]) == {"cluster": {"worker": [placements[0].address, "node1:7001",
                                                                    "node1:7002"], "ps": ["node2:7003"]},
                                             "task": {"type": "worker", "index": 2}}
     assert (env["RDMATENSOR_LOCAL_RANK"], env["HOROVOD_LOCAL_RANK"], env["HOROVOD_SIZE"]) == ("1", "1", "3")
     assert (env["RDMATENSOR_BIND_TO"], env["RDMATENSOR_HOST_SLOT"]) == ("core", "1/2")     # node1's second task
-    ps_env = run.rank_env(shared, shared[3], "tok", None, bind_to="none")
+    ps_env = placement.rank_env(shared, shared[3], "tok", None, bind_to="none")
     assert (ps_env["RDMATENSOR_BIND_TO"], ps_env["RDMATENSOR_HOST_SLOT"]) == ("none", "1/2")   # node2: worker, ps
-    cmd = run.ssh_command("node1", {"A": "x y", "B": "it's"}, ["python", "train.py", "--lr", "0.1"], "/data/my job",
+    cmd = ssh.ssh_command("node1", {"A": "x y", "B": "it's"}, ["python", "train.py", "--lr", "0.1"], "/data/my job",
                           ssh_port=2222)
     assert cmd[:6] == ["ssh", "-o", "BatchMode=yes", "-p", "2222", "node1"] and len(cmd) == 7
-    script_text = run.remote_script({"A": "x y", "B": "it's"}, ["python", "train.py", "--lr", "0.1"], "/data/my job")
+    script_text = ssh.remote_script({"A": "x y", "B": "it's"}, ["python", "train.py", "--lr", "0.1"], "/data/my job")
     assert cmd[6] == "sh -c " + shlex.quote(script_text)
     assert script_text.startswith("cd '/data/my job' || exit 127\n")
     setsid, sh, dash_c, rank_command = shlex.split(script_text.splitlines()[2])[:4]
     assert (setsid, sh, dash_c) == ("setsid", "sh", "-c")
     assert shlex.split(rank_command) == ["exec", "env", "A=x y", "B=it's", "python", "train.py", "--lr", "0.1"]
-    job = run.Job(placements, ["python", "train.py"], provider="tcp", forward=["FORWARDED_VAR"], token="tok")
+    job = processes.Job(placements, ["python", "train.py"], provider="tcp", forward=["FORWARDED_VAR"], token="tok")
     os.environ["FORWARDED_VAR"] = "1"
     try:
         argv, env_local = job.argv_of(placements[1])
@@ -360,7 +361,7 @@ def test_hosts_fill_in_order_with_local_ranks_and_ssh_for_remote_hosts():
 def remote_rank(tmp_path, body: str, env=None):
     """A rank started the way a remote host starts it (the ssh remote script, run by sh
     here instead of sshd), its standard input standing for the ssh connection."""
-    text = run.remote_script(env or {"RANK_VAR": "r1"}, [sys.executable, script(tmp_path, "remote.py", body)],
+    text = ssh.remote_script(env or {"RANK_VAR": "r1"}, [sys.executable, script(tmp_path, "remote.py", body)],
                              str(tmp_path), grace=1)
     return subprocess.Popen(["sh", "-c", text], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)

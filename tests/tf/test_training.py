@@ -69,7 +69,7 @@ def test_horovod_like_tape_inside_tf_function(close_to_reference):
     from tf_plugin.training import models
     from tf_plugin.engine.ring import RingAllReduce, RingGradientTape
     from tf_plugin.engine.analyzer import analyze
-    from tf_plugin.launcher.cluster import Cluster
+    from rdmatensor.runner.cluster import Cluster
 
     steps, cluster = 5, Cluster.local(2)
     results = {}

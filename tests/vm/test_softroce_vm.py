@@ -54,7 +54,7 @@ def test_two_hosts_over_ssh_pick_shm_or_verbs_per_pair_and_name_a_killed_remote_
              + shlex.join(["ssh", "192.0.2.2", shlex.join(["cd", str(ROOT)]) + " && " + shlex.join(
                  [py, "examples/rdma_write.py", "client", "192.0.2.1", "--size", size, "--seed", "42"])])
              + "; wait; ")
-    job = [sys.executable, "-m", "tf_plugin.launcher.run", "-np", "4", "-H", "192.0.2.1:2,192.0.2.2:2",
+    job = [sys.executable, "-m", "rdmatensor.runner.cli", "-np", "4", "-H", "192.0.2.1:2,192.0.2.2:2",
            "--failure-wait", "1", "--grace", "1", sys.executable, "examples/all_pairs.py", "--die", "3"]
     # the remote side notices the closed connection and stops the rank: give it 10 s
     # (only the ranks' own command lines: the shells around them name the script too)

@@ -16,5 +16,5 @@
     meter        time in communication, its overlap with backprop, copies made by the plugin
     timeline     RDMATENSOR_TIMELINE: buckets ready, rings run, TensorFlow waiting (Chrome trace)
 
-Imports only tf_plugin.launcher.
+Imports nothing else of tf_plugin.
 """

@@ -31,7 +31,7 @@ import tensorflow as tf
 
 from rdmatensor import PeerLost, PlanMismatch
 
-from ..launcher import rendezvous
+from rdmatensor.runner import rendezvous_client as rendezvous
 from . import world as _world
 from .tensors import broadcast_variables
 

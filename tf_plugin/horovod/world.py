@@ -4,7 +4,7 @@ counters. This module does not import TensorFlow.
 
 Where the job comes from:
 
-- the workers of TF_CONFIG (tf_plugin/launcher/cluster.py) are the ranks, in order;
+- the workers of TF_CONFIG (rdmatensor/runner/cluster.py) are the ranks, in order;
   without TF_CONFIG the process is a job of one (as Horovod without a launcher);
 - RDMATENSOR_TOKEN: the job's shared secret (required with more than one rank);
 - RDMATENSOR_LOCAL_RANK / RDMATENSOR_LOCAL_SIZE: set by the launcher; without
@@ -27,8 +27,8 @@ from rdmatensor import UsageError
 
 from ..engine.bootstrap import Bootstrap, PortReservation
 from ..engine.checks import CheckedCollectives, finite_check_from_env
-from ..launcher import rendezvous
-from ..launcher.cluster import Cluster
+from rdmatensor.runner import rendezvous_client as rendezvous
+from rdmatensor.runner.cluster import Cluster
 from ..engine.failure import JobFailure
 from ..engine.timeline import Timeline
 from .process_sets import (ProcessSet, add_process_set, global_process_set, member_of,  # noqa: F401

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from rdmatensor.providers import REGISTRY
 
-from ..launcher.cores import BINDINGS
+from rdmatensor.runner.cores import BINDINGS
 from . import models
 
 MODES = ("allreduce", "ps")

@@ -56,7 +56,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..launcher.cores import BINDINGS
+from rdmatensor.runner.cores import BINDINGS
 from .job import BACKENDS, JobConfig, JobError, RankResult, Summary, combine, compare, summarize
 from .models import APPLICATIONS, MODELS
 
@@ -166,7 +166,7 @@ def _replace_json(argv: list[str], path: str) -> list[str]:
 def run_processes(config: JobConfig, timeout: float) -> list[RankResult]:
     """One process per rank, started by rdmatensor-run's launcher; results in rank order.
     The ranks' output (each line prefixed with its rank) goes to a log, shown when the job fails."""
-    from ..launcher.run import launch
+    from rdmatensor.runner.processes import launch
     with tempfile.TemporaryDirectory(prefix="tf_plugin-") as tmp:
         command = [sys.executable, "-m", "tf_plugin.training.runner", "--config", json.dumps(config.to_dict()),
                    "--out", tmp]
@@ -188,7 +188,7 @@ def run_processes(config: JobConfig, timeout: float) -> list[RankResult]:
 def _horovodrun(config: JobConfig, out: str, timeout: float, log) -> int:
     """Real Horovod's ranks, started by its own horovodrun, with the threads per rank
     rdmatensor-run gives (cores // ranks) and the project importable."""
-    from ..launcher.cores import BIND_TO, INTRA_OP, usable_cores
+    from rdmatensor.runner.cores import BIND_TO, INTRA_OP, usable_cores
     from .horovod_baseline import ROOT, command
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     env[BIND_TO] = config.bind_to           # bound by HOROVOD_LOCAL_RANK when tf_plugin is imported

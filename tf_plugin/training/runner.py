@@ -239,7 +239,7 @@ def in_graph_step(model, opt, ring, loss_fn, signature, meet=None):
 
 def run_threads(config: JobConfig, join_timeout: float = 600.0) -> list[RankResult]:
     """Every rank of a local cluster as a thread of this process; results in rank order."""
-    from ..launcher.cluster import Cluster
+    from rdmatensor.runner.cluster import Cluster
     if not config.backend.threads:
         raise ValueError(f"provider {config.provider!r} runs its ranks in separate processes only")
     cluster = Cluster.local(config.workers, config.ps)
@@ -275,7 +275,7 @@ def main(argv=None) -> int:
     import logging
     from pathlib import Path
 
-    from ..launcher.cluster import Cluster
+    from rdmatensor.runner.cluster import Cluster
     parser = argparse.ArgumentParser(description="one rank of a tf_plugin training job")
     parser.add_argument("--config", required=True, help="the JobConfig as JSON")
     parser.add_argument("--out", required=True, help="directory to write this rank's result to")

@@ -1,29 +1,7 @@
-"""Rendezvous: which workers form the job, and every rank's control address,
-with no port known in advance.
-
-Two users. An elastic job's launcher serves it (tf_plugin.launcher.elastic); a
-worker started under it has RDMATENSOR_RENDEZVOUS=host:port and
-RDMATENSOR_WORKER_ID in its environment. A job started by another launcher
-(torchrun, Open MPI's mpirun, Slurm's srun, horovodrun: see LauncherEnv) gives
-each rank only its rank, the job's size and one address: rank 0 serves the
-rendezvous there (under horovodrun, on a free port it publishes in horovodrun's
-own key-value store), every rank joins with worker id = its rank. Either way hvd.init() joins
-a round instead of reading TF_CONFIG, with a port it bound itself. One request
-per connection, one JSON line each way, every request carrying the job's token
-(compared in constant time):
-
-    join     {worker, host, port, after}  -> the first round after `after` that
-             includes this worker, once every member joined: {round, rank, size,
-             local_rank, local_size, workers: ["host:port", ...]}
-    updated  {round}                      -> {updated: bool}: the workers alive
-             now are not round's members (one was lost, or new ones wait)
-
-A round forms when a worker asks for one after the round it knows (at start,
-and after it lost a peer or was told the workers changed): its members are
-the workers alive then, the previous round's in their old rank order first,
-so rank 0 is a worker that holds the last committed state. This module does
-not import TensorFlow.
-"""
+"""The rendezvous' client: a worker joins a round of the job
+(rendezvous_server.py says how rounds form), either at the address an
+elastic launcher gave it or, under another launcher, at rank 0, which serves
+the rendezvous itself."""
 from __future__ import annotations
 
 import hashlib
@@ -31,149 +9,17 @@ import hmac
 import json
 import os
 import socket
-import socketserver
-import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from rdmatensor import AuthenticationError, PeerLost, UsageError
 
-MAX_REQUEST = 1 << 16
+from .cluster import expand_hostlist, expand_tasks_per_node
+from .rendezvous_server import MAX_REQUEST, Rounds, Server
 
 
-@dataclass
-class Round:
-    number: int
-    members: list[int]                              # worker ids, in rank order
-    joined: dict[int, str] = field(default_factory=dict)   # worker id -> "host:port"
-    started: float = field(default_factory=time.monotonic)
-
-    @property
-    def complete(self) -> bool:
-        return set(self.joined) == set(self.members)
-
-
-class Rounds:
-    """The rounds of one elastic job (the launcher's side). `alive()` says which
-    workers run now; `min_np` rounds smaller than that wait for workers."""
-
-    def __init__(self, alive, min_np: int = 1):
-        self.alive, self.min_np = alive, min_np
-        self.current: Round | None = None
-        self.closed: str | None = None                # why the job ended, for joiners still waiting
-        self.established: set[int] = set()           # workers of a round that reached a commit
-        self._cv = threading.Condition()
-
-    def _form(self) -> None:
-        previous = self.current.members if self.current else []
-        alive = set(self.alive())
-        members = [w for w in previous if w in alive] + sorted(alive - set(previous))
-        self.current = Round((self.current.number + 1) if self.current else 0, members)
-        self._cv.notify_all()
-
-    def changed(self) -> None:
-        """A worker ended or started: a forming round is formed again from the workers alive."""
-        with self._cv:
-            if self.current is not None and not self.current.complete:
-                self._form()
-            self._cv.notify_all()
-
-    def close(self, why: str) -> None:
-        with self._cv:
-            self.closed = why
-            self._cv.notify_all()
-
-    def join(self, worker: int, address: str, after: int, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        with self._cv:
-            if self.current is None or (self.current.number <= after and self.current.complete):
-                self._form()
-            while True:
-                if self.closed:
-                    raise PeerLost(f"the job ended: {self.closed}")
-                now = self.current
-                if worker not in set(self.alive()):
-                    raise UsageError(f"worker {worker} is not a live worker of this job")
-                if worker in now.members and now.number > after and len(now.members) >= self.min_np:
-                    now.joined[worker] = address
-                    if now.complete:
-                        self._cv.notify_all()
-                        return self._assignment(now, worker)
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    missing = sorted(set(now.members) - set(now.joined))
-                    raise PeerLost(f"round {now.number} did not form within {timeout:g} s: workers "
-                                   f"{missing} did not join" if len(now.members) >= self.min_np else
-                                   f"{len(now.members)} worker(s) alive, fewer than --min-np {self.min_np}")
-                self._cv.wait(min(remaining, 0.5))
-                if self.current is now and not now.complete and set(now.members) != set(self.alive()):
-                    self._form()
-
-    @staticmethod
-    def _assignment(r: Round, worker: int) -> dict:
-        workers = [r.joined[w] for w in r.members]
-        hosts = [a.rsplit(":", 1)[0] for a in workers]
-        rank = r.members.index(worker)
-        here = [i for i, h in enumerate(hosts) if h == hosts[rank]]
-        return {"round": r.number, "rank": rank, "size": len(workers), "workers": workers,
-                "local_rank": here.index(rank), "local_size": len(here)}
-
-    def updated(self, number: int) -> bool:
-        """Asked by rank 0 at each commit of round `number`: its members are established."""
-        with self._cv:
-            if self.current is not None and self.current.number == number:
-                self.established.update(self.current.members)
-            return (self.current is None or self.current.number != number
-                    or set(self.current.members) != set(self.alive()))
-
-
-class _TCPServer(socketserver.ThreadingTCPServer):
-    allow_reuse_address = True        # a fixed rendezvous port, reused by the next job at once
-    daemon_threads = True
-
-
-class Server:
-    """The rendezvous server: a thread per request, on an ephemeral port."""
-
-    def __init__(self, rounds: Rounds, token: str, host: str = "0.0.0.0", join_timeout: float = 600.0,
-                 port: int = 0):
-        self.rounds, self.token, self.join_timeout = rounds, token, join_timeout
-        outer = self
-
-        class Handler(socketserver.StreamRequestHandler):
-            def handle(self):
-                try:
-                    reply = outer._serve(json.loads(self.rfile.readline(MAX_REQUEST)))
-                except (ValueError, KeyError, TypeError) as exc:
-                    reply = {"error": "BadRequest", "message": f"malformed request: {exc}"}
-                except (PeerLost, UsageError, AuthenticationError) as exc:
-                    reply = {"error": type(exc).__name__, "message": str(exc)}
-                self.wfile.write(json.dumps(reply).encode() + b"\n")
-
-        self._server = _TCPServer((host, port), Handler)
-        self.port = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
-                                        name="rdmatensor-rendezvous")
-        self._thread.start()
-
-    def _serve(self, request: dict) -> dict:
-        if not hmac.compare_digest(str(request.get("token", "")).encode(), self.token.encode()):
-            raise AuthenticationError("the rendezvous needs the job's token")
-        if request["op"] == "join":
-            address = f"{request['host']}:{int(request['port'])}"
-            return self.rounds.join(int(request["worker"]), address, int(request["after"]), self.join_timeout)
-        if request["op"] == "updated":
-            return {"updated": self.rounds.updated(int(request["round"]))}
-        raise ValueError(f"unknown op {request['op']!r}")
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-
-
-# ------------------------------------------------------------- the worker's side
 def configured() -> bool:
     """Whether this process was started as a worker of an elastic job."""
     return bool(os.environ.get("RDMATENSOR_RENDEZVOUS"))
@@ -283,7 +129,6 @@ class LauncherEnv:
 
 
 def _slurm_local_size(env) -> str | None:
-    from .cluster import expand_tasks_per_node
     counts = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
     node = env.get("SLURM_NODEID")
     if not counts or node is None:
@@ -300,7 +145,6 @@ def _rendezvous_address(launcher: str, env, store: str) -> str:
         return ""                        # rank 0 publishes it there
     port = env.get("RDMATENSOR_RENDEZVOUS_PORT")
     if launcher == "srun":
-        from .cluster import expand_hostlist
         nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
         if nodes:
             return f"{sorted(expand_hostlist(nodes))[0]}:{port or 29500 + int(env.get('SLURM_JOB_ID', 0)) % 1000}"

@@ -1,0 +1,153 @@
+"""rdmatensor-run: start a script on N ranks, as horovodrun and mpirun do.
+
+    rdmatensor-run -np N [-H host1:slots,host2:slots] [--ps M] [--provider P]
+                   [--bind-to core|none] [--softroce-vm] [--timeout S] [--failure-wait S] CMD [ARGS ...]
+    rdmatensor-run [-np N] --min-np MIN --max-np MAX --host-discovery-script SCRIPT
+                   [--elastic-timeout S] [--provider P] CMD [ARGS ...]      (elastic.py)
+
+Every rank runs CMD with, in its environment:
+
+    TF_CONFIG                  the cluster (workers, then --ps parameter servers) and this task
+    RDMATENSOR_TOKEN           a fresh random token shared by the job's ranks
+    RDMATENSOR_JOB             the job's id, in its shared-memory segments' names (/proc/*/maps)
+    RDMATENSOR_PROVIDER        the provider, when --provider is given
+    RDMATENSOR_RANK, RDMATENSOR_SIZE                   rank in the cluster, number of ranks
+    RDMATENSOR_LOCAL_RANK, RDMATENSOR_LOCAL_SIZE       rank among its host's tasks of its type
+    RDMATENSOR_BIND_TO, RDMATENSOR_HOST_SLOT           --bind-to (core, the default, or none), and
+                               I/N: its place among all N tasks on its host; `import tf_plugin`
+                               binds the rank to the I-th of N blocks of its cores (runner/cores.py)
+    HOROVOD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE, OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE
+                               the same for workers, as Horovod's and Open MPI's launchers name them
+    PYTHONUNBUFFERED=1         so that a Python rank's lines arrive as it prints them
+
+Ranks fill the hosts in order (-H a:2,b:2: ranks 0-1 on a, 2-3 on b), workers
+first, then parameter servers; each gets a port below the ephemeral range.
+Local ranks run in their own process group; remote ones through
+`ssh -o BatchMode=yes HOST sh -c SCRIPT`, a script that runs CMD with its
+variables in CWD and stops it when the ssh connection ends (remote_script).
+
+Every line a rank prints (stdout or stderr) is copied whole to the same
+stream of the launcher, prefixed with `[rank] `. When a rank fails, the
+launcher names it and its exit status or signal as the first to fail, gives
+the other ranks --failure-wait seconds to end by themselves (a rank blocked
+in a collective sees the loss as PeerLost within the peer timeout, and says
+so), names each as it ends, then sends SIGTERM to every rank's process
+group still running, SIGKILL after --grace seconds, and exits with the first failed rank's
+status (128 + signal when killed). --timeout bounds the whole job (exit
+124); SIGINT or SIGTERM to the launcher stops every rank at once (exit 130
+or 143).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+from typing import Sequence
+
+from ..providers import REGISTRY
+from .cores import BINDINGS
+from .placement import LaunchError, parse_hosts, place
+from .processes import FAILURE_WAIT, launch
+
+IN_VM = "RDMATENSOR_RUN_IN_VM"     # set on the launcher re-run inside the VM: never re-run twice
+
+
+def run_in_vm(argv: Sequence[str], timeout: float | None) -> int:
+    """Re-run this launcher inside one SoftRoCE VM (every rank there, verbs available)."""
+    inner = [a for a in argv if a != "--softroce-vm"]
+    vm_timeout = (timeout or 3600.0) + 300.0                 # the launcher's own timeout, plus boot
+    cmd = [sys.executable, "-m", "rdmatensor", "softroce", "vm", "--timeout", f"{vm_timeout:g}", "--",
+           "env", f"{IN_VM}=1", sys.executable, "-m", "rdmatensor.runner.cli", *inner]
+    print("+ " + shlex.join(cmd), file=sys.stderr, flush=True)
+    return subprocess.run(cmd).returncode
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rdmatensor-run", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    p.add_argument("-np", "--num-proc", dest="np", type=int,
+                   help="number of workers (elastic: at first; default what the discovery script offers)")
+    p.add_argument("-H", "--hosts", help="host1:slots,host2:slots (default: this machine, one slot per rank)")
+    p.add_argument("--ps", type=int, default=0,
+                   help="parameter-server tasks added to TF_CONFIG (ranks after the workers)")
+    p.add_argument("--provider", choices=["auto", *REGISTRY],
+                   help="sets RDMATENSOR_PROVIDER for every rank")
+    p.add_argument("--bind-to", choices=BINDINGS, default="core",
+                   help="core (default): each rank runs on its own block of its host's cores, as mpirun's; "
+                        "none: wherever the scheduler puts it (elastic jobs are not bound)")
+    p.add_argument("--softroce-vm", action="store_true", help="run every rank inside one SoftRoCE VM (verbs)")
+    p.add_argument("--timeout", type=float, help="seconds for the whole job; exit 124 past it")
+    p.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL when stopping ranks")
+    p.add_argument("--failure-wait", type=float, default=FAILURE_WAIT,
+                   help="seconds the other ranks get to end by themselves after one fails, before they are "
+                        f"stopped (default {FAILURE_WAIT:g}: the peer timeout, within which they see the loss)")
+    p.add_argument("-x", dest="forward", action="append", default=[], metavar="VAR",
+                   help="forward this environment variable to remote ranks (local ranks get all)")
+    p.add_argument("-p", "--ssh-port", type=int, help="ssh port of the remote hosts")
+    elastic = p.add_argument_group("elastic jobs (as horovodrun's; see rdmatensor.runner.elastic)")
+    elastic.add_argument("--host-discovery-script", metavar="SCRIPT",
+                         help="prints the hosts that may run workers now, one host:slots per line")
+    elastic.add_argument("--min-np", type=int, help="fewest workers the job trains with")
+    elastic.add_argument("--max-np", type=int, help="most workers the job trains with")
+    elastic.add_argument("--elastic-timeout", type=float, default=600.0,
+                         help="seconds the job waits for --min-np workers before it fails (default 600)")
+    elastic.add_argument("--discovery-interval", type=float, default=1.0,
+                         help="seconds between runs of the discovery script (default 1)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="CMD [ARGS ...]")
+    return p
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = parser()
+    args = p.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        p.error("give the command every rank runs, e.g. rdmatensor-run -np 2 python train.py")
+    if args.timeout is not None and args.timeout <= 0:
+        p.error(f"--timeout {args.timeout:g}: must be positive")
+    if args.failure_wait < 0:
+        p.error(f"--failure-wait {args.failure_wait:g}: must be 0 or more")
+    if args.host_discovery_script or args.min_np is not None or args.max_np is not None:
+        return main_elastic(p, args, command)
+    if args.np is None:
+        p.error("-np is required (or --host-discovery-script with --min-np/--max-np for an elastic job)")
+    try:
+        hosts = parse_hosts(args.hosts) if args.hosts else None
+        placements = place(args.np, hosts or [("localhost", args.np + args.ps)], args.ps,
+                           ports=[0] * (args.np + args.ps))
+        if args.softroce_vm and not all(pl.local for pl in placements):
+            raise LaunchError("--softroce-vm runs every rank in one VM on this machine: -H must name only this host")
+    except LaunchError as exc:
+        p.error(str(exc))
+    if args.softroce_vm and not os.environ.get(IN_VM):
+        return run_in_vm(argv, args.timeout)
+    return launch(command, args.np, hosts, args.ps, args.provider, args.timeout, args.grace,
+                  forward=args.forward, ssh_port=args.ssh_port, failure_wait=args.failure_wait,
+                  bind_to=args.bind_to)
+
+
+def main_elastic(p: argparse.ArgumentParser, args, command: list[str]) -> int:
+    from .elastic import launch_elastic
+    if not args.host_discovery_script:
+        p.error("--min-np/--max-np need --host-discovery-script (which hosts may run workers)")
+    if args.ps or args.hosts or args.softroce_vm:
+        p.error("an elastic job takes its hosts from --host-discovery-script: no -H, --ps or --softroce-vm")
+    min_np = args.min_np if args.min_np is not None else (args.np or 1)
+    max_np = args.max_np if args.max_np is not None else max(min_np, args.np or min_np)
+    if not 1 <= min_np <= max_np or (args.np is not None and not min_np <= args.np <= max_np):
+        p.error(f"--min-np {min_np}, -np {args.np}, --max-np {max_np}: need 1 <= min-np <= np <= max-np")
+    if args.elastic_timeout <= 0 or args.discovery_interval <= 0:
+        p.error("--elastic-timeout and --discovery-interval must be positive")
+    if not os.access(args.host_discovery_script, os.X_OK):
+        p.error(f"--host-discovery-script {args.host_discovery_script}: not an executable file")
+    return launch_elastic(command, os.path.abspath(args.host_discovery_script), min_np, max_np, args.np,
+                          args.provider, args.timeout, args.elastic_timeout, args.discovery_interval,
+                          grace=args.grace, forward=args.forward, ssh_port=args.ssh_port)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
