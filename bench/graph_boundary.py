@@ -3,7 +3,7 @@
     python -m bench.graph_boundary --models densenet121,resnet50,mobilenetv2
 
 Inside tf.function the all-reduce is two numpy_function ops per bucket
-(tf_plugin.engine.overlap): a launch that takes the bucket's gradients and a
+(tf_plugin.graph.overlap): a launch that takes the bucket's gradients and a
 wait that returns its result. This times, on one process with no ring (the
 "result" is a reused flat buffer), one call of a tf.function that makes a
 model's gradients (bench/model_grads.json, fused into buckets as training
@@ -31,7 +31,7 @@ def _buckets(model: str):
     import numpy as np
 
     from bench import model_grads
-    from tf_plugin.engine.analyzer import VarInfo, buckets_of
+    from tf_plugin.core.layout import VarInfo, buckets_of
     infos = [VarInfo(str(j), tuple(t["shape"]), np.dtype(t["dtype"]), False, {})
              for j, t in enumerate(model_grads.gradient_set(model))]
     return infos, buckets_of(infos, fusion=True)
@@ -41,10 +41,11 @@ def measure(model: str, calls: int, rounds: int) -> dict:
     import numpy as np
     import tensorflow as tf
 
-    from tf_plugin.engine import ingest, overlap
+    from tf_plugin.core.buffers import aligned_empty
+    from tf_plugin.graph import overlap
     infos, buckets = _buckets(model)
     shapes = [v.shape for v in infos]
-    outputs = [ingest.aligned_empty((b.size,), b.dtype) for b in buckets]
+    outputs = [aligned_empty((b.size,), b.dtype) for b in buckets]
     for o in outputs:
         o[...] = np.arange(o.size) % 251
     layouts = [[(int(key), offset, shapes[int(key)]) for key, offset, _ in b.members] for b in buckets]

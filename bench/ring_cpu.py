@@ -74,7 +74,7 @@ def _inputs(model: str, rank: int):
     import numpy as np
 
     from bench import model_grads
-    from tf_plugin.engine.analyzer import VarInfo
+    from tf_plugin.core.layout import VarInfo
     infos = [VarInfo(t["name"], tuple(t["shape"]), np.dtype(t["dtype"]), False, {})
              for t in model_grads.gradient_set(model)]
     rng = np.random.default_rng(rank)
@@ -85,8 +85,8 @@ def _rank(rank: int, peers: dict, token: str, model: str, provider: str, rounds:
     import numpy as np
 
     from rdmatensor import Plan, connect, streaming
-    from tf_plugin.engine.analyzer import Analysis, buckets_of, ring_specs
-    from tf_plugin.engine.ring import RingAllReduce
+    from tf_plugin.core.layout import Analysis, buckets_of, ring_specs
+    from tf_plugin.core.ring_allreduce import RingAllReduce
     infos, mine = _inputs(model, rank)
     _, theirs = _inputs(model, 1 - rank)
     buckets = buckets_of(infos, fusion=True)

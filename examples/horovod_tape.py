@@ -111,7 +111,7 @@ def train(args) -> None:
 def local(args) -> int:
     """Every worker as a process of this host, on free ports below the ephemeral range;
     one provider after the other, then a table against the floor when it ran."""
-    from tf_plugin.engine.bootstrap import PortReservation
+    from tf_plugin.core.bootstrap import PortReservation
     rows = []
     for provider in args.provider.split(","):
         held = [PortReservation("127.0.0.1") for _ in range(args.workers)]

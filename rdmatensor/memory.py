@@ -23,7 +23,7 @@ import stat
 import numpy as np
 
 from .errors import ForeignSegment, UsageError
-from .plan import MAX_ARENA_BYTES, Slot
+from .plan import MAX_ARENA_BYTES
 
 PAGE = mmap.PAGESIZE
 SEGMENT_PREFIX = "rdmatensor-"
@@ -125,9 +125,6 @@ class Arena:
         if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
             raise UsageError(f"view [{offset}, {offset + nbytes}) is outside a {self.size}-byte arena")
         return self.buf[offset:offset + nbytes]
-
-    def slot_view(self, slot: Slot) -> np.ndarray:
-        return self.view(slot.offset, slot.size)
 
     def close(self) -> None:
         """Release the memory. Views must be gone (numpy holds the buffer otherwise)."""

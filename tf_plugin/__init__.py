@@ -9,8 +9,10 @@ Its parts are layers, lowest first, above rdmatensor (whose runner/ says who
 is who, and whose cores.py this import calls to bind a rank to its cores); an
 import only ever runs down them (tests/test_layout.py):
 
-    engine/     the collective engine: the graph analyzer, plans grown from what the job
-                calls, rings, overlap with backprop, ingest of received slots, checks
+    core/       the job's basics and the collective engine, with no framework: world,
+                process sets, elastic state, plans grown from what the job calls, rings
+    graph/      where the core meets TensorFlow: the graph analyzer, graph ops, ingest
+                of received slots, overlap with backprop, TensorFlow's error types
     horovod/    horovod.tensorflow's API over the engine: world (init, rank, size),
                 tensors (allreduce ... DistributedGradientTape), sync_batch_norm, util
     keras/      horovod.tensorflow.keras: DistributedOptimizer, callbacks, load_model

@@ -55,11 +55,11 @@ def run(model, loss: Callable, optimizer, dataset: Iterable | None, steps: int, 
     """
     from rdmatensor import connect
 
-    from .engine.analyzer import analyze
+    from .graph.analyzer import analyze
     from rdmatensor.runner.cluster import Cluster
-    from .engine.failure import JobFailure
-    from .engine.ps import ParameterServer, PSWorker
-    from .engine.step import Step
+    from .core.failure import JobFailure
+    from .graph.ps_step import ParameterServer, PSWorker
+    from .graph.step import Step
 
     cluster = cluster or Cluster.from_env()
     if not cluster.num_ps:

@@ -137,10 +137,6 @@ class Cluster:
     def worker_ranks(self) -> list[int]:
         return list(range(len(self.workers)))
 
-    @property
-    def ps_ranks(self) -> list[int]:
-        return list(range(len(self.workers), len(self.workers) + len(self.ps)))
-
     def peers(self) -> dict[int, str]:
         """Control address of every rank."""
         return dict(enumerate(self.workers + self.ps))

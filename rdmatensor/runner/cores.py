@@ -1,28 +1,22 @@
 """A rank's share of its host's cores: TensorFlow's intra-op thread pool sized
 to it, and the rank bound to it.
 
-TensorFlow sizes its intra-op pool to every core of the machine, in every
-process: N ranks on one host run N times as many compute threads as there are
-cores, and each synchronous step then waits for whichever rank the scheduler
-starved. As MPI launchers do for OpenMP codes, a rank started by
-`rdmatensor-run` or `rdmatensor-train` (RDMATENSOR_LOCAL_SIZE > 1) gets
-cores // local ranks intra-op threads (at least one), unless the user chose a
-number: TF_NUM_INTRAOP_THREADS set, 0 included (TensorFlow's own default).
+- share_cores(): TensorFlow sizes its intra-op pool to every core of the
+  machine in every process, so N ranks on one host would run N times as many
+  compute threads as there are cores. A rank started with
+  RDMATENSOR_LOCAL_SIZE > 1 gets cores // local ranks threads (at least one)
+  in TF_NUM_INTRAOP_THREADS, unless the user set it (0 included). TensorFlow
+  reads it when its runtime starts: `import tf_plugin` calls this first.
+- bind_cores(): as mpirun's `--bind-to core`, a rank with
+  RDMATENSOR_BIND_TO=core pins every thread of its process to the I-th of N
+  equal blocks of the cores it may use, where RDMATENSOR_HOST_SLOT=I/N (its
+  place among its host's tasks; under horovodrun, HOROVOD_LOCAL_RANK of
+  HOROVOD_LOCAL_SIZE). Nothing is bound with more tasks than cores, or with
+  RDMATENSOR_BIND_TO=none; mpirun and srun bind their ranks themselves.
+  Why binding is the default: docs/results.md (ranks that wait for each other
+  every step, moved across cores by the scheduler).
 
-TensorFlow reads the variable when its runtime starts, so this applies when
-tf_plugin is imported before the first TensorFlow op runs, as `import
-tf_plugin as hvd` at the top of a script does.
-
-Binding, as mpirun's `--bind-to core`: a rank that `rdmatensor-run` started
-with `--bind-to core` (its default) pins every thread of its process to its
-own block of the cores it may use, the I-th of N equal blocks where
-RDMATENSOR_HOST_SLOT=I/N (its place among the tasks the launcher started on
-its host; under horovodrun, HOROVOD_LOCAL_RANK of HOROVOD_LOCAL_SIZE). Unbound,
-the scheduler moves the threads of ranks that wait for each other every step
-across the cores: on this project's 2-core machine a synchronous step over
-shm took 0-40% longer than bound, never less (docs/results.md). Nothing is bound with more tasks
-than cores, or with RDMATENSOR_BIND_TO=none (`--bind-to none`); mpirun and
-srun bind their ranks themselves.
+The launcher (runner/) sets the variables; it never calls these itself.
 """
 from __future__ import annotations
 

@@ -3,10 +3,9 @@
  *
  * Every tensor moves two flags and one small state machine: its DATA
  * immediate makes the receiver's slot FULL, recv() takes it, release() empties
- * it and its CREDIT immediate gives the sender its credit back.  In Python
- * that was about 1.6 us of a round trip's 8 (a lock per transition, a call
- * per step).  Here each transition is a few stores under the GIL, which also
- * makes it atomic with respect to every other thread: no lock is needed.
+ * it and its CREDIT immediate gives the sender its credit back.  Here each
+ * transition is a few stores under the GIL, which also makes it atomic with
+ * respect to every other thread: no lock is needed.
  *
  *   Flag          is_set / set / clear; set() calls self._wake() only while
  *                 a thread sleeps on it (flag.py's Flag adds wait()).

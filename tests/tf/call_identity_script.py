@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_plugin as hvd
-from tf_plugin.engine.collectives import Collectives
+from tf_plugin.core.collectives import Collectives
 from tf_plugin.horovod.world import world
 
 out_dir, calls, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])

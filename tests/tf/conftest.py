@@ -32,8 +32,8 @@ def close_to_reference():
 
 def run_ranks(plan, provider, body, ranks=2, timeout=120.0):
     """body(session) on every rank of `plan`, each in a thread with its own session,
-    registered for tf_plugin.engine.ops; returns {rank: result}, raising the first failure."""
-    from tf_plugin.engine import ops
+    registered for tf_plugin.graph.ops; returns {rank: result}, raising the first failure."""
+    from tf_plugin.graph import ops
 
     from ..support.ranks import check
     from ..support.ranks import run_ranks as run

@@ -15,7 +15,7 @@ from pathlib import Path
 import tensorflow as tf
 
 import tf_plugin as hvd
-from tf_plugin.engine import collectives
+from tf_plugin.core import collectives
 
 out_dir, victim = Path(sys.argv[1]), int(sys.argv[2])
 hvd.init()

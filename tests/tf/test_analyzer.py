@@ -18,7 +18,7 @@ def _shapes(model):
 
 
 def test_ps_plan_lists_exactly_the_variables_shapes(mlp):
-    from tf_plugin.engine.analyzer import analyze
+    from tf_plugin.graph.analyzer import analyze
     a = analyze(mlp, "ps", workers=2, ps=1)
     specs = list(a.plan.specs.values())
     for w in range(2):
@@ -32,14 +32,15 @@ def test_ps_plan_lists_exactly_the_variables_shapes(mlp):
 
 
 def test_ps_shards_variables_round_robin(mlp):
-    from tf_plugin.engine.analyzer import analyze
+    from tf_plugin.graph.analyzer import analyze
     a = analyze(mlp, "ps", workers=2, ps=2)
     servers = [a.plan.specs[f"grad/w0/{v.key}"].dst for v in a.variables]
     assert servers == [2, 3, 2, 3]
 
 
 def test_allreduce_chunks_partition_every_gradient(mlp):
-    from tf_plugin.engine.analyzer import analyze, ring_name
+    from tf_plugin.graph.analyzer import analyze
+    from tf_plugin.core.layout import ring_name
     n = 3
     a = analyze(mlp, "allreduce", workers=n, fusion=False)
     for v, shape in zip(a.variables, _shapes(mlp), strict=False):
@@ -57,7 +58,8 @@ def test_allreduce_chunks_partition_every_gradient(mlp):
 
 
 def test_fused_allreduce_is_one_ring_over_aligned_members(mlp):
-    from tf_plugin.engine.analyzer import analyze, ring_name
+    from tf_plugin.graph.analyzer import analyze
+    from tf_plugin.core.layout import ring_name
     a = analyze(mlp, "allreduce", workers=2)
     (bucket,) = a.buckets                                                     # under the fusion threshold
     sizes = [int(np.prod(s)) for s in _shapes(mlp)]
@@ -73,7 +75,7 @@ def test_fused_allreduce_is_one_ring_over_aligned_members(mlp):
 
 def test_tf_function_with_input_signature():
     import tensorflow as tf
-    from tf_plugin.engine.analyzer import analyze
+    from tf_plugin.graph.analyzer import analyze
     w = tf.Variable(tf.zeros((5, 3)), name="w")
     b = tf.Variable(tf.zeros((3,)), name="b")
 
@@ -88,7 +90,7 @@ def test_tf_function_with_input_signature():
 
 def test_sparse_gradient_is_dynamic_and_bounded():
     from tf_plugin.training import models
-    from tf_plugin.engine.analyzer import analyze
+    from tf_plugin.graph.analyzer import analyze
     a = analyze(models.build("embed"), "ps", workers=2, ps=1)
     values = a.plan.specs["grad/w0/embed/embedding/embeddings/values"]
     indices = a.plan.specs["grad/w0/embed/embedding/embeddings/indices"]
@@ -100,7 +102,7 @@ def test_sparse_gradient_is_dynamic_and_bounded():
 
 
 def test_explain_table_and_cli(mlp, capsys):
-    from tf_plugin.engine.analyzer import analyze
+    from tf_plugin.graph.analyzer import analyze
     from tf_plugin.training.explain import main
     a = analyze(mlp, "ps", workers=2, ps=1)
     text = a.explain()
@@ -130,7 +132,7 @@ def test_cluster_from_tf_config():
 
 def test_buckets_follow_backprop_and_the_fusion_threshold(monkeypatch):
     from rdmatensor import PlanError
-    from tf_plugin.engine.analyzer import VarInfo, buckets_of, fusion_threshold
+    from tf_plugin.core.layout import VarInfo, buckets_of, fusion_threshold
     f32, f16 = np.dtype(np.float32), np.dtype(np.float16)
     infos = [VarInfo("conv1", (1000,), f32, False, {}), VarInfo("big", (5000,), f32, False, {}),
              VarInfo("half", (100,), f16, False, {}), VarInfo("a", (500,), f32, False, {}),

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rdmatensor import RecvTimeout, Timeout, UsageError
-from tf_plugin.engine.background import CommThread
+from tf_plugin.core.background import CommThread
 
 
 def describe(j):
@@ -93,7 +93,7 @@ def test_shutdown_fails_a_round_still_waiting_for_buckets():
 def test_output_buffers_come_back_when_the_last_view_is_gone():
     import gc
 
-    from tf_plugin.engine.ingest import TF_ALIGN, Reused
+    from tf_plugin.core.buffers import TF_ALIGN, Reused
     pool = Reused(100, np.float32)
     first = pool.lease()
     view = first[10:20].reshape(2, 5)             # what TensorFlow holds: a view of the lease

@@ -124,7 +124,7 @@ def test_floor_beside_tcp_in_one_run(tmp_path, close_to_reference):
 def buckets(model: str) -> int:
     """How many buckets the all-reduce cuts the model's gradients into (the fusion threshold)."""
     from tf_plugin.training import models
-    from tf_plugin.engine.analyzer import VarInfo, buckets_of
+    from tf_plugin.core.layout import VarInfo, buckets_of
     variables = models.build(model).trainable_variables
     return len(buckets_of([VarInfo(str(j), tuple(v.shape), np.dtype(v.dtype), False, {})
                            for j, v in enumerate(variables)], fusion=True))

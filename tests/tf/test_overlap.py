@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from rdmatensor.errors import UsageError
-from tf_plugin.engine.timeline import Timeline
+from tf_plugin.core.timeline import Timeline
 
 from .processes import run_workers
 
@@ -105,11 +105,12 @@ def test_a_bucket_comes_back_as_views_of_its_flat_output_and_odd_members_as_thei
     import numpy as np
     import tensorflow as tf
 
-    from tf_plugin.engine import ingest, overlap
+    from tf_plugin.core import buffers
+    from tf_plugin.graph import overlap
 
     shapes = [(4, 4), (10,), (2, 8), (3,)]             # at offsets 0, 16, 32, 48
     layout = [(p, 16 * p, s) for p, s in enumerate(shapes)]
-    flat = ingest.aligned_empty((51,), np.float32)
+    flat = buffers.aligned_empty((51,), np.float32)
     flat[:] = np.arange(51)
     handed = []
 

@@ -10,7 +10,7 @@ def split():
     """The mlp and its two stages: rank 0 runs the hidden layer, rank 1 the logits."""
     import tensorflow as tf
     from tf_plugin.training import models
-    from tf_plugin.engine import ops
+    from tf_plugin.graph import ops
     model = models.build("mlp")
     hidden, logits = model.get_layer("hidden"), model.get_layer("logits")
 
@@ -41,8 +41,8 @@ def _run(model, stages, plan, provider, batches):
 
 
 def test_two_stage_pipeline_equals_unsplit_model(split):
-    from tf_plugin.engine import ingest
-    from tf_plugin.engine.analyzer import analyze_pipeline
+    from tf_plugin.graph import ingest
+    from tf_plugin.graph.analyzer import analyze_pipeline
     model, make = split
     stages = make(32)
     a = analyze_pipeline(stages)
@@ -60,7 +60,7 @@ def test_two_stage_pipeline_equals_unsplit_model(split):
 
 def test_dynamic_batch_pipeline_uses_the_fallback(split):
     model, make = split
-    from tf_plugin.engine.analyzer import analyze_pipeline
+    from tf_plugin.graph.analyzer import analyze_pipeline
     stages = make(None)
     a = analyze_pipeline(stages)
     assert a.plan.specs["act"].shape == (None, 64) and not a.plan.specs["act"].is_static
@@ -75,7 +75,7 @@ def test_received_tensor_aliases_the_slot_until_tensorflow_frees_it():
     """The release rule: zero-copy while TensorFlow holds the tensor, slot back when it frees it."""
     import gc
     from rdmatensor import Plan, TensorSpec
-    from tf_plugin.engine import ingest
+    from tf_plugin.graph import ingest
     plan = Plan([TensorSpec("t", (16, 16), np.float32, 0, 1)])
     data = np.arange(256, dtype=np.float32).reshape(16, 16)
 

@@ -67,8 +67,9 @@ def test_horovod_like_tape_inside_tf_function(close_to_reference):
     import tensorflow as tf
     from rdmatensor import connect
     from tf_plugin.training import models
-    from tf_plugin.engine.ring import RingAllReduce, RingGradientTape
-    from tf_plugin.engine.analyzer import analyze
+    from tf_plugin.core.ring_allreduce import RingAllReduce
+    from tf_plugin.graph.ring_tape import RingGradientTape, broadcast
+    from tf_plugin.graph.analyzer import analyze
     from rdmatensor.runner.cluster import Cluster
 
     steps, cluster = 5, Cluster.local(2)
@@ -80,7 +81,7 @@ def test_horovod_like_tape_inside_tf_function(close_to_reference):
             analysis = analyze(model, "allreduce", workers=2)
             with connect(task.rank, task.peers(), analysis.plan, provider="tcp", token="t") as s:
                 ring = RingAllReduce(s, analysis)
-                ring.broadcast(model.variables)
+                broadcast(ring, model.variables)
                 opt, data = models.optimizer(), models.dataset("mlp")
 
                 @tf.function

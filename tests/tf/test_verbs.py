@@ -26,8 +26,8 @@ def test_training_over_verbs_matches_single_process(rdma_port, mode, close_to_re
 def test_pipeline_over_verbs(rdma_port):
     import tensorflow as tf
     from tf_plugin.training import models
-    from tf_plugin.engine import ops
-    from tf_plugin.engine.analyzer import analyze_pipeline
+    from tf_plugin.graph import ops
+    from tf_plugin.graph.analyzer import analyze_pipeline
     from .conftest import run_ranks
     model = models.build("mlp")
     hidden, logits = model.get_layer("hidden"), model.get_layer("logits")

@@ -131,7 +131,7 @@ class CommThread:
             self._check()
 
     def idle(self) -> bool:
-        """No round waiting for its buckets or running (checks.py's divergence watchdog)."""
+        """No round waiting for its buckets or running (checked_collectives.py's divergence watchdog)."""
         with self._cond:
             return not self._queue
 

@@ -14,10 +14,10 @@ plan costs no control call, whatever the step.
 
 What each set becomes in the plan:
 
-- allreduce: the ring of tf_plugin.engine.ring over fused buckets
-  (analyzer.buckets_of: in the order backprop produces the gradients, up to
-  the fusion threshold each), its chunks laid out by analyzer.ring_specs, or
-  where several hosts hold several ranks each, by analyzer.hierarchical_specs:
+- allreduce: the ring of ring_allreduce.py over fused buckets
+  (layout.buckets_of: in the order backprop produces the gradients, up to
+  the fusion threshold each), its chunks laid out by layout.ring_specs, or
+  where several hosts hold several ranks each, by layout.hierarchical_specs:
   a ring per host, one across hosts (HOROVOD_HIERARCHICAL_ALLREDUCE=0: flat).
   Every bucket's ring runs on the communication thread (background.py): a
   graph hands each bucket over as soon as its gradients exist (launch) and
@@ -54,7 +54,7 @@ from rdmatensor import PeerLost, Plan, PlanMismatch, RdmaTensorError, TensorSpec
 from rdmatensor.providers.contract import MAX_TAG
 
 from . import adasum, scaling
-from .analyzer import Analysis, Hierarchy, VarInfo, buckets_of, fusion_threshold, hierarchical_specs, ring_specs
+from .layout import Analysis, Hierarchy, VarInfo, buckets_of, fusion_threshold, hierarchical_specs, ring_specs
 from .background import CommThread
 from .bootstrap import Bootstrap, PortReservation
 from .meter import Meter
@@ -264,7 +264,7 @@ class Collectives:
     in program order), and each of its writes carries the number as its tag
     (mod 4096): a value is handed only to the call it was written for (recv
     with tag=), and a value of this rank's call number in another tensor set's
-    slot means the ranks called different collectives (checks.py watches for
+    slot means the ranks called different collectives (checked_collectives.py watches for
     it). A call that fails after any value moved ends the generation on its
     rank: the session is closed, so every peer's wait on it ends too, and the
     ranks agree in one exchange on the earliest failed call (and on the next
@@ -286,7 +286,7 @@ class Collectives:
         self.generations = 0
         self.calls = 0                             # collective calls begun: the next one's number
         self.resets: list[Reset] = []
-        self.seen: tuple | None = None            # (generation, why) the watchdog ended (checks.py), if it did
+        self.seen: tuple | None = None            # (generation, why) the watchdog (checked_collectives.py) ended
         self._active: dict[int, tuple[int, int, list]] = {}   # tag -> (call number, set index, entries)
         self._sets: dict[tuple, TensorSet] = {}
         self._order: list[TensorSet] = []
@@ -586,7 +586,7 @@ class Collectives:
         return [o if o is not None else np.zeros_like(a) for o, a in zip(out, arrays, strict=True)]
 
     def _adasum(self, names, arrays) -> list[np.ndarray]:
-        from .ingest import aligned_empty
+        from .buffers import aligned_empty
         rows = self.allgather([f"{n}/adasum" for n in names], [a.reshape(1, -1) for a in arrays])
         out = [aligned_empty(a.shape, a.dtype) for a in arrays]
         for o, r in zip(out, rows, strict=True):
@@ -614,7 +614,7 @@ class Collectives:
     def _ring(self, ts: TensorSet):
         ring = self._rings.get(ts.index)
         if ring is None or ring.session is not self.session:
-            from .ring import RingAllReduce
+            from .ring_allreduce import RingAllReduce
             reduction = Reduction.of(ts.op)
             ring = self._rings[ts.index] = RingAllReduce(self.session, ts.analysis, self.meter, average=False,
                                                          combine=COMBINE[reduction.op],
@@ -638,7 +638,7 @@ class Collectives:
                 empty = not any(a.size for a in arrays)     # alike on every rank: shapes are the set's
                 if self.rank == root:
                     # Writes first, so that two ranks that each take themselves for the root
-                    # each find the other's write in a set they are not in (checks.py); with no
+                    # each find the other's write in a set they are not in (checked_collectives.py); with no
                     # value to write, a byte. Then every other rank's byte, which proves it makes
                     # this call; the done bytes only after that: no rank returns from a call
                     # another rank did not make.
@@ -696,7 +696,7 @@ class Collectives:
                             self.session.recv(f"{prefix}/g{j}/r{src}/r{self.rank}", tag=tag))
                             for src in range(self.size)]
                         rows = sum(p.shape[0] for p in parts)
-                        from .ingest import aligned_empty
+                        from .buffers import aligned_empty
                         result = aligned_empty((rows, *a.shape[1:]), a.dtype)
                         np.concatenate(parts, out=result)
                         self.meter.tally["copied"] += 1
@@ -735,7 +735,7 @@ class Collectives:
                 with contextlib.ExitStack() as held:
                     got = [parts[src] if src == self.rank else held.enter_context(
                         self.session.recv(f"{prefix}/g0/r{src}/r{self.rank}", tag=tag)) for src in range(self.size)]
-                    from .ingest import aligned_empty
+                    from .buffers import aligned_empty
                     out = aligned_empty((sum(g.shape[0] for g in got), *array.shape[1:]), array.dtype)
                     np.concatenate(got, out=out)
                     self.meter.tally["copied"] += 1
@@ -745,7 +745,7 @@ class Collectives:
 
     def _copy_out(self, view: np.ndarray) -> np.ndarray:
         """A received value outlives its slot (and its generation): one copy."""
-        from .ingest import aligned_empty
+        from .buffers import aligned_empty
         out = aligned_empty(view.shape, view.dtype)
         np.copyto(out, view)
         self.meter.tally["copied"] += 1

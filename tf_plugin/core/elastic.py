@@ -1,39 +1,28 @@
-"""horovod.tensorflow.elastic over rdmatensor: training that survives a lost rank.
-
-    @hvd.elastic.run
-    def train(state):
-        for state.epoch in range(state.epoch, epochs):
-            for state.batch in range(state.batch, batches):
-                step()
-                if state.batch % 10 == 0:
-                    state.commit()
-
-    train(hvd.elastic.TensorFlowKerasState(model, optimizer, epoch=0, batch=0))
+"""Training that survives a lost rank, with no framework: Horovod's elastic
+State, ObjectState and run (horovod/elastic.py adds TensorFlow's states and
+TensorFlow's errors).
 
 Started by `rdmatensor-run --min-np/--max-np --host-discovery-script`, each
 worker joins the job through the launcher's rendezvous. When a rank is lost,
 every collective of the others fails (the job fails as a whole, see
-engine/failure.py); `run` sees that the job lost a rank, restores the last
+failure.py); `run` sees that the job lost a rank, restores the last
 commit, closes every session and joins the next round with the workers left:
 a new plan, new arenas, new rings. When the launcher has new workers waiting,
 the next `commit()` raises HostsUpdatedInterrupt on every rank alike and the
 job re-forms with them, rank 0 handing its state to all (`sync`).
 
 As in Horovod: HorovodInternalError means roll back to the last commit,
-HostsUpdatedInterrupt keeps the current state. This module imports TensorFlow.
+HostsUpdatedInterrupt keeps the current state.
 """
 from __future__ import annotations
 
 import copy
 import functools
 
-import tensorflow as tf
-
 from rdmatensor import PeerLost, PlanMismatch
 
 from rdmatensor.runner import rendezvous_client as rendezvous
 from . import world as _world
-from .tensors import broadcast_variables
 
 
 class HorovodInternalError(RuntimeError):
@@ -125,84 +114,16 @@ class ObjectState(State):
             setattr(self, k, copy.deepcopy(v))
 
 
-class TensorFlowState(ObjectState):
-    """A list of TensorFlow variables (eagerly), plus keyword values as in ObjectState."""
-
-    def __init__(self, variables=None, session=None, **kwargs):
-        if variables is None:
-            raise ValueError("TensorFlowState needs its variables (TF2 has no global variable collection)")
-        self.variables = list(variables)
-        self._values = [v.numpy() for v in self.variables]
-        super().__init__(**kwargs)
-
-    def save(self) -> None:
-        self._values = [v.numpy() for v in self.variables]
-        super().save()
-
-    def restore(self) -> None:
-        for v, value in zip(self.variables, self._values, strict=True):
-            v.assign(value)
-        super().restore()
-
-    def sync(self) -> None:
-        broadcast_variables(self.variables, root_rank=0)
-        self._values = [v.numpy() for v in self.variables]
-        super().sync()
-
-
-def _optimizer_variables(optimizer) -> list:
-    if optimizer is None:
-        return []
-    variables = optimizer.variables
-    return list(variables() if callable(variables) else variables)
-
-
-class TensorFlowKerasState(ObjectState):
-    """A built Keras model and its optimizer (Keras 3 or tf.keras), plus keyword values."""
-
-    def __init__(self, model, optimizer=None, backend=None, **kwargs):
-        if not getattr(model, "built", True):
-            raise ValueError("Model must be built first. Run `model.build(input_shape)`.")
-        self.model, self.backend = model, backend
-        self.optimizer = optimizer or getattr(model, "optimizer", None)
-        self._save_model()
-        super().__init__(**kwargs)
-
-    def _variables(self) -> list:
-        optimizer = self.optimizer
-        if optimizer is not None and not getattr(optimizer, "built", True):
-            optimizer.build(self.model.trainable_variables)      # a new worker: slots as rank 0 has them
-        return list(self.model.variables) + _optimizer_variables(optimizer)
-
-    def _save_model(self) -> None:
-        self._saved_values = [v.numpy() for v in self._variables()]
-
-    def _load_model(self) -> None:
-        for v, value in zip(self._variables(), self._saved_values, strict=True):
-            v.assign(value)
-
-    def save(self) -> None:
-        self._save_model()
-        super().save()
-
-    def restore(self) -> None:
-        self._load_model()
-        super().restore()
-
-    def sync(self) -> None:
-        broadcast_variables(self._variables(), root_rank=0)
-        self._save_model()
-        super().sync()
-
-
 def _reset() -> None:
     _world.shutdown()
     _world.init()
 
 
-def run(func):
+def run(func, failures: tuple = (), mismatches: tuple = ()):
     """Run `func(state, ...)` until it returns, re-forming the job whenever a rank is
-    lost (state restored to its last commit) or workers are added (state kept)."""
+    lost (state restored to its last commit) or workers are added (state kept).
+    `failures`: a framework's error types that may stand for a lost rank (as PeerLost
+    does); `mismatches`: those that may stand for ranks calling different collectives."""
 
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
@@ -210,12 +131,12 @@ def run(func):
         while True:
             try:
                 if not skip_sync:
-                    _sync(state, resets > 0 and not sync_failed)
+                    _sync(state, resets > 0 and not sync_failed, mismatches)
                     sync_failed = False
                 return func(state, *args, **kwargs)
             except HostsUpdatedInterrupt as exc:
                 skip_sync = exc.skip_sync
-            except (HorovodInternalError, PeerLost, tf.errors.OpError) as exc:
+            except (HorovodInternalError, PeerLost, *failures) as exc:
                 sync_failed = isinstance(exc, _SyncFailed)
                 if not isinstance(exc, HorovodInternalError) and _lost_rank() is None:
                     raise                           # not a lost rank: the script's own error
@@ -230,7 +151,7 @@ def run(func):
     return wrapper
 
 
-def _sync(state, after_reset: bool) -> None:
+def _sync(state, after_reset: bool, mismatches: tuple = ()) -> None:
     """state.sync(). After a reset every rank that went through it syncs
     alike: a rank calling another collective is a worker that just joined and runs one
     before run() (a warm-up step at the top of the script). It fails there and exits; the
@@ -239,7 +160,7 @@ def _sync(state, after_reset: bool) -> None:
     too (then the ranks that went through the reset differ: the script's own error)."""
     try:
         state.sync()
-    except (PlanMismatch, tf.errors.FailedPreconditionError) as exc:
+    except (PlanMismatch, *mismatches) as exc:
         if not after_reset or not rendezvous.configured():
             raise
         raise _SyncFailed(f"the state's sync after a reset failed: a worker that joined calls "
@@ -250,5 +171,4 @@ class _SyncFailed(HorovodInternalError):
     """The state's sync after a reset failed: re-form once more, then raise."""
 
 
-__all__ = ["run", "State", "ObjectState", "TensorFlowState", "TensorFlowKerasState", "HorovodInternalError",
-           "HostsUpdatedInterrupt"]
+__all__ = ["run", "State", "ObjectState", "HorovodInternalError", "HostsUpdatedInterrupt"]

@@ -19,8 +19,21 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from ..engine.bootstrap import Bootstrap, PortReservation
-from ..engine.checks import CheckedCollectives
+from .bootstrap import Bootstrap, PortReservation
+from .checked_collectives import CheckedCollectives
+
+
+def _no_world():
+    raise RuntimeError("process sets are used before world.py set them up")
+
+
+_world = _no_world        # world.world, handed down by world.py (_setup), as Horovod's basics are
+
+
+def _setup(world) -> None:
+    """Called once by world.py: how to reach the current world (it imports this module, not the other way)."""
+    global _world
+    _world = world
 
 
 class ProcessSet:
@@ -59,8 +72,7 @@ class ProcessSet:
     def included(self) -> bool | None:
         if self.ranks is None:
             return None
-        from .world import rank
-        return rank() in self.ranks
+        return _world().rank in self.ranks
 
     def __str__(self) -> str:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, mpi_comm={self.mpi_comm})"
@@ -82,13 +94,11 @@ class Group:
 
     @property
     def collectives(self) -> CheckedCollectives:
-        from .world import world
-        return world().collectives if self.id == 0 else self.own_collectives
+        return _world().collectives if self.id == 0 else self.own_collectives
 
     @property
     def bootstrap(self) -> Bootstrap:
-        from .world import world
-        return world().bootstrap if self.id == 0 else self.own_bootstrap
+        return _world().bootstrap if self.id == 0 else self.own_bootstrap
 
     @property
     def size(self) -> int:
@@ -96,13 +106,11 @@ class Group:
 
     @property
     def included(self) -> bool:
-        from .world import world
-        return world().rank in self.ranks
+        return _world().rank in self.ranks
 
     @property
     def rank(self) -> int:
-        from .world import world
-        return self.ranks.index(world().rank)
+        return self.ranks.index(_world().rank)
 
     def local(self, rank: int, what: str = "root_rank") -> int:
         """A global rank's position in the set (roots are given as global ranks)."""
@@ -121,8 +129,7 @@ class Group:
 def group_of(process_set) -> Group:
     """The registered set a collective runs in (None: the global one). ValueError for
     a set that is not registered; the caller checks that this rank is in it."""
-    from .world import world
-    w = world()
+    w = _world()
     ps_id = 0 if process_set is None else getattr(process_set, "process_set_id", None)
     if ps_id == 0:
         return Group(0, tuple(range(w.size)))
@@ -140,8 +147,7 @@ def member_of(process_set) -> Group:
     """group_of(process_set), which this rank must be in (NotAMember)."""
     group = group_of(process_set)
     if not group.included:
-        from .world import world
-        raise NotAMember(f"rank {world().rank} is not in process set {group.id} (ranks {list(group.ranks)}): "
+        raise NotAMember(f"rank {_world().rank} is not in process set {group.id} (ranks {list(group.ranks)}): "
                          f"it cannot take part in its collectives")
     return group
 
@@ -205,17 +211,15 @@ def register(w, candidates: list, adding: bool) -> None:
 
 def add_process_set(process_set) -> ProcessSet:
     """Register a process set after init() (every rank calls it, in the same order); it is returned registered."""
-    from .world import world
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
-    register(world(), [ps], adding=True)
+    register(_world(), [ps], adding=True)
     return ps
 
 
 def remove_process_set(process_set) -> bool:
     """Close a registered set's collectives (every rank calls it); False for the global
     set or one that is not registered."""
-    from .world import world
-    w = world()
+    w = _world()
     ps_id = getattr(process_set, "process_set_id", None)
     if not ps_id or ps_id not in w.sets:
         return False

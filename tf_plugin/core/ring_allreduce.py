@@ -1,16 +1,17 @@
 """Synchronous data parallelism: the ring all-reduce of gradients over an analyzed plan.
 
     ring = RingAllReduce(session, analyze(model, "allreduce", workers))
-    ring.broadcast(model.variables)                 # rank 0's values everywhere, once
-    grads = ring.allreduce(grads)                   # averaged over workers
-    tape = RingGradientTape(tape, ring)             # the same inside tf.function
+    grads = ring.allreduce_arrays(keys, arrays)     # numpy, averaged over workers
+
+(graph/ring_tape.py hands it TensorFlow's tensors and variables, eagerly and
+inside tf.function.)
 
 (`import tf_plugin as hvd` is the Horovod API; it runs this ring too, over a
 plan grown from the step, see collectives.py.)
 
 The ring: each bucket (one gradient, or with fusion gradients of a dtype
-laid end to end up to a threshold, see analyzer.buckets_of) is cut into N chunks
-(analyzer.ring_bounds). Reduce-scatter (N-1 steps): every rank writes one
+laid end to end up to a threshold, see layout.buckets_of) is cut into N chunks
+(layout.ring_bounds). Reduce-scatter (N-1 steps): every rank writes one
 chunk into its right neighbour's preallocated slot, which adds it to its own
 copy of that chunk *directly into the registered staging buffer of its next
 write*; after N-1 steps each rank holds one chunk summed over all ranks.
@@ -35,12 +36,12 @@ complete sum of this rank's chunk straight in the output, which the
 all-gather sends from; every other chunk is copied once from its slot into
 the output (and, when N > 2, forwarded from there). The outputs are 64-byte
 aligned buffers reused once TensorFlow freed the previous step's
-(ingest.Reused), and reach TensorFlow with no copy (DLPack, or
+(buffers.Reused), and reach TensorFlow with no copy (DLPack, or
 numpy_function's output).
 
 Eagerly, every bucket's ring advances in lockstep on the calling thread
 (allreduce). Inside tf.function (RingGradientTape) each bucket is handed to
-the communication thread as soon as its gradients exist (tf_plugin.engine.overlap)
+the communication thread as soon as its gradients exist (graph/overlap.py)
 and its ring (reduce_bucket) runs while backprop goes on.
 """
 from __future__ import annotations
@@ -48,12 +49,12 @@ from __future__ import annotations
 from bisect import bisect_right
 
 import numpy as np
-import tensorflow as tf
 
 from rdmatensor import Pieces, streaming
 
-from . import ingest, overlap, scaling
-from .analyzer import Analysis, bcast_name, ring_bounds, ring_chunk, ring_name, var_key
+from . import scaling
+from .buffers import Reused, aligned_empty
+from .layout import Analysis, ring_bounds, ring_chunk, ring_name, var_key
 from .background import CommThread
 from .meter import Meter
 from .timeline import Timeline
@@ -123,9 +124,9 @@ class RingAllReduce:
         self._outputs = {}      # a bucket's output buffers, reused once TensorFlow let go of them
         for b in analysis.buckets:
             if len(b.members) > 1 and copy_fused:
-                self._fused[b.key] = ingest.aligned_empty((b.size,), b.dtype)
+                self._fused[b.key] = aligned_empty((b.size,), b.dtype)
                 self._fused[b.key][...] = 0
-            self._outputs[b.key] = ingest.Reused(b.size, b.dtype, self.meter.tally)
+            self._outputs[b.key] = Reused(b.size, b.dtype, self.meter.tally)
         self._comm = None       # the communication thread of the in-graph ring (RingGradientTape)
 
     # ------------------------------------------------------------- all-reduce
@@ -289,14 +290,7 @@ class RingAllReduce:
         if self._comm is not None:
             self._comm.close()
 
-    def allreduce(self, grads, variables=None) -> list[tf.Tensor]:
-        """Average gradients (tensors, eager) over the workers; `variables` name them
-        (default: the plan's variables, in order)."""
-        keys = self._keys(variables, len(grads))
-        host = [np.asarray(tf.convert_to_tensor(g)) for g in grads]    # no copy on CPU
-        return [ingest.borrow(a, self.meter.tally) for a in self.allreduce_arrays(keys, host)]
-
-    def _keys(self, variables, count: int) -> list[str]:
+    def keys_of(self, variables, count: int) -> list[str]:
         keys = [var_key(v) for v in variables] if variables is not None else \
             [v.key for v in self.analysis.variables]
         missing = [k for k in keys if k not in self.index]
@@ -304,48 +298,3 @@ class RingAllReduce:
             raise ValueError(f"gradients of {missing or count} do not match the plan's variables "
                              f"{list(self.index)}")
         return keys
-
-    # -------------------------------------------------------------- broadcast
-    def broadcast(self, variables, root_rank: int = 0) -> None:
-        """Every worker's variables take root_rank's values (once, before training)."""
-        if root_rank != 0:
-            raise ValueError("the plan broadcasts from rank 0")
-        keys = self._keys(variables, len(variables))
-        with self.meter.comm():
-            for key, var in zip(keys, variables, strict=False):
-                if self.size == 1 or 0 in var.shape:
-                    continue
-                if self.rank == 0:
-                    value = np.asarray(tf.convert_to_tensor(var))
-                    for dst in range(1, self.size):
-                        self.session.send(bcast_name(key, dst), value)
-                else:
-                    with self.session.recv(bcast_name(key, self.rank)) as value:
-                        var.assign(value)                 # into the variable's own memory
-                        self.meter.tally["copied"] += 1
-
-
-class RingGradientTape:
-    """Wraps a tf.GradientTape: gradient() returns gradients averaged over the
-    workers of an analyzed ring. Eager: the ring runs right there. Inside
-    tf.function: one launch op per bucket as soon as its gradients exist, the
-    rings on the communication thread while backprop goes on, one wait op per
-    bucket (tf_plugin.engine.overlap). For a plan grown from the step instead, see
-    tf_plugin.horovod.tensors.DistributedGradientTape."""
-
-    def __init__(self, tape: tf.GradientTape, ring: RingAllReduce):
-        self._tape, self._ring = tape, ring
-
-    def __getattr__(self, name):
-        return getattr(self._tape, name)
-
-    def gradient(self, target, sources, output_gradients=None, **kw):
-        ring = self._ring
-        grads = self._tape.gradient(target, sources, output_gradients, **kw)
-        grads = [tf.convert_to_tensor(g) for g in grads]          # sparse as dense
-        if tf.executing_eagerly():
-            return ring.allreduce(grads, sources)
-        position = {k: p for p, k in enumerate(ring._keys(sources, len(grads)))}
-        layouts = [[(position[key], offset, ring.shapes[key]) for key, offset, _ in b.members]
-                   for b in ring.analysis.buckets]
-        return overlap.bucketed(grads, layouts, ring.launch, ring.collect, "rdmatensor_allreduce")

@@ -12,7 +12,7 @@ Where the job comes from:
 - RDMATENSOR_PROVIDER (default auto), RDMATENSOR_TIMEOUT (seconds, default 120),
   RDMATENSOR_FUSION_THRESHOLD (bytes per all-reduce bucket), RDMATENSOR_TIMELINE
   (the all-reduce's time line, see timeline.py), RDMATENSOR_CHECK_FINITE (1:
-  allreduce raises NonFiniteValue on a NaN or Inf, see checks.py).
+  allreduce raises NonFiniteValue on a NaN or Inf, see checked_collectives.py).
 """
 from __future__ import annotations
 
@@ -25,14 +25,14 @@ from dataclasses import dataclass, field
 
 from rdmatensor import UsageError
 
-from ..engine.bootstrap import Bootstrap, PortReservation
-from ..engine.checks import CheckedCollectives, finite_check_from_env
+from .bootstrap import Bootstrap, PortReservation
+from .checked_collectives import CheckedCollectives, finite_check_from_env
 from rdmatensor.runner import rendezvous_client as rendezvous
 from rdmatensor.runner.cluster import Cluster
-from ..engine.failure import JobFailure
-from ..engine.timeline import Timeline
-from .process_sets import (ProcessSet, add_process_set, global_process_set, member_of,  # noqa: F401
-                           remove_process_set)
+from .failure import JobFailure
+from .timeline import Timeline
+from . import process_sets as process_sets_module
+from .process_sets import ProcessSet, add_process_set, global_process_set, member_of, remove_process_set  # noqa: F401
 
 
 class ReduceOp(enum.IntEnum):
@@ -94,14 +94,11 @@ def local_of(cluster: Cluster) -> tuple[int, int]:
     return here.index(cluster.rank), len(here)
 
 
-def init(model=None, provider: str | None = None, cluster: Cluster | None = None, token: str | None = None,
+def init(provider: str | None = None, cluster: Cluster | None = None, token: str | None = None,
          timeout: float | None = None, fusion_threshold: int | None = None,
          check_finite: bool | None = None, process_sets=None) -> None:
-    """Join the job: connect the bootstrap channel between the workers. No model is
-    needed; with one (a built Keras model), the tensor sets of its first step
-    (gradient all-reduce of its trainable variables, broadcast of all its
-    variables from rank 0) are planned now, in one exchange. Calling init() again
-    only plans ahead for the model given. `fusion_threshold`: bytes per
+    """Join the job: connect the bootstrap channel between the workers (once: a
+    second call does nothing). `fusion_threshold`: bytes per
     all-reduce bucket (default RDMATENSOR_FUSION_THRESHOLD, else 64 MiB, as Horovod).
     `check_finite` (default RDMATENSOR_CHECK_FINITE): allreduce raises
     NonFiniteValue, naming the tensor, when a floating value holds a NaN or Inf.
@@ -119,7 +116,7 @@ def init(model=None, provider: str | None = None, cluster: Cluster | None = None
         cluster = cluster or Cluster(("127.0.0.1:0",))
         if not cluster.is_worker:
             raise UsageError(f"task {cluster.task_type}:{cluster.task_index} is not a worker: only workers "
-                             f"join the collectives (parameter servers run tf_plugin.engine.ps)")
+                             f"join the collectives (parameter servers run tf_plugin.graph.ps_step)")
         size, rank = cluster.num_workers, cluster.rank
         token = token or os.environ.get("RDMATENSOR_TOKEN")
         if size > 1 and not token:
@@ -151,11 +148,7 @@ def init(model=None, provider: str | None = None, cluster: Cluster | None = None
         _at_exit(shutdown)                 # peers hear a goodbye, not a silence, when a script just ends
         global_process_set.ranks = list(range(size))      # as Horovod's init sets it
         if process_sets:
-            from .process_sets import register
-            register(_world, list(process_sets), adding=False)
-    if model is not None:
-        from .tensors import plan_ahead
-        plan_ahead(model)
+            process_sets_module.register(_world, list(process_sets), adding=False)
 
 
 def _join_round():
@@ -264,7 +257,7 @@ def _same_local_rank(w: World) -> list[int]:
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Record the all-reduce's time line in `file_path` from now on (engine/timeline.py;
+    """Record the all-reduce's time line in `file_path` from now on (core/timeline.py;
     as RDMATENSOR_TIMELINE: rank 0 writes it, or every rank with {rank} in the path).
     A time line already recording is closed first. `mark_cycles`: accepted, as
     Horovod's, with no cycles to mark."""
@@ -369,3 +362,5 @@ def is_homogeneous() -> bool:
     counts = allgather_object(local_size(), name="homogeneous")
     return len(set(counts)) == 1
 
+
+process_sets_module._setup(world)

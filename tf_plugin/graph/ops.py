@@ -91,7 +91,7 @@ def _session(name: str, role: str):
         if spec is not None and getattr(spec, role) == s.rank:
             return s, spec
     raise UnknownTensor(f"no registered session {'sends' if role == 'src' else 'receives'} {name!r} "
-                        f"(ranks registered: {sorted(_sessions)}; use tf_plugin.engine.ops.use(session))")
+                        f"(ranks registered: {sorted(_sessions)}; use tf_plugin.graph.ops.use(session))")
 
 
 def _timed(fn):

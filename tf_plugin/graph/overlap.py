@@ -1,6 +1,6 @@
 """The all-reduce inside a tf.function, overlapped with backprop (as Horovod does).
 
-Per bucket (analyzer.buckets_of: gradients in the order backprop produces
+Per bucket (layout.buckets_of: gradients in the order backprop produces
 them), two small stateful ops:
 
 - launch: its inputs are only that bucket's gradients, so TensorFlow's
@@ -33,7 +33,7 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
-from .ingest import TF_ALIGN
+from ..core.buffers import TF_ALIGN
 from .tf_errors import numpy_function
 
 _last = weakref.WeakKeyDictionary()     # graph -> the last op of the latest collective built in it

@@ -1,7 +1,7 @@
 """Parameter-server training: workers push gradients, servers apply them and push
 the variables back, every tensor written into a slot preallocated by the plan.
 
-Variables are sharded round-robin over the servers (analyzer.ps_rank); each
+Variables are sharded round-robin over the servers (layout.ps_rank); each
 server owns its shard's variables and the optimizer state for them. One step:
 
     server:  push its variables to every worker -> take every worker's
@@ -21,8 +21,8 @@ import numpy as np
 import tensorflow as tf
 
 from . import ingest
-from .analyzer import Analysis, grad_name, param_name, ps_rank
-from .meter import Meter
+from ..core.layout import Analysis, grad_name, param_name, ps_rank
+from ..core.meter import Meter
 
 
 def _host(tensor) -> np.ndarray:

@@ -12,7 +12,7 @@ import keras
 import tensorflow as tf
 
 from .tensors import allreduce
-from .world import Sum, size
+from ..core.world import Sum, size
 
 
 class SyncBatchNormalization(keras.layers.BatchNormalization):

@@ -5,8 +5,8 @@ eagerly it runs right there on numpy aliases of the tensors; in a graph it
 is one stateful tf.numpy_function, so it runs in program order and blocks
 one of TensorFlow's inter-op threads while it waits; an all-reduce of tensors
 with static shapes is one launch op and one wait op per bucket instead, its
-rings overlapping backprop (tf_plugin.engine.overlap). What moves and where it lands
-is tf_plugin.engine.collectives' business: the first call of a tensor set extends
+rings overlapping backprop (tf_plugin.graph.overlap). What moves and where it lands
+is tf_plugin.core.collectives' business: the first call of a tensor set extends
 the plan once, later calls cost no control call.
 
 Outputs reach TensorFlow with no copy where they are 64-byte aligned (the
@@ -22,13 +22,14 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from ..engine import adasum, ingest
-from ..engine import overlap
-from ..engine.analyzer import var_key
-from ..engine.collectives import allreduce_op
-from ..engine.tf_errors import InvalidArgument, as_horovod_errors, numpy_function
-from .process_sets import Group, NotAMember, group_of, member_of
-from .world import Adasum, Average, Max, Min, Product, ReduceOp, Sum, allgather_object, world
+from ..core import adasum
+from ..graph import ingest
+from ..graph import overlap
+from ..core.layout import var_key
+from ..core.collectives import allreduce_op
+from ..graph.tf_errors import InvalidArgument, as_horovod_errors, numpy_function
+from ..core.process_sets import Group, NotAMember, group_of, member_of
+from ..core.world import Adasum, Average, Max, Min, Product, ReduceOp, Sum, allgather_object, world
 
 __all__ = ["Compression", "DistributedGradientTape", "PartialDistributedGradientTape", "allreduce",
            "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_", "broadcast_variables",
@@ -136,10 +137,10 @@ def _allreduce_many(tensors, names, op: str, compression, group: Group, prescale
                     postscale: float = 1.0, scatter: bool = False) -> list:
     """Eagerly: every bucket handed to the communication thread, then collected.
     In a graph, with static shapes: one launch op per bucket, fed only by that
-    bucket's tensors, and one wait op per bucket (tf_plugin.engine.overlap), so rings run
+    bucket's tensors, and one wait op per bucket (tf_plugin.graph.overlap), so rings run
     while backprop still computes later buckets; otherwise one numpy_function.
     `op`: a reduction of collectives.REDUCTIONS; the factors scale as Horovod's
-    (tf_plugin.engine.scaling); `scatter`: the all-reduce of a reducescatter."""
+    (tf_plugin.core.scaling); `scatter`: the all-reduce of a reducescatter."""
     packed = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
     sent = [p[0] for p in packed]
     collectives = group.collectives

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from .process_sets import group_of
+from ..core.process_sets import group_of
 from .tensors import Compression, reduce_shared
-from .world import Average
+from ..core.world import Average
 
 
 class TF1DistributedOptimizer(tf.compat.v1.train.Optimizer):

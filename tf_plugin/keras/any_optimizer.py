@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from ..horovod.tensors import Compression
 from ..horovod.tf1_optimizer import TF1DistributedOptimizer
-from ..horovod.world import Adasum, Average
+from ..core.world import Adasum, Average
 from .optimizer import DistributedOptimizer as KerasDistributedOptimizer
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import tensorflow as tf
 
 from ..horovod import tensors as horovod
-from ..horovod.world import rank, size
+from ..core.world import rank, size
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):

@@ -19,9 +19,9 @@ import types
 
 import tensorflow as tf
 
-from ..horovod.process_sets import group_of
+from ..core.process_sets import group_of
 from ..horovod.tensors import Compression, local_variables, reduce_shared
-from ..horovod.world import Average
+from ..core.world import Average
 
 
 class _DistributedOptimizer:

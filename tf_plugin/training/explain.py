@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..engine.analyzer import analyze
-from ..engine.step import Step
+from ..graph.analyzer import analyze
+from ..graph.step import Step
 from . import models
 
 

@@ -134,10 +134,6 @@ class JobConfig:
     def backend(self) -> Backend:
         return BACKENDS[self.provider]
 
-    @property
-    def per_worker_batch(self) -> int:
-        return self.batch // self.workers
-
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

@@ -43,9 +43,9 @@ from .job import BACKENDS, JobConfig, RankResult
 def run_rank(cluster, config: JobConfig, token: str | None = None) -> RankResult:
     from rdmatensor import Plan, connect
     from . import models
-    from ..engine.failure import JobFailure
-    from ..engine.meter import Meter
-    from ..engine.step import Step
+    from ..core.failure import JobFailure
+    from ..core.meter import Meter
+    from ..graph.step import Step
 
     cfg, name, mode = config, config.model, config.mode
     floor = cfg.provider in FLOORS
@@ -63,7 +63,7 @@ def run_rank(cluster, config: JobConfig, token: str | None = None) -> RankResult
     if floor:
         plan, analysis = Plan(meeting_specs(cluster) if cfg.provider == "sync" else []), None
     else:
-        from ..engine.analyzer import analyze
+        from ..graph.analyzer import analyze
         analysis = analyze(step, mode, cluster.num_workers, cluster.num_ps if mode == "ps" else 0,
                            fusion=cfg.fusion)
         plan = analysis.plan
@@ -128,25 +128,26 @@ def _loops(cfg: JobConfig, cluster, session, analysis, step, model, signature, m
     """The functions that run step k on this rank, returning a worker's loss (None
     elsewhere), by kind: the job's provider alone, or in a paired job also the
     floor (`none`) and the sync floor (`sync`), sharing the model and optimizer."""
+    from ..graph import ring_tape
     from . import models
     if cfg.mode == "ps" and not cluster.is_worker:
         if cfg.provider in FLOORS:
             return {cfg.provider: lambda k: None}                         # a floor without servers
-        from ..engine.ps import ParameterServer
+        from ..graph.ps_step import ParameterServer
         server = ParameterServer(session, analysis, step.variables, models.optimizer(cfg.lr), meter)
         return {cfg.provider: lambda k: server.train_step()}
     if cfg.mode == "ps" and cfg.provider not in FLOORS:
-        from ..engine.ps import PSWorker
+        from ..graph.ps_step import PSWorker
         worker = PSWorker(session, analysis, step, meter)
         return {cfg.provider: lambda k: worker.train_step(*shard(k))}
     ring = None
     if cfg.provider not in FLOORS:
-        from ..engine.ring import RingAllReduce
+        from ..core.ring_allreduce import RingAllReduce
         ring = RingAllReduce(session, analysis, meter)
     opt = models.optimizer(cfg.lr)
     opt.build(step.variables)
     if ring is not None:
-        ring.broadcast(step.variables)
+        ring_tape.broadcast(ring, step.variables)
     meeting = Meeting(session, cluster) if cfg.provider == "sync" or cfg.paired else None
     kinds = {cfg.provider: (ring, meeting if cfg.provider == "sync" else None)}
     if cfg.paired:
@@ -157,6 +158,7 @@ def _loops(cfg: JobConfig, cluster, session, analysis, step, model, signature, m
 def _step_fn(cfg: JobConfig, model, opt, ring, meet, step, signature, shard):
     """Step k: through `ring` (None: each rank applies its own gradients), after
     meeting the other workers where `meet` is given."""
+    from ..graph import ring_tape
     from . import models
     if cfg.in_graph:
         train_step = in_graph_step(model, opt, ring, models.loss_fn, signature, meet)
@@ -167,7 +169,7 @@ def _step_fn(cfg: JobConfig, model, opt, ring, meet, step, signature, shard):
         loss, grads = step.grads(*shard(k))
         if meet is not None:
             meet()
-        apply(ring.allreduce(grads) if ring is not None else grads)
+        apply(ring_tape.allreduce(ring, grads) if ring is not None else grads)
         return float(loss)
     return loop
 
@@ -217,7 +219,7 @@ def in_graph_step(model, opt, ring, loss_fn, signature, meet=None):
     TensorFlow's inter-op threads, and ranks sharing a process (and its pool of
     as many threads as cores) can starve each other."""
     import tensorflow as tf
-    from ..engine.ring import RingGradientTape
+    from ..graph.ring_tape import RingGradientTape
 
     @tf.function(input_signature=signature)
     def train_step(x, y):

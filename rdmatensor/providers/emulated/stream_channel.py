@@ -27,6 +27,7 @@ from .write_header import WRITE_MAGIC
 AUTH_BYTES = 32
 HANDSHAKE_TIMEOUT = 5.0     # seconds a dialer has to present the key
 MAX_PENDING = 64           # handshakes in progress at once; the oldest goes first
+SPIN_SECONDS = 50e-6       # a waiter polls this long before it sleeps
 CLOSE_LINGER = 1.0         # seconds a closing side waits for the peer's end before it resets
 
 
@@ -58,6 +59,29 @@ class StreamChannel(Channel):
     def _connected(self, peer_params: dict) -> None:
         """The connection is up: finish joining the peer (KeyError, ValueError
         or TypeError mean unusable parameters). Default: nothing more."""
+
+    @abstractmethod
+    def _poll(self, event, seconds: float) -> int:
+        """Take in what has arrived, looking for up to `seconds` until `event` is set
+        (None: until anything came); how many writes were taken in. Raises what broke."""
+
+    @abstractmethod
+    def _doze(self, remaining: float) -> None:
+        """Sleep on the provider's doorbell, at most `remaining` seconds."""
+
+    def _consume(self, event, deadline: float) -> int:
+        """Under _read_lock: take in writes until `event` is set (None: until there
+        were any) or the deadline: polling for SPIN_SECONDS, then sleeping on the
+        doorbell, and so on; how many were taken in."""
+        found = 0
+        while True:
+            found += self._poll(event, max(0.0, min(SPIN_SECONDS, deadline - time.monotonic())))
+            if (event.is_set() if event is not None else found) or self._lost or self._closing:
+                return found
+            now = time.monotonic()
+            if now >= deadline:
+                return found
+            self._doze(deadline - now)
 
     @abstractmethod
     def _background(self) -> None:
@@ -174,12 +198,6 @@ class StreamChannel(Channel):
             for sock in list(pending):
                 drop(sock)
             sel.close()
-
-    @abstractmethod
-    def _consume(self, event, deadline: float) -> int:
-        """Under _read_lock: take in writes until `event` is set (None: until
-        there were any) or the deadline, polling first, then sleeping; how
-        many were taken in."""
 
     def wait_for(self, event, timeout: float) -> bool:
         """Take in writes on the waiting thread itself until `event` is set: no

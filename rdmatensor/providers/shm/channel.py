@@ -27,7 +27,6 @@ from ..contract import Capabilities, Pieces
 from .completion_ring import ORDERED_CPU, CompletionRing
 from ..emulated.stream_channel import StreamChannel
 
-SPIN_SECONDS = 50e-6       # a waiter polls its ring this long before it sleeps
 SLEEP_SLICE = 0.05         # the longest sleep before a waiter looks at its own side again
 RING_FULL_TIMEOUT = 60.0   # a peer that takes in nothing this long is broken (credits keep a ring from filling)
 # Completions taken in at a time: a sender that finds a whole step's credits
@@ -209,23 +208,11 @@ class ShmChannel(StreamChannel):
         return ring_bell
 
     # -- the receiver -----------------------------------------------------
-    def _consume(self, event, deadline: float) -> int:
-        """Under _read_lock: take in completions until `event` is set (None:
-        until there were any) or the deadline: polling the ring for
-        SPIN_SECONDS, then sleeping on the doorbell, and so on."""
-        ring, found = self._ring_in, 0
-        while True:
-            n = ring.poll(event, DRAIN_BATCH, self.local, self.on_imm,
-                          max(0.0, min(SPIN_SECONDS, deadline - time.monotonic())))
-            if n < 0:
-                self._refuse(ring.refused)
-            found += n
-            if (event.is_set() if event is not None else found) or self._lost or self._closing:
-                return found
-            now = time.monotonic()
-            if now >= deadline:
-                return found
-            self._sleep(deadline - now)
+    def _poll(self, event, seconds: float) -> int:
+        n = self._ring_in.poll(event, DRAIN_BATCH, self.local, self.on_imm, seconds)
+        if n < 0:
+            self._refuse(self._ring_in.refused)
+        return n
 
     def _drain(self) -> int:
         """Take in a batch of completions: each checked like a NIC, then reported."""
@@ -245,7 +232,7 @@ class ShmChannel(StreamChannel):
         self.land(magic, region, key, offset, length)
         raise RefusedWrite(f"peer {self.peer} wrote a completion that does not land", peer=self.peer)
 
-    def _sleep(self, remaining: float) -> None:
+    def _doze(self, remaining: float) -> None:
         """Sleep on the doorbell, once the ring says so and is still empty."""
         ring = self._ring_in
         ring.sleeping(True)              # and a full barrier before the last look at head (completion_ring.py)

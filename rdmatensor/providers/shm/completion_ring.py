@@ -40,17 +40,16 @@ RDMATENSOR_SHM_RING=python.
 from __future__ import annotations
 
 import itertools
-import os
 import platform
 import struct
 import threading
-import time
 
 import numpy as np
 
 from ... import native
 from ...errors import ForeignSegment
 from ...memory import Arena, MappedArena
+from ..emulated.waiting import Patience
 from ..emulated.write_header import WRITE_HEADER, WRITE_MAGIC
 
 RING_MAGIC = 0x52445452          # "RDTR"
@@ -254,7 +253,7 @@ class CompletionRing:
         """drain() until event.is_set() (an event of None: until any entry was
         taken in), on_imm says the channel is lost, or `seconds` passed,
         yielding the core between looks. How many were taken in; -1 as drain()."""
-        found, until = 0, 0.0
+        found, patience = 0, Patience(seconds)
         while True:
             n, stop = self._drain_some(most, local, on_imm)
             if n < 0:
@@ -262,12 +261,8 @@ class CompletionRing:
             found += n
             if stop or (event.is_set() if event is not None else found):
                 return found
-            now = time.monotonic()
-            if not until:
-                until = now + seconds
-            elif now >= until:
+            if patience.exhausted():
                 return found
-            os.sched_yield()         # a peer sharing this core runs now, not at the next tick
 
     def available(self) -> int:
         """How many entries wait; -1 when head is not to be believed."""

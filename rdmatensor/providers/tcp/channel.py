@@ -27,7 +27,6 @@ from ..emulated.stream_channel import StreamChannel
 
 IOV_PAIRS = 500            # writes per sendmsg (two parts each, more for Pieces; the kernel takes up to IOV_MAX = 1024)
 DEFER_SECONDS = 0.005     # a credit may wait this long for a write to ride with (PARK_SECONDS)
-SPIN_SECONDS = 50e-6      # a waiter polls the socket without blocking this long before it sleeps
 SLEEP_SLICE = 0.05        # the longest sleep before a waiter looks at its own side again
 PARK_SECONDS = 0.005      # the background reader leaves the socket to a waiter this long after it waited
 RECEIVE_BUFFER = 16384    # headers and small payloads come in together; larger payloads go straight in
@@ -104,9 +103,8 @@ class TcpChannel(StreamChannel):
             raise TransportError(f"{self.name} channel to peer {self.peer} is not connected")
         try:
             with self._send_lock:
-                if self._owed:                   # credits owed go first, in the same system call
-                    parts.insert(0, bytes(self._owed))
-                    self._owed = bytearray()
+                if self._owed:
+                    parts.insert(0, self._take_owed())
                 for i in range(0, len(parts), 2 * IOV_PAIRS):
                     _send_parts(sock, parts[i:i + 2 * IOV_PAIRS])
         except OSError as exc:
@@ -189,6 +187,11 @@ class TcpChannel(StreamChannel):
             raise PeerLost(f"sending to peer {self.peer} failed: {exc}") from exc
         del owed[:sent]
 
+    def _take_owed(self) -> bytes:
+        """Under _send_lock: the credits owed, which go first, in the same system call."""
+        owed, self._owed = bytes(self._owed), bytearray()
+        return owed
+
     def _send(self, header: bytes, payload: np.ndarray | None) -> None:
         """Header and payload in one system call (the rest, if the kernel took only part)."""
         sock = self._sock
@@ -196,8 +199,8 @@ class TcpChannel(StreamChannel):
             raise TransportError(f"{self.name} channel to peer {self.peer} is not connected")
         try:
             with self._send_lock:
-                if self._owed:                   # credits owed go first, in the same system call
-                    header, self._owed = bytes(self._owed) + header, bytearray()
+                if self._owed:
+                    header = self._take_owed() + header
                 if payload is None or not payload.nbytes:
                     sock.sendall(header)
                     return
@@ -211,22 +214,14 @@ class TcpChannel(StreamChannel):
             raise PeerLost(f"sending to peer {self.peer} failed: {exc}") from exc
 
     # -- the receiver -----------------------------------------------------
-    def _consume(self, event, deadline: float) -> int:
-        """Under _read_lock: take in writes until `event` is set (None: until
-        there were any) or the deadline: polling the socket for SPIN_SECONDS,
-        then sleeping on it, and so on; how many were taken in."""
-        box, found = self._inbox, 0
-        while True:
-            n = box.poll(event, self.local, self.on_imm, max(0.0, min(SPIN_SECONDS, deadline - time.monotonic())))
-            if n < 0:
-                self._inbox_failed(n)
-            found += n
-            if (event.is_set() if event is not None else found) or self._lost or self._closing:
-                return found
-            now = time.monotonic()
-            if now >= deadline:
-                return found
-            self._inline_poller.poll(math.ceil(min(deadline - now, SLEEP_SLICE) * 1000))
+    def _poll(self, event, seconds: float) -> int:
+        n = self._inbox.poll(event, self.local, self.on_imm, seconds)
+        if n < 0:
+            self._inbox_failed(n)
+        return n
+
+    def _doze(self, remaining: float) -> None:
+        self._inline_poller.poll(math.ceil(min(remaining, SLEEP_SLICE) * 1000))
 
     def _inbox_failed(self, code: int) -> None:
         """The typed error for what the inbox would not take in."""

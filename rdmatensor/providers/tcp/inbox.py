@@ -26,11 +26,10 @@ below does the same where it is not built, or with RDMATENSOR_TCP_INBOX=python.
 """
 from __future__ import annotations
 
-import os
 import socket
-import time
 
 from ... import native
+from ..emulated.waiting import Patience
 from ..emulated.write_header import WRITE_HEADER, WRITE_MAGIC
 
 REFUSED, CLOSED, CLOSED_MID = -1, -2, -3
@@ -66,7 +65,7 @@ class Inbox:
         return self._end - self._start
 
     def poll(self, event, local: dict, on_imm, seconds: float) -> int:
-        found, until = 0, 0.0
+        found, patience = 0, Patience(seconds)
         while True:
             if self._closed:
                 raise ValueError("the inbox is closed")
@@ -81,12 +80,8 @@ class Inbox:
                 return got
             if got:
                 continue
-            now = time.monotonic()
-            if not until:
-                until = now + seconds
-            elif now >= until:
+            if patience.exhausted():
                 return found
-            os.sched_yield()         # a peer sharing this core runs now, not at the next tick
 
     def close(self) -> None:
         self._closed = True          # (the socket is the channel's)

@@ -1,0 +1,17 @@
+"""The collective engine and the job's basics, with no framework (as Horovod's
+horovod/common): every face of tf_plugin stands on it, and it never imports
+TensorFlow (tests/test_layout.py checks what a fresh process loads).
+
+    world               init, rank, size, objects between ranks (process_sets: the sets)
+    elastic             State, ObjectState, run: a job that survives a lost rank
+    checked_collectives the engine's front door: every call checked, errors naming the tensor and rank
+    collectives         the plan grown from the tensor sets the job calls; numbered, tagged calls and resets
+    bootstrap           small objects between the workers, before any tensor plan
+    layout              names, fusion buckets, ring chunks: how tensors become a Plan (Analysis)
+    ring_allreduce      the ring all-reduce over a laid-out plan, on numpy arrays
+    background          the communication thread: every bucket's ring, in plan order, while backprop runs
+    buffers             64-byte aligned memory TensorFlow takes with no copy, reused once it lets go
+    scaling, adasum     Horovod's pre/postscale, and its Adasum reduction
+    failure             a lost rank fails every collective of this rank, naming the rank lost first
+    meter, timeline     time in communication and copies; RDMATENSOR_TIMELINE (Chrome trace)
+"""
