@@ -15,9 +15,9 @@ setup:
 # the gRPC baseline (mlp: every instruction is emulated there).
 demo: setup
 	$(PY) -m rdmatensor devices
-	$(PY) -m tf_plugin.training.launch --model mobilenetv2 --workers 2 --batch 16 --steps 20 \
+	$(PY) -m tf_plugin.training.cli --model mobilenetv2 --workers 2 --batch 16 --steps 20 \
 	    --provider none,shm,tcp,grpc,tf-grpc
-	$(PY) -m tf_plugin.training.launch --mode allreduce --workers 2 --model mlp --steps 30 --threads \
+	$(PY) -m tf_plugin.training.cli --mode allreduce --workers 2 --model mlp --steps 30 --threads \
 	    --provider verbs,tcp,grpc --softroce-vm
 	@echo "In the VM, verbs is SoftRoCE: software RDMA in a kernel emulated instruction by instruction (qemu TCG)," \
 	    "so it cannot beat the kernel's loopback TCP there; on an RDMA NIC the writes leave the CPU."
@@ -34,7 +34,7 @@ BENCH_ROUNDS ?= 1
 bench-models: setup horovod-reference
 	mkdir -p docs/models
 	for m in $(BENCH_MODELS); do \
-	    $(PY) -m tf_plugin.training.launch --model $$m --workers 2 --batch 16 --steps $(BENCH_STEPS) \
+	    $(PY) -m tf_plugin.training.cli --model $$m --workers 2 --batch 16 --steps $(BENCH_STEPS) \
 	        --provider $(BENCH_PROVIDERS) --rounds $(BENCH_ROUNDS) --json docs/models/$$m.json || exit 1; \
 	done
 
@@ -46,7 +46,7 @@ BENCH_PAIRED_STEPS ?= 181
 bench-models-paired: setup
 	mkdir -p docs/models/paired
 	for m in $(BENCH_MODELS); do \
-	    $(PY) -m tf_plugin.training.launch --model $$m --workers 2 --batch 16 --steps $(BENCH_PAIRED_STEPS) \
+	    $(PY) -m tf_plugin.training.cli --model $$m --workers 2 --batch 16 --steps $(BENCH_PAIRED_STEPS) \
 	        --provider shm --paired --json docs/models/paired/$$m.json || exit 1; \
 	done
 	$(PY) -m bench.models_table --paired $(addprefix docs/models/paired/,$(addsuffix .json,$(BENCH_MODELS)))

@@ -88,7 +88,7 @@ def test_rounds_combine_ratios_taken_within_each_round():
 
 
 def test_horovod_without_its_build_is_refused_saying_how_to_build_it(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "tf_plugin.training.launch", "--provider", "shm,horovod"],
+    proc = subprocess.run([sys.executable, "-m", "tf_plugin.training.cli", "--provider", "shm,horovod"],
                           env={**os.environ, "RDMATENSOR_HOROVOD_VENV": str(tmp_path / "none")},
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "provider horovod needs real Horovod" in proc.stderr \
@@ -98,7 +98,7 @@ def test_horovod_without_its_build_is_refused_saying_how_to_build_it(tmp_path):
 def test_floor_beside_tcp_in_one_run(tmp_path, close_to_reference):
     """rdmatensor-train --provider none,tcp: the floor moves nothing, tcp learns the reference."""
     out = tmp_path / "cmp.json"
-    proc = subprocess.run([sys.executable, "-m", "tf_plugin.training.launch", "--workers", "2",
+    proc = subprocess.run([sys.executable, "-m", "tf_plugin.training.cli", "--workers", "2",
                            "--provider", "none,tcp",
                            "--model", "mlp", "--steps", "20", "--json", str(out),
                            "--timeline", str(tmp_path / "trace.json")],
@@ -151,7 +151,7 @@ def test_transformer_lm_in_graph_over_processes_matches_one_process(tmp_path, mo
     from tf_plugin.training import models
     monkeypatch.setenv("RDMATENSOR_FUSION_THRESHOLD", str(4 << 20))      # several buckets
     out = tmp_path / "lm.json"
-    proc = subprocess.run([sys.executable, "-m", "tf_plugin.training.launch", "--workers", "2", "--provider", "tcp",
+    proc = subprocess.run([sys.executable, "-m", "tf_plugin.training.cli", "--workers", "2", "--provider", "tcp",
                            "--model", "lm", "--steps", "4", "--batch", "8", "--json", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -177,7 +177,7 @@ def test_the_sync_floor_meets_once_per_step_and_rounds_interleave(tmp_path):
     """rdmatensor-train --provider none,sync --rounds 2: the sync floor writes 4 bytes to the
     other worker per step and trains exactly as the floor; the rounds alternate the jobs."""
     out = tmp_path / "rounds.json"
-    proc = subprocess.run([sys.executable, "-m", "tf_plugin.training.launch", "--workers", "2",
+    proc = subprocess.run([sys.executable, "-m", "tf_plugin.training.cli", "--workers", "2",
                            "--provider", "none,sync", "--rounds", "2", "--model", "mlp", "--steps", "5",
                            "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -192,7 +192,7 @@ def test_the_sync_floor_meets_once_per_step_and_rounds_interleave(tmp_path):
     assert cmp["rounds"] == 2 and cmp["of_sync"]["sync"] == 1.0 and cmp["efficiency"]["none"] == 1.0
     low, high = cmp["efficiency_range"]["sync"]
     assert 0 < low <= cmp["efficiency"]["sync"] <= high
-    bad = subprocess.run([sys.executable, "-m", "tf_plugin.training.launch", "--provider", "none,shm,none",
+    bad = subprocess.run([sys.executable, "-m", "tf_plugin.training.cli", "--provider", "none,shm,none",
                           "--rounds", "2"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "name each provider once" in bad.stderr, bad.stderr[-1000:]
 
@@ -223,7 +223,7 @@ def test_a_paired_job_times_both_floors_beside_the_provider_in_one_run(tmp_path)
     """rdmatensor-train --provider shm --paired: floor, sync floor and shm steps in turn in the
     same processes; the provider's counters leave the meetings out."""
     out = tmp_path / "paired.json"
-    proc = subprocess.run([sys.executable, "-m", "tf_plugin.training.launch", "--workers", "2", "--provider", "shm",
+    proc = subprocess.run([sys.executable, "-m", "tf_plugin.training.cli", "--workers", "2", "--provider", "shm",
                            "--paired", "--model", "mlp", "--steps", "8", "--json", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -235,6 +235,6 @@ def test_a_paired_job_times_both_floors_beside_the_provider_in_one_run(tmp_path)
     assert summary["writes_per_step"] == 4          # the ring's two writes per worker, not the meetings'
     for rank in job["ranks"]:
         assert len(rank["paired_seconds"]["none"]) == len(rank["paired_seconds"]["sync"]) == 2
-    bad = subprocess.run([sys.executable, "-m", "tf_plugin.training.launch", "--provider", "none", "--paired"],
+    bad = subprocess.run([sys.executable, "-m", "tf_plugin.training.cli", "--provider", "none", "--paired"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "paired with provider 'none'" in bad.stderr, bad.stderr[-1000:]

@@ -11,7 +11,7 @@ from .conftest import STEPS
 def test_ps_two_workers_one_ps_processes_match_single_process(tmp_path, close_to_reference):
     """The launcher: one process per rank, TF_CONFIG each, results in JSON."""
     out = tmp_path / "ps.json"
-    proc = subprocess.run([sys.executable, "-m", "tf_plugin.training.launch", "--mode", "ps", "--workers", "2",
+    proc = subprocess.run([sys.executable, "-m", "tf_plugin.training.cli", "--mode", "ps", "--workers", "2",
                            "--ps", "1", "--provider", "tcp", "--model", "mlp", "--steps", str(STEPS),
                            "--json", str(out), "--seed", "0"],
                           capture_output=True, text=True, timeout=300)
@@ -115,7 +115,7 @@ def test_tensorflow_own_strategy_trains_the_same_model(tmp_path, mode, close_to_
     """The tf-grpc baseline (MultiWorkerMirroredStrategy) learns exactly what the plugin does,
     and the launcher reports the two as a ratio."""
     out = tmp_path / "cmp.json"
-    proc = subprocess.run([sys.executable, "-m", "tf_plugin.training.launch", "--mode", mode, "--workers", "2",
+    proc = subprocess.run([sys.executable, "-m", "tf_plugin.training.cli", "--mode", mode, "--workers", "2",
                            "--provider", "tcp,tf-grpc", "--model", "mlp", "--steps", str(STEPS),
                            "--threads", "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

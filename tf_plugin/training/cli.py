@@ -142,7 +142,7 @@ def _run_in_vm(argv: list[str], args) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         cmd += ["--share", str(out.parent)]
         inner = _replace_json(inner, str(out))
-    cmd += ["--", "env", f"{IN_VM}=1", sys.executable, "-m", "tf_plugin.training.launch", *inner]
+    cmd += ["--", "env", f"{IN_VM}=1", sys.executable, "-m", "tf_plugin.training.cli", *inner]
     print("+ " + shlex.join(cmd), file=sys.stderr, flush=True)
     return subprocess.run(cmd).returncode
 

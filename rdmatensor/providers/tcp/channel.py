@@ -98,9 +98,7 @@ class TcpChannel(StreamChannel):
                 parts += [memoryview(p).cast("B") for p in src if p.nbytes]
             elif src.nbytes:
                 parts.append(memoryview(src).cast("B"))
-        sock = self._sock
-        if sock is None:
-            raise TransportError(f"{self.name} channel to peer {self.peer} is not connected")
+        sock = self._connected()
         try:
             with self._send_lock:
                 if self._owed:
@@ -187,6 +185,12 @@ class TcpChannel(StreamChannel):
             raise PeerLost(f"sending to peer {self.peer} failed: {exc}") from exc
         del owed[:sent]
 
+    def _connected(self) -> socket.socket:
+        sock = self._sock
+        if sock is None:
+            raise TransportError(f"{self.name} channel to peer {self.peer} is not connected")
+        return sock
+
     def _take_owed(self) -> bytes:
         """Under _send_lock: the credits owed, which go first, in the same system call."""
         owed, self._owed = bytes(self._owed), bytearray()
@@ -194,9 +198,7 @@ class TcpChannel(StreamChannel):
 
     def _send(self, header: bytes, payload: np.ndarray | None) -> None:
         """Header and payload in one system call (the rest, if the kernel took only part)."""
-        sock = self._sock
-        if sock is None:
-            raise TransportError(f"{self.name} channel to peer {self.peer} is not connected")
+        sock = self._connected()
         try:
             with self._send_lock:
                 if self._owed:
