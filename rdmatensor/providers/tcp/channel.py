@@ -98,7 +98,7 @@ class TcpChannel(StreamChannel):
                 parts += [memoryview(p).cast("B") for p in src if p.nbytes]
             elif src.nbytes:
                 parts.append(memoryview(src).cast("B"))
-        sock = self._connected()
+        sock = self._socket()
         try:
             with self._send_lock:
                 if self._owed:
@@ -185,7 +185,7 @@ class TcpChannel(StreamChannel):
             raise PeerLost(f"sending to peer {self.peer} failed: {exc}") from exc
         del owed[:sent]
 
-    def _connected(self) -> socket.socket:
+    def _socket(self) -> socket.socket:
         sock = self._sock
         if sock is None:
             raise TransportError(f"{self.name} channel to peer {self.peer} is not connected")
@@ -198,7 +198,7 @@ class TcpChannel(StreamChannel):
 
     def _send(self, header: bytes, payload: np.ndarray | None) -> None:
         """Header and payload in one system call (the rest, if the kernel took only part)."""
-        sock = self._connected()
+        sock = self._socket()
         try:
             with self._send_lock:
                 if self._owed:
