@@ -4,6 +4,7 @@ fresh process has loaded, not by import lines), and every compiled extension
 still builds, installs and loads where its Python side looks for it."""
 import ast
 import json
+import os
 import pathlib
 import re
 import subprocess
@@ -194,3 +195,16 @@ def test_every_compiled_extension_is_built_installed_and_loaded():
             "print('ok')\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def test_job_files_written_before_the_move_still_run():
+    """`python -m tf_plugin.launcher.run` and `...cluster` forward to rdmatensor.runner."""
+    run = subprocess.run([sys.executable, "-m", "tf_plugin.launcher.run", "-np", "2", sys.executable, "-c",
+                          "import os; print('rank', os.environ['RDMATENSOR_RANK'])"],
+                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert run.returncode == 0 and "[0] rank 0" in run.stdout and "[1] rank 1" in run.stdout, run.stderr
+    config = json.dumps({"cluster": {"worker": ["a:1", "b:2"]}, "task": {"type": "worker", "index": 1}})
+    cluster = subprocess.run([sys.executable, "-m", "tf_plugin.launcher.cluster"], capture_output=True, text=True,
+                             cwd=REPO, timeout=120, env={**os.environ, "TF_CONFIG": config})
+    assert cluster.returncode == 0 and json.loads(cluster.stdout)["task"] == {"type": "worker", "index": 1}, \
+        cluster.stderr
