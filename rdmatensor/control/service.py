@@ -1,20 +1,25 @@
-"""Control-plane server and client: token authentication, optional TLS, a
-bounded share of threads for calls that wait; errors cross as in `status.py`."""
+"""Control-plane server and client: every call proves it knows the job token
+without sending it (proof.py), optional TLS, a bounded share of threads for
+calls that wait; errors cross as in `status.py`."""
 from __future__ import annotations
 
-import hmac
+import collections
 import threading
 from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
 
-from ..errors import TransportError
+from ..errors import AuthenticationError, TransportError
 from . import control_pb2 as pb
 from . import control_pb2_grpc as pb_grpc
+from .proof import UNBOUND, Signer, Verifier, digest
 from .status import rpc_error
 
-TOKEN_KEY = "rdmatensor-token"
+PROOF_KEY = "rdmatensor-proof"
+# The grpc baseline's Push carries a whole tensor: hashing it would slow the baseline
+# being measured. Its proof binds the method and the call, not the payload.
+UNBOUND_METHODS = frozenset({"/rdmatensor.control.Baseline/Push"})
 MAX_MESSAGE = 1 << 30          # the grpc baseline carries whole tensors
 STOP_WAIT = 2.0                # seconds a stopping server gets beyond the calls' grace
 
@@ -36,15 +41,16 @@ WORKERS = 512                  # threads start on demand; the coordinator of an 
 RESERVED_WORKERS = 32          # barrier holds N - 1, the rest are kept for other calls
 
 
-class _TokenCheck(grpc.ServerInterceptor):
-    """Refuse any call that does not carry the session token: a peer without it
-    never reaches a handler, so it never learns a descriptor. The refusal reads
-    no request (a stream handler that never iterates), so an unauthenticated
-    caller cannot make the server buffer a message of up to MAX_MESSAGE bytes.
-    Blocking calls beyond their share of threads are refused at once."""
+class _ProofCheck(grpc.ServerInterceptor):
+    """Refuse any call that does not prove it knows the session token (proof.py):
+    a peer without it never reaches a handler, so it never learns a descriptor.
+    The refusal reads no request (a stream handler that never iterates), so an
+    unauthenticated caller cannot make the server buffer a message of up to
+    MAX_MESSAGE bytes; the body a proof binds is checked as it is read. Blocking
+    calls beyond their share of threads are refused at once."""
 
     def __init__(self, token: str, blocking_limit: int):
-        self._token = token.encode()
+        self._verifier = Verifier(token)
         self._blocking = threading.BoundedSemaphore(max(1, blocking_limit))
         self._wrapped: dict = {}
 
@@ -53,30 +59,58 @@ class _TokenCheck(grpc.ServerInterceptor):
         self._deny = grpc.stream_unary_rpc_method_handler(deny)
 
     def intercept_service(self, continuation, details):
-        for key, value in details.invocation_metadata or ():
-            if key == TOKEN_KEY and hmac.compare_digest(value.encode(), self._token):
-                handler = continuation(details)
-                if handler is not None and details.method in BLOCKING_METHODS and handler.unary_unary:
-                    return self._bounded(details.method, handler)
-                return handler
-        return self._deny
+        proofs = [v for k, v in details.invocation_metadata or () if k == PROOF_KEY and isinstance(v, str)]
+        if len(proofs) != 1:
+            return self._deny
+        try:
+            bound = self._verifier.check(details.method, proofs[0])
+        except AuthenticationError:
+            return self._deny
+        if bound == UNBOUND and details.method not in UNBOUND_METHODS:
+            return self._deny
+        handler = continuation(details)
+        if handler is None or not handler.unary_unary:
+            return handler
+        inner, parse = handler.unary_unary, handler.request_deserializer
+        if details.method in BLOCKING_METHODS:
+            inner = self._bounded(details.method, inner)
+        if bound != UNBOUND:
+            def parse_bound(raw: bytes, parse=parse, bound=bound):
+                if digest(raw) != bound:
+                    raise AuthenticationError("the call's body is not the one its proof was made for")
+                return parse(raw)
+            parse = parse_bound
+        return grpc.unary_unary_rpc_method_handler(inner, request_deserializer=parse,
+                                                   response_serializer=handler.response_serializer)
 
-    def _bounded(self, method: str, handler):
-        if method not in self._wrapped:
-            inner = handler.unary_unary
+    def _bounded(self, method: str, inner):
+        def call(request, context):
+            if not self._blocking.acquire(blocking=False):
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"too many {method.rsplit('/', 1)[-1]} calls waiting")
+            try:
+                return inner(request, context)
+            finally:
+                self._blocking.release()
+        return call
 
-            def call(request, context):
-                if not self._blocking.acquire(blocking=False):
-                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                  f"too many {method.rsplit('/', 1)[-1]} calls waiting")
-                try:
-                    return inner(request, context)
-                finally:
-                    self._blocking.release()
-            self._wrapped[method] = grpc.unary_unary_rpc_method_handler(
-                call, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
-        return self._wrapped[method]
+
+class _Details(collections.namedtuple("_Details", ("method", "timeout", "metadata", "credentials",
+                                                   "wait_for_ready", "compression")), grpc.ClientCallDetails):
+    pass
+
+
+class _Prove(grpc.UnaryUnaryClientInterceptor):
+    """Every call of a client carries its proof, over its body unless the method is unbound."""
+
+    def __init__(self, token: str):
+        self._signer = Signer(token)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        body = request if isinstance(request, bytes) else request.SerializeToString()    # a raw stub's bytes
+        bound = UNBOUND if details.method in UNBOUND_METHODS else digest(body)
+        metadata = list(details.metadata or ()) + [(PROOF_KEY, self._signer.sign(details.method, bound))]
+        return continuation(_Details(details.method, details.timeout, metadata, details.credentials,
+                                     details.wait_for_ready, getattr(details, "compression", None)), request)
 
 
 _OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE),
@@ -95,7 +129,7 @@ def start_server(address: str, token: str, control, baseline, tls: TlsConfig | N
                  workers: int | None = None) -> tuple["ControlServer", int]:
     """Serve `control` (a ControlServicer) and `baseline` on `address` ("host:port", port 0 picks one)."""
     workers = WORKERS if workers is None else workers
-    check = _TokenCheck(token, blocking_limit=workers - min(RESERVED_WORKERS, workers // 2))
+    check = _ProofCheck(token, blocking_limit=workers - min(RESERVED_WORKERS, workers // 2))
     executor = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rdmatensor-ctl")
     server = grpc.server(executor, interceptors=[check], options=_OPTIONS)
     try:
@@ -148,11 +182,16 @@ class ControlServer:
         return self._stopped.wait(timeout)
 
 
+def proving(channel: grpc.Channel, token: str) -> grpc.Channel:
+    """`channel` with every unary call proving `token` (ControlClient's calls already do)."""
+    return grpc.intercept_channel(channel, _Prove(token))
+
+
 ABORT_POLL = 0.2      # seconds between looks at a call's abort hook
 
 
 class ControlClient:
-    """Stubs to one peer's control server, with the token attached to every call."""
+    """Stubs to one peer's control server; every call proves the token (the token itself never travels)."""
 
     def __init__(self, address: str, token: str, tls: TlsConfig | None = None, peer: int | None = None):
         self.address, self.peer = address, peer
@@ -160,10 +199,11 @@ class ControlClient:
             creds = grpc.ssl_channel_credentials(tls.root_ca, tls.private_key, tls.cert_chain)
             opts = _OPTIONS + ([("grpc.ssl_target_name_override", tls.server_name)]
                                if tls.server_name else [])
-            self.channel = grpc.secure_channel(address, creds, options=opts)
+            self.raw_channel = grpc.secure_channel(address, creds, options=opts)
         else:
-            self.channel = grpc.insecure_channel(address, options=_OPTIONS)
-        self.metadata = ((TOKEN_KEY, token),)
+            self.raw_channel = grpc.insecure_channel(address, options=_OPTIONS)
+        self.channel = proving(self.raw_channel, token)
+        self.metadata = ()
         self.calls = 0
         self.control = pb_grpc.ControlStub(self.channel)
         self.baseline = pb_grpc.BaselineStub(self.channel)
@@ -189,7 +229,7 @@ class ControlClient:
             raise rpc_error(exc, self.address, self.peer) from None
 
     def close(self) -> None:
-        self.channel.close()
+        self.raw_channel.close()
 
 
-__all__ = ["pb", "pb_grpc", "start_server", "ControlServer", "ControlClient", "TlsConfig", "rpc_error"]
+__all__ = ["pb", "pb_grpc", "start_server", "ControlServer", "ControlClient", "TlsConfig", "rpc_error", "proving"]

@@ -64,7 +64,7 @@ class ControlServicer(pb_grpc.ControlServicer):
             self.credentials.check(request.rank, request.pair_secret)
         except RdmaTensorError as exc:
             abort(context, exc)
-        return pb.PingReply(rank=self.rank)
+        return pb.PingReply(rank=self.rank, status=self.liveness.describe())
 
 
 class BaselineServicer(pb_grpc.BaselineServicer):

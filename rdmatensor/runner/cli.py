@@ -46,7 +46,9 @@ import subprocess
 import sys
 from typing import Sequence
 
+from .. import __version__
 from ..providers import REGISTRY
+from . import horovodrun_flags
 from .cores import BINDINGS
 from .placement import LaunchError, parse_hosts, place
 from .processes import FAILURE_WAIT, launch
@@ -79,7 +81,8 @@ def parser() -> argparse.ArgumentParser:
                    help="core (default): each rank runs on its own block of its host's cores, as mpirun's; "
                         "none: wherever the scheduler puts it (elastic jobs are not bound)")
     p.add_argument("--softroce-vm", action="store_true", help="run every rank inside one SoftRoCE VM (verbs)")
-    p.add_argument("--timeout", type=float, help="seconds for the whole job; exit 124 past it")
+    p.add_argument("--timeout", type=float, help="seconds for the whole job, exit 124 past it (horovodrun's "
+                   "--start-timeout bounds only start-up: see below)")
     p.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL when stopping ranks")
     p.add_argument("--failure-wait", type=float, default=FAILURE_WAIT,
                    help="seconds the other ranks get to end by themselves after one fails, before they are "
@@ -96,15 +99,44 @@ def parser() -> argparse.ArgumentParser:
                          help="seconds the job waits for --min-np workers before it fails (default 600)")
     elastic.add_argument("--discovery-interval", type=float, default=1.0,
                          help="seconds between runs of the discovery script (default 1)")
+    horovodrun_flags.add_to(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="CMD [ARGS ...]")
     return p
+
+
+def check_build() -> str:
+    """What this installation can do, as horovodrun --check-build says it for Horovod."""
+    from .. import native, providers
+    lines = [f"rdmatensor v{__version__}:", "", "Providers (where they can run here):"]
+    for name, (ok, why) in providers.viability().items():
+        lines.append(f"    [{'X' if ok else ' '}] {name}" + ("" if ok else f"  ({why})"))
+    lines += ["", "Compiled parts (else their Python twins run):"]
+    for what, loaded in native.built().items():
+        lines.append(f"    [{'X' if loaded is None else ' '}] {what}" + ("" if loaded is None else f"  ({loaded})"))
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = parser()
     args = p.parse_args(argv)
+    if args.version:
+        print(f"rdmatensor-run {__version__}")
+        return 0
+    if args.check_build:
+        print(check_build())
+        return 0
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    try:
+        if args.hostfile:
+            if args.hosts:
+                raise LaunchError("give the hosts once: -H or --hostfile")
+            args.hosts = horovodrun_flags.read_hostfile(args.hostfile)
+        env = horovodrun_flags.environment(args)
+    except LaunchError as exc:
+        p.error(str(exc))
+    os.environ.update(env)                    # local ranks inherit it, remote ones get it forwarded
+    args.forward += [k for k in env if k not in args.forward]
     if not command:
         p.error("give the command every rank runs, e.g. rdmatensor-run -np 2 python train.py")
     if args.timeout is not None and args.timeout <= 0:
@@ -127,7 +159,7 @@ def main(argv=None) -> int:
         return run_in_vm(argv, args.timeout)
     return launch(command, args.np, hosts, args.ps, args.provider, args.timeout, args.grace,
                   forward=args.forward, ssh_port=args.ssh_port, failure_wait=args.failure_wait,
-                  bind_to=args.bind_to)
+                  bind_to=args.bind_to, output_dir=args.output_filename, verbose=args.verbose)
 
 
 def main_elastic(p: argparse.ArgumentParser, args, command: list[str]) -> int:
@@ -146,7 +178,8 @@ def main_elastic(p: argparse.ArgumentParser, args, command: list[str]) -> int:
         p.error(f"--host-discovery-script {args.host_discovery_script}: not an executable file")
     return launch_elastic(command, os.path.abspath(args.host_discovery_script), min_np, max_np, args.np,
                           args.provider, args.timeout, args.elastic_timeout, args.discovery_interval,
-                          grace=args.grace, forward=args.forward, ssh_port=args.ssh_port)
+                          grace=args.grace, forward=args.forward, ssh_port=args.ssh_port,
+                          output_dir=args.output_filename)
 
 
 if __name__ == "__main__":

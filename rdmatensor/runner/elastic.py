@@ -35,7 +35,7 @@ from collections import Counter
 from typing import Sequence
 
 from .placement import LaunchError, Placement, is_local
-from .processes import TIMEOUT_STATUS, Job, Prefixer, describe, die_with_parent, stop_on_signals
+from .processes import TIMEOUT_STATUS, Job, describe, die_with_parent, stop_on_signals
 from .rendezvous_server import Rounds, Server
 from .ssh import ssh_command
 
@@ -117,9 +117,7 @@ class ElasticJob(Job):
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                                 preexec_fn=die_with_parent)
         self.started.append((p, proc))
-        prefix = f"[{wid}] ".encode()
-        readers = [Prefixer(proc.stdout, self.stdout, prefix, self._locks[id(self.stdout)]),
-                   Prefixer(proc.stderr, self.stderr, prefix, self._locks[id(self.stderr)])]
+        readers = self.readers_of(wid, proc)
         for r in readers:
             r.start()
         self.readers += readers

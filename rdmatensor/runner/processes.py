@@ -42,11 +42,13 @@ def describe(status: int, remote: bool = False) -> str:
 
 
 class Prefixer(threading.Thread):
-    """Copy one rank's stream to ours, line by line, each line whole and prefixed."""
+    """Copy one rank's stream to ours, line by line, each line whole and prefixed
+    (and as it is to `copy`, a file of its own, where one is given)."""
 
-    def __init__(self, pipe: BinaryIO, out: BinaryIO, prefix: bytes, lock: threading.Lock):
+    def __init__(self, pipe: BinaryIO, out: BinaryIO, prefix: bytes, lock: threading.Lock,
+                 copy: BinaryIO | None = None):
         super().__init__(daemon=True)
-        self.pipe, self.out, self.prefix, self.lock = pipe, out, prefix, lock
+        self.pipe, self.out, self.prefix, self.lock, self.copy = pipe, out, prefix, lock, copy
 
     def run(self) -> None:
         try:
@@ -56,10 +58,15 @@ class Prefixer(threading.Thread):
                 with self.lock:
                     self.out.write(self.prefix + line)
                     self.out.flush()
+                if self.copy is not None:
+                    self.copy.write(line)
+                    self.copy.flush()
         except (OSError, ValueError):
             pass                                        # our own stream closed: nothing left to copy to
         finally:
             self.pipe.close()
+            if self.copy is not None:
+                self.copy.close()
 
 
 class Job:
@@ -68,8 +75,9 @@ class Job:
     def __init__(self, placements: Sequence[Placement], command: Sequence[str], provider: str | None = None,
                  grace: float = 5.0, stdout: BinaryIO | None = None, stderr: BinaryIO | None = None,
                  forward: Sequence[str] = (), ssh_port: int | None = None, token: str | None = None,
-                 failure_wait: float = FAILURE_WAIT, bind_to: str = "core"):
+                 failure_wait: float = FAILURE_WAIT, bind_to: str = "core", output_dir: str | None = None):
         self.placements, self.command, self.grace = list(placements), list(command), grace
+        self.output_dir = output_dir            # horovodrun's --output-filename: DIR/rank.N/stdout, stderr
         self.bind_to = bind_to
         self.provider, self.forward, self.ssh_port = provider, list(forward), ssh_port
         self.failure_wait = failure_wait
@@ -86,6 +94,18 @@ class Job:
         with self._locks[id(self.stderr)]:
             self.stderr.write(f"rdmatensor-run: {message}\n".encode())
             self.stderr.flush()
+
+    def readers_of(self, rank: int, proc: subprocess.Popen) -> list[Prefixer]:
+        """The two threads that copy a rank's stdout and stderr, prefixed with `rank`."""
+        prefix, out = f"[{rank}] ".encode(), []
+        for pipe, ours, name in ((proc.stdout, self.stdout, "stdout"), (proc.stderr, self.stderr, "stderr")):
+            copy = None
+            if self.output_dir:
+                folder = os.path.join(self.output_dir, f"rank.{rank}")
+                os.makedirs(folder, exist_ok=True)
+                copy = open(os.path.join(folder, name), "ab")
+            out.append(Prefixer(pipe, ours, prefix, self._locks[id(ours)], copy))
+        return out
 
     def argv_of(self, p: Placement) -> tuple[list[str], dict[str, str] | None]:
         """The command line and environment that start rank `p`."""
@@ -112,9 +132,7 @@ class Job:
                 self.cleanup()
                 return False
         for p, proc in self.started:
-            prefix = f"[{p.rank}] ".encode()
-            self.readers += [Prefixer(proc.stdout, self.stdout, prefix, self._locks[id(self.stdout)]),
-                             Prefixer(proc.stderr, self.stderr, prefix, self._locks[id(self.stderr)])]
+            self.readers += self.readers_of(p.rank, proc)
         for r in self.readers:
             r.start()
         return True
@@ -217,12 +235,16 @@ def die_with_parent() -> None:
 def launch(command: Sequence[str], np: int, hosts: Sequence[tuple[str, int]] | None = None, ps: int = 0,
            provider: str | None = None, timeout: float | None = None, grace: float = 5.0,
            stdout: BinaryIO | None = None, stderr: BinaryIO | None = None, forward: Sequence[str] = (),
-           ssh_port: int | None = None, failure_wait: float = FAILURE_WAIT, bind_to: str = "core") -> int:
+           ssh_port: int | None = None, failure_wait: float = FAILURE_WAIT, bind_to: str = "core",
+           output_dir: str | None = None, verbose: bool = False) -> int:
     """Run `command` on np workers (+ ps parameter servers); the job's exit status.
     SIGINT and SIGTERM stop every rank (when called from the main thread)."""
     placements = place(np, hosts or [("localhost", np + ps)], ps)
     job = Job(placements, command, provider, grace, stdout, stderr, forward, ssh_port, failure_wait=failure_wait,
-              bind_to=bind_to)
+              bind_to=bind_to, output_dir=output_dir)
+    if verbose:
+        for p in placements:
+            job.say(f"{p.label}: {'here' if p.local else 'over ssh'}, local rank {p.local_rank} of {p.local_size}")
     with stop_on_signals(job):
         return job.wait(timeout) if job.start() else START_FAILED
 

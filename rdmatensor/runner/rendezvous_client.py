@@ -15,9 +15,10 @@ import urllib.request
 from dataclasses import dataclass
 
 from rdmatensor import AuthenticationError, PeerLost, UsageError
+from rdmatensor.control.proof import Signer, digest
 
 from .cluster import expand_hostlist, expand_tasks_per_node
-from .rendezvous_server import MAX_REQUEST, Rounds, Server
+from .rendezvous_server import MAX_REQUEST, Rounds, Server, canonical
 
 
 def configured() -> bool:
@@ -27,7 +28,7 @@ def configured() -> bool:
 
 def _call(request: dict, timeout: float, address: str | None = None) -> dict:
     host, port = (address or os.environ["RDMATENSOR_RENDEZVOUS"]).rsplit(":", 1)
-    request = dict(request, token=os.environ.get("RDMATENSOR_TOKEN", ""))
+    request = dict(request, proof=_signer().sign("rendezvous", digest(canonical(request))))
     deadline = time.monotonic() + timeout
     while True:                           # rank 0's server may not be up yet
         try:
@@ -37,6 +38,17 @@ def _call(request: dict, timeout: float, address: str | None = None) -> dict:
                 raise PeerLost(f"the job's rendezvous at {host}:{port} refused every connection for "
                                f"{timeout:g} s: {exc}") from exc
             time.sleep(0.1)
+
+
+_signers: dict[str, Signer] = {}
+
+
+def _signer() -> Signer:
+    """This process's signer for the job's token (one sender id, calls numbered)."""
+    token = os.environ.get("RDMATENSOR_TOKEN", "")
+    if token not in _signers:
+        _signers[token] = Signer(token)
+    return _signers[token]
 
 
 def _once(host: str, port: int, request: dict, timeout: float) -> dict:

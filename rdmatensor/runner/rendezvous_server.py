@@ -9,7 +9,8 @@ each rank only its rank, the job's size and one address: rank 0 serves the
 rendezvous there (under horovodrun, on a free port it publishes in horovodrun's
 own key-value store), every rank joins with worker id = its rank. Either way hvd.init() joins
 a round instead of reading TF_CONFIG, with a port it bound itself. One request
-per connection, one JSON line each way, every request carrying the job's token
+per connection, one JSON line each way, every request carrying a proof that it
+knows the job's token (rdmatensor/control/proof.py: the token never travels)
 (compared in constant time):
 
     join     {worker, host, port, after}  -> the first round after `after` that
@@ -26,7 +27,6 @@ rendezvous_client.py.
 """
 from __future__ import annotations
 
-import hmac
 import json
 import socketserver
 import threading
@@ -34,8 +34,14 @@ import time
 from dataclasses import dataclass, field
 
 from rdmatensor import AuthenticationError, PeerLost, UsageError
+from rdmatensor.control.proof import Verifier, digest
 
 MAX_REQUEST = 1 << 16
+
+
+def canonical(request: dict) -> bytes:
+    """A request's bytes as its proof covers them (the proof itself left out)."""
+    return json.dumps(request, sort_keys=True, separators=(",", ":")).encode()
 
 
 @dataclass
@@ -134,7 +140,8 @@ class Server:
 
     def __init__(self, rounds: Rounds, token: str, host: str = "0.0.0.0", join_timeout: float = 600.0,
                  port: int = 0):
-        self.rounds, self.token, self.join_timeout = rounds, token, join_timeout
+        self.rounds, self.join_timeout = rounds, join_timeout
+        self._verifier = Verifier(token)
         outer = self
 
         class Handler(socketserver.StreamRequestHandler):
@@ -154,8 +161,13 @@ class Server:
         self._thread.start()
 
     def _serve(self, request: dict) -> dict:
-        if not hmac.compare_digest(str(request.get("token", "")).encode(), self.token.encode()):
-            raise AuthenticationError("the rendezvous needs the job's token")
+        proof = request.pop("proof", "")
+        try:
+            bound = self._verifier.check("rendezvous", str(proof))
+        except AuthenticationError:
+            raise AuthenticationError("the rendezvous needs a proof of the job's token") from None
+        if bound != digest(canonical(request)):
+            raise AuthenticationError("the request is not the one its proof was made for")
         if request["op"] == "join":
             address = f"{request['host']}:{int(request['port'])}"
             return self.rounds.join(int(request["worker"]), address, int(request["after"]), self.join_timeout)

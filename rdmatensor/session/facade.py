@@ -9,7 +9,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from ..control.service import TlsConfig, start_server
+from ..control.service import TlsConfig, pb, start_server
 from ..control.servicers import BaselineServicer, ControlServicer
 from ..errors import PeerLost, RdmaTensorError, UsageError
 from ..plan import Plan
@@ -146,6 +146,16 @@ class Session:
         other than by an orderly close: it died, was cut off, or closed because
         it lost another rank, which `error.peer` then names."""
         self._live.when_peer_failed(callback)
+
+    def serve_status(self, describe: Callable[[], str]) -> None:
+        """What this rank answers a peer's peer_status(): `describe()`, a short text."""
+        self._live.status = describe
+
+    def peer_status(self, peer: int, timeout: float = 5.0) -> str:
+        """Ask `peer` how it is (one control call): what its serve_status() says, or ''."""
+        ctx = self._ctx
+        request = pb.PingRequest(rank=ctx.rank, pair_secret=ctx.credentials.secret(peer))
+        return ctx.call(peer, "Ping", request, timeout=timeout).status
 
     def unread(self) -> list[str]:
         """Names of the tensors whose value arrived here and has not been taken

@@ -42,6 +42,15 @@ class Liveness:
         self._on_fail: list[Callable[[], None]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.status: Callable[[], str] | None = None       # what this rank says of itself (Session.serve_status)
+
+    def describe(self) -> str:
+        """This rank's answer to a peer that asks how it is: '' where nothing says."""
+        status = self.status
+        try:
+            return status() if status is not None else ""
+        except Exception:  # noqa: BLE001 - a broken describer must not fail the heartbeat that carries it
+            return ""
 
     def when_peer_lost(self, wake: Callable[[int], None]) -> None:
         """Call `wake(peer)` when a peer is lost (to wake whoever waits on it)."""

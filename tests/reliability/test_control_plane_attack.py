@@ -28,7 +28,9 @@ from hypothesis import strategies as st
 from rdmatensor import AuthenticationError, Plan, TensorSpec
 from rdmatensor.control import control_pb2 as pb
 from rdmatensor.control import control_pb2_grpc as pb_grpc
-from rdmatensor.control.service import TOKEN_KEY, ControlClient
+from rdmatensor.control import proof as proof_module
+from rdmatensor.control.proof import UNBOUND, Signer, digest
+from rdmatensor.control.service import PROOF_KEY, ControlClient, proving
 from rdmatensor.providers.contract import WIRE_VERSION
 
 from ..support.ranks import TOKEN, check, run_ranks
@@ -38,7 +40,7 @@ PLAN = Plan([TensorSpec("a", (1024,), np.float32, 0, 1),
              TensorSpec("d", (None,), np.int32, 0, 1, capacity=256),
              TensorSpec("b", (64,), np.float64, 1, 0)])
 DYN_SLOT = next(s.index for s in PLAN.pairs[(0, 1)].slots if s.spec.name == "d")
-GOOD = ((TOKEN_KEY, TOKEN),)
+GOOD = ()                  # good calls go through proving channels, which add the proof
 CALL_TIMEOUT = 5.0
 MAX_GROW = 4 << 30
 
@@ -137,17 +139,34 @@ def assert_pair_works(pair: LivePair, tag: str) -> None:
 
 # ---------------------------------------------------------------- no token
 
-WRONG_TOKENS = {
-    "no metadata": (),
-    "empty": ((TOKEN_KEY, ""),),
-    "wrong": ((TOKEN_KEY, "wrong"),),
-    "prefix": ((TOKEN_KEY, TOKEN[:-1]),),
-    "longer": ((TOKEN_KEY, TOKEN + "x"),),
-    "other case": ((TOKEN_KEY, TOKEN.upper()),),
-    "4 KiB": ((TOKEN_KEY, "t" * 4096),),
-    "other key": (("authorization", TOKEN),),
-    "binary key": ((TOKEN_KEY + "-bin", TOKEN.encode()),),
+def proof(token: str, method: str, body: bytes) -> str:
+    return Signer(token).sign(method, UNBOUND if method == PUSH else digest(body))
+
+
+# label -> the metadata a caller without a valid proof of the token sends, for (method, body)
+WRONG_PROOFS = {
+    "no metadata": lambda m, b: (),
+    "empty": lambda m, b: ((PROOF_KEY, ""),),
+    "the token itself": lambda m, b: (("rdmatensor-token", TOKEN),),
+    "the token as the proof": lambda m, b: ((PROOF_KEY, TOKEN),),
+    "wrong token": lambda m, b: ((PROOF_KEY, proof("wrong", m, b)),),
+    "prefix": lambda m, b: ((PROOF_KEY, proof(TOKEN[:-1], m, b)),),
+    "longer": lambda m, b: ((PROOF_KEY, proof(TOKEN + "x", m, b)),),
+    "other case": lambda m, b: ((PROOF_KEY, proof(TOKEN.upper(), m, b)),),
+    "another method's": lambda m, b: ((PROOF_KEY, proof(TOKEN, PING if m != PING else BYE, b)),),
+    "another body's": lambda m, b: ((PROOF_KEY, Signer(TOKEN).sign(m, digest(b + b"x"))),),
+    "unbound": lambda m, b: ((PROOF_KEY, Signer(TOKEN).sign(m, UNBOUND)),) if m != PUSH else (),
+    "an hour old": lambda m, b: ((PROOF_KEY, _old(m, b, 3600)),),
+    "4 KiB": lambda m, b: ((PROOF_KEY, "t" * 4096),),
+    "other key": lambda m, b: (("authorization", TOKEN),),
+    "binary key": lambda m, b: ((PROOF_KEY + "-bin", TOKEN.encode()),),
 }
+
+
+def _old(method: str, body: bytes, seconds: int) -> str:
+    """A good proof made `seconds` ago: outside the window the receiver allows."""
+    stamp, nonce, bound = str(int((time.time() - seconds) * 1000)), "0123456789abcdef-1", digest(body)
+    return f"{stamp}.{nonce}.{bound}.{proof_module._mac(TOKEN, method, stamp, nonce, bound)}"
 
 
 @pytest.mark.parametrize("provider", ["tcp", "shm"])
@@ -159,28 +178,38 @@ def test_wrong_token_is_refused_and_learns_no_descriptor(provider):
         with grpc.insecure_channel(pair.peers[1]) as channel:
             stub, base = pb_grpc.ControlStub(channel), pb_grpc.BaselineStub(channel)
             perfect = exchange_request(provider=provider)
-            calls = {"Exchange": lambda md: stub.Exchange.with_call(perfect, metadata=md, timeout=CALL_TIMEOUT),
-                     "Grow": lambda md: stub.Grow.with_call(pb.GrowRequest(rank=0, slot=DYN_SLOT, nbytes=1 << 20),
-                                                            metadata=md, timeout=CALL_TIMEOUT),
-                     "Barrier": lambda md: stub.Barrier.with_call(pb.BarrierRequest(rank=0, name="x#0"),
-                                                                  metadata=md, timeout=CALL_TIMEOUT),
-                     "Bye": lambda md: stub.Bye.with_call(pb.ByeRequest(rank=0), metadata=md, timeout=CALL_TIMEOUT),
-                     "Push": lambda md: base.Push.with_call(pb.PushRequest(rank=0, payload=b"x" * 64),
-                                                            metadata=md, timeout=CALL_TIMEOUT)}
-            for label, md in WRONG_TOKENS.items():
-                for method, call in calls.items():
+            calls = {EXCHANGE: (stub.Exchange, perfect),
+                     GROW: (stub.Grow, pb.GrowRequest(rank=0, slot=DYN_SLOT, nbytes=1 << 20)),
+                     BARRIER: (stub.Barrier, pb.BarrierRequest(rank=0, name="x#0")),
+                     BYE: (stub.Bye, pb.ByeRequest(rank=0)),
+                     PUSH: (base.Push, pb.PushRequest(rank=0, payload=b"x" * 64))}
+            for label, make in WRONG_PROOFS.items():
+                for method, (call, request) in calls.items():
+                    md = make(method, request.SerializeToString())
+                    if not md and label == "unbound":
+                        continue
                     with pytest.raises(grpc.RpcError) as info:
-                        call(md)
+                        call.with_call(request, metadata=md, timeout=CALL_TIMEOUT)
                     err = info.value
-                    assert err.code() == grpc.StatusCode.UNAUTHENTICATED, (label, method, err)
-                    assert err.details() == "wrong or missing rdmatensor token"
+                    assert err.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INTERNAL), \
+                        (label, method, err)
+                    if err.code() == grpc.StatusCode.UNAUTHENTICATED:
+                        assert err.details() == "wrong or missing rdmatensor token"
+                    else:                      # a body other than the proof's: refused as it is read
+                        assert label == "another body's", (label, method, err)
                     assert not [k for k, _ in (err.trailing_metadata() or ()) if k.startswith("rdmatensor")]
                     seen += [err.details(), err.debug_error_string(),
                              repr(err.initial_metadata()), repr(err.trailing_metadata())]
+            # A good proof taken once is refused the second time: a replay.
+            md = ((PROOF_KEY, proof(TOKEN, BYE, pb.ByeRequest(rank=0).SerializeToString())),)
+            bye = pb.ByeRequest(rank=0)
+            assert code_of(lambda: stub.Bye(bye, metadata=md, timeout=CALL_TIMEOUT)) == "PERMISSION_DENIED"  # taken
+            assert code_of(lambda: stub.Bye(bye, metadata=md, timeout=CALL_TIMEOUT)) == "UNAUTHENTICATED"    # replayed
             # The same perfect Exchange as raw bytes: no reply message comes back at all.
             raw = channel.unary_unary(EXCHANGE, request_serializer=None, response_deserializer=None)
             with pytest.raises(grpc.RpcError) as info:
-                raw(perfect.SerializeToString(), metadata=(("rdmatensor-token", "wrong"),), timeout=CALL_TIMEOUT)
+                raw(perfect.SerializeToString(), metadata=((PROOF_KEY, proof("wrong", EXCHANGE, b"")),),
+                    timeout=CALL_TIMEOUT)
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         client = ControlClient(pair.peers[1], "wrong")
         with pytest.raises(AuthenticationError, match="refused our token"):
@@ -229,12 +258,13 @@ def test_unauthenticated_message_is_not_even_read():
             big = b"\0" * (256 << 20)
             before = hwm_mib()
             t0 = time.monotonic()
-            assert code_of(lambda: raw(big, metadata=(("rdmatensor-token", "bad"),), timeout=60)) \
+            assert code_of(lambda: raw(big, metadata=((PROOF_KEY, proof("bad", EXCHANGE, big)),), timeout=60)) \
                 == "UNAUTHENTICATED"
             refused_in = time.monotonic() - t0
             after_refused = hwm_mib()
             # The measurement sees reads: with the token, a 64 MiB request is read.
-            code_of(lambda: raw(big[:64 << 20], metadata=(("rdmatensor-token", "tok"),), timeout=60))
+            code_of(lambda: raw(big[:64 << 20], metadata=((PROOF_KEY, proof("tok", EXCHANGE, big[:64 << 20])),),
+                                timeout=60))
             after_read = hwm_mib()
         print(f"256 MiB unauthenticated: refused in {refused_in:.2f} s, server peak +"
               f"{after_refused - before:.0f} MiB; 64 MiB authenticated: +{after_read - after_refused:.0f} MiB")
@@ -331,7 +361,8 @@ class Barrage:
 
     def __init__(self, pair: LivePair):
         self.pair = pair
-        self.channels = {r: grpc.insecure_channel(pair.peers[r]) for r in (0, 1)}
+        self.raw = {r: grpc.insecure_channel(pair.peers[r]) for r in (0, 1)}
+        self.channels = {r: proving(ch, TOKEN) for r, ch in self.raw.items()}
         self.codes: Counter = Counter()
         self.pending: list = []
         self.cases = 0
@@ -359,7 +390,7 @@ class Barrage:
         self.pending.clear()
 
     def close(self) -> None:
-        for ch in self.channels.values():
+        for ch in self.raw.values():
             ch.close()
 
 
@@ -544,7 +575,7 @@ def test_barrier_flood_cannot_starve_other_calls(monkeypatch):
     try:
         secret = pair.sessions[1].debug_state()["pair_secrets"][0]
         with grpc.insecure_channel(pair.peers[0]) as ch:
-            stub = pb_grpc.ControlStub(ch)
+            stub = pb_grpc.ControlStub(proving(ch, TOKEN))
             flood = [stub.Barrier.future(pb.BarrierRequest(rank=1, name=f"flood-{i}", pair_secret=secret),
                                          metadata=GOOD, timeout=20)
                      for i in range(100)]
@@ -615,7 +646,7 @@ def test_a_token_holder_cannot_arrive_at_a_barrier_as_another_rank():
         if r == 2:
             own = s.debug_state()["pair_secrets"][0]
             with grpc.insecure_channel(s.peers[0]) as ch:
-                barrier = pb_grpc.ControlStub(ch).Barrier
+                barrier = pb_grpc.ControlStub(proving(ch, TOKEN)).Barrier
                 t0 = time.monotonic()
                 codes = [code_of(lambda req=req: barrier(req, metadata=GOOD, timeout=5)) for req in (
                     pb.BarrierRequest(rank=2, name="held#0"),

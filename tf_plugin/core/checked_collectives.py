@@ -33,6 +33,7 @@ This module does not import TensorFlow.
 from __future__ import annotations
 
 import contextlib
+import logging
 import json
 import os
 import re
@@ -44,10 +45,28 @@ import numpy as np
 
 from rdmatensor import PlanMismatch, RdmaTensorError, Timeout
 
+from . import settings
 from .collectives import TAGS, Collectives, describe, entries_of
 
 GRACE = 2.0                 # seconds a peer's tensors may lie unread before the ranks are declared diverged
 WATCH_EVERY = 0.25
+log = logging.getLogger("rdmatensor")
+STATUS_TIMEOUT = 5.0        # seconds a stalled rank waits for a peer to say how far it got
+
+
+@dataclass
+class Stall:
+    """Horovod's stall check, as the environment sets it (settings.py)."""
+    check_time: float | None        # None: off
+    shutdown_time: float            # 0: a stalled call waits until the timeout
+    warned: int | None = None       # the call last warned about
+    missing: list = field(default_factory=list)
+
+    @classmethod
+    def from_env(cls) -> "Stall":
+        off = settings.flag(settings.STALL_CHECK_DISABLE)
+        return cls(None if off else settings.seconds(settings.STALL_CHECK_TIME),
+                   settings.seconds(settings.STALL_SHUTDOWN_TIME))
 WHY = ("the ranks diverged: a tensor whose shape or dtype changed on some ranks only, or a collective "
        "called on some ranks only")
 
@@ -75,9 +94,13 @@ class Planning:
 
 
 class CheckedCollectives(Collectives):
-    def __init__(self, *args, check_finite: bool = False, **kwargs):
+    def __init__(self, *args, check_finite: bool = False, ranks: list[int] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.check_finite = check_finite
+        self.ranks = ranks or list(range(self.size))      # each member's rank in the job, for messages
+        self.stall = Stall.from_env()
+        if self.bootstrap.session is not None:
+            self.bootstrap.session.serve_status(lambda: json.dumps({"calls": self.calls}))
         self.grace = min(GRACE, self.timeout / 2)
         self._planning: Planning | None = None
         self._local_bad: dict = {}          # (set key, bucket) -> this rank's inputs holding NaN or Inf
@@ -182,7 +205,13 @@ class CheckedCollectives(Collectives):
         while not self._stop.wait(WATCH_EVERY):
             try:
                 error = self._divergence(seen)
+                stalled = None if error else self._stalled()
             except RdmaTensorError:          # a session closing under the watchdog: nothing to judge
+                continue
+            if stalled is not None:          # as Horovod's stall shutdown: this rank's collectives end
+                for session in (self.session, self.bootstrap.session):
+                    if session is not None and not session.closed:
+                        session.abort(stalled)
                 continue
             session = self.session
             if error is not None and session is not None and not session.closed:
@@ -233,6 +262,46 @@ class CheckedCollectives(Collectives):
                     return PlanMismatch(f"rank {src} is in the exchange {tag!r} while rank {self.rank} is in "
                                         f"{describe(next(iter(numbers.values())))}: {WHY}", peer=src)
         return None
+
+    def _stalled(self) -> Timeout | None:
+        """Horovod's stall check: once the oldest call waiting here has waited the stall
+        time, ask every peer how many calls it began (one control call each, once per
+        call) and warn, naming the ranks that have not called it; past the shutdown
+        time, the error that ends the call."""
+        stall, waiting = self.stall, dict(self.waiting)
+        if stall.check_time is None or not waiting:
+            return None
+        number = min(waiting)
+        since, entries, _ = waiting[number]
+        waited = time.monotonic() - since
+        if waited < stall.check_time:
+            return None
+        if stall.warned != number:
+            stall.warned, stall.missing = number, self._not_called(number)
+            who = (f"ranks {stall.missing} have not called it" if stall.missing else
+                   "every rank has called it: the values are still on their way")
+            log.warning(f"rank {self.ranks[self.rank]}: {describe(entries)} has waited {waited:.0f} s: {who} "
+                        f"(stall check: RDMATENSOR_STALL_CHECK_TIME_SECONDS or HOROVOD_STALL_CHECK_TIME_SECONDS)")
+        if stall.shutdown_time and waited >= stall.shutdown_time and stall.missing:
+            return Timeout(f"{describe(entries)} on rank {self.ranks[self.rank]} waited {waited:.0f} s for ranks "
+                           f"{stall.missing}, which have not called it (stall shutdown time: "
+                           f"RDMATENSOR_STALL_SHUTDOWN_TIME_SECONDS or HOROVOD_STALL_SHUTDOWN_TIME_SECONDS)",
+                           peer=stall.missing[0], tensor=entries[0]["name"] if entries else None)
+        return None
+
+    def _not_called(self, number: int) -> list[int]:
+        """The job ranks of the peers that have not begun call `number`, as they say."""
+        session, missing = self.bootstrap.session, []
+        for peer in range(self.size):
+            if peer == self.rank:
+                continue
+            try:
+                calls = json.loads(session.peer_status(peer, timeout=STATUS_TIMEOUT) or "{}").get("calls")
+            except (RdmaTensorError, ValueError):
+                calls = None               # a peer that cannot say is not named
+            if calls is not None and calls <= number:
+                missing.append(self.ranks[peer])
+        return missing
 
     def _mismatch(self, peer: int, theirs: list, mine: list, new: bool, mine_planned: bool = False) -> PlanMismatch:
         theirs_text, mine_text = describe(theirs), describe(mine)

@@ -44,8 +44,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import threading
+import time
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -53,7 +53,7 @@ import numpy as np
 from rdmatensor import PeerLost, Plan, PlanMismatch, RdmaTensorError, TensorSpec, Timeout, UsageError, connect
 from rdmatensor.providers.contract import MAX_TAG
 
-from . import adasum, scaling
+from . import adasum, scaling, settings
 from .layout import Analysis, Hierarchy, VarInfo, buckets_of, fusion_threshold, hierarchical_specs, ring_specs
 from .background import CommThread
 from .bootstrap import Bootstrap, PortReservation
@@ -101,16 +101,16 @@ def allreduce_op(op: str, threshold: int, prescale: float = 1.0, postscale: floa
     threshold that cut its buckets, ":h" when the all-reduce is to be
     hierarchical wherever several hosts hold the same number (> 1) of ranks
     each: by default, unlike Horovod, as it measured faster there (bench.hierarchical);
-    HOROVOD_HIERARCHICAL_ALLREDUCE=0 keeps the flat ring. Then Horovod's pre- and
+    RDMATENSOR_HIERARCHICAL_ALLREDUCE=0 or HOROVOD_HIERARCHICAL_ALLREDUCE=0 keeps the flat ring. Then Horovod's pre- and
     postscale factors (rounded to float32, as its op attributes are) where they
     are not 1, and ":scatter" for a reducescatter (the same ring; each rank keeps
     its rows). Read at each new set; the ranks must agree on all of it: a set
     that differs in any part is another set, compared when it is proposed."""
     if op not in REDUCTIONS:
         raise ValueError(f"reduction {op!r} is not one of {REDUCTIONS}")
-    flag = os.environ.get("HOROVOD_HIERARCHICAL_ALLREDUCE", "1").strip().lower()
+    hierarchical = settings.flag(settings.HIERARCHICAL_ALLREDUCE)
     pre, post = scaling.factor(prescale), scaling.factor(postscale)
-    return (f"{op}:{threshold}" + ("" if flag in ("0", "false", "no", "off") else ":h")
+    return (f"{op}:{threshold}" + (":h" if hierarchical else "")
             + (f":pre={pre!r}" if pre != 1.0 else "") + (f":post={post!r}" if post != 1.0 else "")
             + (":scatter" if scatter else ""))
 
@@ -288,6 +288,7 @@ class Collectives:
         self.resets: list[Reset] = []
         self.seen: tuple | None = None            # (generation, why) the watchdog (checked_collectives.py) ended
         self._active: dict[int, tuple[int, int, list]] = {}   # tag -> (call number, set index, entries)
+        self.waiting: dict[int, list] = {}         # call number -> [since, entries, attempts running] (stall check)
         self._sets: dict[tuple, TensorSet] = {}
         self._order: list[TensorSet] = []
         self._rings: dict[int, object] = {}       # set index -> RingAllReduce over the current session
@@ -309,6 +310,8 @@ class Collectives:
         values may have moved, the generation is reset with every rank before the
         error is raised: the next call starts on empty slots, its number agreed."""
         generation = self.generations
+        waiting = self.waiting.setdefault(number, [time.monotonic(), entries, 0])
+        waiting[2] += 1
         try:
             return body()
         except Settled as settled:
@@ -324,6 +327,9 @@ class Collectives:
             raise self._failed(exc, reset) from exc
         finally:
             self._active.pop(number % TAGS, None)
+            waiting[2] -= 1
+            if not waiting[2]:
+                self.waiting.pop(number, None)
 
     def _failed(self, exc: RdmaTensorError, reset: Reset) -> RdmaTensorError:
         """What a failed call raises: its own error where this rank saw the cause,
@@ -763,6 +769,8 @@ class Collectives:
                         ring_seconds=self.meter.ring_seconds, overlapped_seconds=self.meter.overlapped_seconds,
                         overlap=self.meter.overlap, allreduces=self.meter.rounds,
                         output_buffers=self.meter.tally["allocated"],
+                        fusion_threshold=self.threshold,
+                        buckets=sum(len(ts.analysis.buckets) for ts in self._order if ts.kind == "allreduce"),
                         hierarchy=next(([list(h) for h in ts.analysis.hierarchy.hosts] for ts in self._order
                                         if ts.kind == "allreduce" and ts.analysis.hierarchy), None))
 

@@ -7,7 +7,6 @@ graph/analyzer.py fills one in from a traced step; the collective engine
 """
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field
 
@@ -15,6 +14,7 @@ import numpy as np
 
 from rdmatensor import Plan, PlanError, TensorSpec
 
+from . import settings
 from .buffers import TF_ALIGN    # fused members stay zero-copy
 
 
@@ -48,22 +48,15 @@ def bcast_name(var: str, dst: int) -> str:
     return f"bcast/{var}/r{dst}"
 
 
-# Bytes per fused bucket, Horovod's default. Every bucket is one ring, and every
-# ring a meeting point of all ranks: measured on ResNet50 (2 workers, shm),
-# 64 MiB buckets gave 5.1 steps/s where 4 MiB gave 3.7, and DenseNet121 6.2
-# where 4 MiB gave 5.0; large gradients still start their rings during backprop.
-FUSION_THRESHOLD = 64 << 20
-
-
 def fusion_threshold(threshold: int | None = None) -> int:
     """Bytes per fused bucket: `threshold` if given, else RDMATENSOR_FUSION_THRESHOLD
-    (Horovod's HOROVOD_FUSION_THRESHOLD), else FUSION_THRESHOLD. 0: no fusion."""
+    or Horovod's HOROVOD_FUSION_THRESHOLD, else 64 MiB (settings.py says why). 0: no fusion."""
     if threshold is None:
-        raw = os.environ.get("RDMATENSOR_FUSION_THRESHOLD")
+        raw, var = settings.FUSION_THRESHOLD.raw()
         try:
-            threshold = FUSION_THRESHOLD if raw is None else int(raw)
+            threshold = int(raw)
         except ValueError:
-            raise PlanError(f"RDMATENSOR_FUSION_THRESHOLD={raw!r}: expected a number of bytes") from None
+            raise PlanError(f"{var}={raw!r}: expected a number of bytes") from None
     if threshold < 0:
         raise PlanError(f"fusion threshold {threshold}: expected bytes >= 0")
     return int(threshold)

@@ -196,7 +196,7 @@ def register(w, candidates: list, adding: bool) -> None:
                     group.own_collectives = CheckedCollectives(
                         group.own_bootstrap, [w.hosts[g] for g in ranks], w.provider, w.token, w.timeout,
                         w.fusion_threshold, watch=lambda s, ranks=ranks: w.failure.watch(s, ranks),
-                        job_failure=lambda: w.failure.first, check_finite=w.check_finite)
+                        job_failure=lambda: w.failure.first, check_finite=w.check_finite, ranks=list(ranks))
                 except BaseException:
                     group.own_bootstrap.close()
                     raise

@@ -2,7 +2,7 @@
 chrome://tracing): per step, when each bucket's gradients were ready, when its
 ring started and finished, and how long TensorFlow waited for its result.
 
-    RDMATENSOR_TIMELINE=/tmp/timeline.json            # rank 0 writes it (as HOROVOD_TIMELINE)
+    RDMATENSOR_TIMELINE=/tmp/timeline.json            # rank 0 writes it (HOROVOD_TIMELINE too)
     RDMATENSOR_TIMELINE=/tmp/timeline-{rank}.json     # every rank writes its own
 
 Events go to the file as they happen, one per line, in the JSON array format
@@ -22,6 +22,8 @@ import threading
 import time
 
 from rdmatensor.errors import UsageError
+
+from . import settings
 
 TENSORFLOW, COMMUNICATION = 1, 2
 
@@ -45,8 +47,8 @@ class Timeline:
 
     @classmethod
     def from_env(cls, rank: int) -> Timeline | None:
-        """The time line RDMATENSOR_TIMELINE asks this rank for, or None."""
-        path = os.environ.get("RDMATENSOR_TIMELINE")
+        """The time line RDMATENSOR_TIMELINE (or Horovod's HOROVOD_TIMELINE) asks this rank for, or None."""
+        path = settings.text(settings.TIMELINE)
         if not path or ("{rank}" not in path and rank != 0):
             return None
         return cls(path.replace("{rank}", str(rank)), rank)

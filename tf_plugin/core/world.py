@@ -10,9 +10,10 @@ Where the job comes from:
 - RDMATENSOR_LOCAL_RANK / RDMATENSOR_LOCAL_SIZE: set by the launcher; without
   them, the workers of TF_CONFIG on this worker's host are counted;
 - RDMATENSOR_PROVIDER (default auto), RDMATENSOR_TIMEOUT (seconds, default 120),
-  RDMATENSOR_FUSION_THRESHOLD (bytes per all-reduce bucket), RDMATENSOR_TIMELINE
-  (the all-reduce's time line, see timeline.py), RDMATENSOR_CHECK_FINITE (1:
-  allreduce raises NonFiniteValue on a NaN or Inf, see checked_collectives.py).
+  RDMATENSOR_CHECK_FINITE (1: allreduce raises NonFiniteValue on a NaN or Inf,
+  see checked_collectives.py);
+- the settings Horovod has too (fusion threshold, time line, hierarchical
+  all-reduce, log level, stall check), under either name: settings.py.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from rdmatensor.runner.cluster import Cluster
 from .failure import JobFailure
 from .timeline import Timeline
 from . import process_sets as process_sets_module
+from . import settings
 from .process_sets import ProcessSet, add_process_set, global_process_set, member_of, remove_process_set  # noqa: F401
 
 
@@ -99,13 +101,15 @@ def init(provider: str | None = None, cluster: Cluster | None = None, token: str
          check_finite: bool | None = None, process_sets=None) -> None:
     """Join the job: connect the bootstrap channel between the workers (once: a
     second call does nothing). `fusion_threshold`: bytes per
-    all-reduce bucket (default RDMATENSOR_FUSION_THRESHOLD, else 64 MiB, as Horovod).
+    all-reduce bucket (default RDMATENSOR_FUSION_THRESHOLD or HOROVOD_FUSION_THRESHOLD, else 64 MiB).
     `check_finite` (default RDMATENSOR_CHECK_FINITE): allreduce raises
     NonFiniteValue, naming the tensor, when a floating value holds a NaN or Inf.
     `process_sets`: ProcessSets (or lists of ranks) to register, as Horovod's
     init(process_sets=...): the same on every rank (see process_sets.py)."""
     global _world, _last_round
     if _world is None:
+        settings.apply_log_level()
+        settings.warn_ignored()
         reservation, joined, found = None, None, None
         if cluster is None and rendezvous.configured():
             reservation, cluster, joined = _join_round()
@@ -303,8 +307,10 @@ def stats() -> dict:
     generation and the bootstrap channel; generations (sessions the growing plan
     connected), extensions (generations after the first), tensor_sets, tensors (in
     the current plan), exchanges (bootstrap collectives: plan agreements, objects),
-    provider (None in a job of one), hierarchy (the ranks of each host, once an
-    all-reduce was planned hierarchically; else None: the flat ring)."""
+    provider (None in a job of one), fusion_threshold (bytes per all-reduce
+    bucket) and buckets (over every all-reduce set planned), hierarchy (the
+    ranks of each host, once an all-reduce was planned hierarchically; else
+    None: the flat ring)."""
     w = world()
     out = w.collectives.stats()
     boot = w.bootstrap.stats()
