@@ -31,12 +31,14 @@ BENCH_MODELS ?= resnet50 vgg16 densenet121 mobilenetv2 lm
 BENCH_STEPS ?= 30
 BENCH_PROVIDERS ?= none,sync,shm,tcp,grpc,tf-grpc,horovod
 BENCH_ROUNDS ?= 1
+BENCH_DIR ?= docs/models
 bench-models: setup horovod-reference
-	mkdir -p docs/models
+	mkdir -p $(BENCH_DIR)
 	for m in $(BENCH_MODELS); do \
 	    $(PY) -m tf_plugin.training.cli --model $$m --workers 2 --batch 16 --steps $(BENCH_STEPS) \
-	        --provider $(BENCH_PROVIDERS) --rounds $(BENCH_ROUNDS) --json docs/models/$$m.json || exit 1; \
+	        --provider $(BENCH_PROVIDERS) --rounds $(BENCH_ROUNDS) --json $(BENCH_DIR)/$$m.json || exit 1; \
 	done
+	$(PY) -m bench.models_table $(addprefix $(BENCH_DIR)/,$(addsuffix .json,$(BENCH_MODELS)))
 
 # The same models over shm with both floors timed in turn inside each job
 # (--paired: immune to the host's cores drifting between jobs), 60 cycles of

@@ -27,15 +27,25 @@ EXTENSIONS = [
 
 
 class BuildOrSay(build_ext):
-    """Build each extension it can; say in one line which it could not, and go on."""
+    """Build each extension it can; say in one line which it could not (the
+    compiler's own message above it says why), and go on without it."""
+
+    failed: set = set()
 
     def build_extension(self, ext):
         try:
             super().build_extension(ext)
-        except Exception as exc:  # noqa: BLE001 - compiler or linker missing: the Python twin runs
-            reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-            print(f"rdmatensor: {ext.name} not compiled ({reason}); its Python twin runs "
+        except Exception as exc:  # noqa: BLE001 - compiler, header or library missing: the Python twin runs
+            self.failed.add(ext.name)
+            print(f"rdmatensor: {ext.name} not compiled ({type(exc).__name__}); its Python twin runs "
                   f"(apt-get install gcc python3-dev libibverbs-dev, then reinstall)", file=sys.stderr)
+
+    def copy_extensions_to_source(self):      # in place: only what was built
+        every, self.extensions = self.extensions, [e for e in self.extensions if e.name not in self.failed]
+        try:
+            super().copy_extensions_to_source()
+        finally:
+            self.extensions = every
 
 
 setup(ext_modules=EXTENSIONS, cmdclass={"build_ext": BuildOrSay})

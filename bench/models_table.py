@@ -42,14 +42,22 @@ def _spread(values: list[float], fmt) -> str:
     return text if len(values) == 1 else f"{text} ({fmt(min(values))}–{fmt(max(values))})"
 
 
-def row(doc: dict, columns: list[str]) -> list[str]:
+def label(doc: dict, path: str) -> str:
+    """The model's name, and what else the file's name says (`mobilenetv2-unbound.json`:
+    "MobileNetV2 (unbound)"), so that two runs of one model can be told apart."""
+    model = doc["jobs"][0]["config"]["model"]
+    rest = Path(path).stem.replace(model, "", 1).strip("-_ ").replace("-", " ").replace("_", " ")
+    return NAMES.get(model, model) + (f" ({rest})" if rest else "")
+
+
+def row(doc: dict, columns: list[str], name: str | None = None) -> list[str]:
     """One model: each backend's median steps/s over the rounds; each of shm's
     shares and ratios taken within its round (the machine drifts between rounds)."""
     rounds: dict[int, dict] = {}
     for job in doc["jobs"]:
         rounds.setdefault(job.get("round", 0), {})[job["config"]["provider"]] = job["summary"]
     model = doc["jobs"][0]["config"]["model"]
-    cells = [NAMES.get(model, model)]
+    cells = [name or NAMES.get(model, model)]
     for p in columns:
         values = [by[p]["steps_per_s"] for by in rounds.values() if p in by]
         cells.append(_steps(statistics.median(values)) if values else "–")
@@ -78,7 +86,7 @@ def table(paths: list[str]) -> str:
     ratios = [t for p, t in (("tf-grpc", "shm vs TF's own"), ("horovod", "shm vs Horovod")) if p in columns]
     header = ["model", *(t for _, t in titles), *shares, *ratios]
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
-    lines += ["| " + " | ".join(row(doc, columns)) + " |" for doc in docs]
+    lines += ["| " + " | ".join(row(doc, columns, label(doc, p))) + " |" for doc, p in zip(docs, paths, strict=True)]
     return "\n".join(lines)
 
 

@@ -47,3 +47,15 @@ def test_paired_jobs_give_one_row_each_with_both_floors_and_the_shares(tmp_path)
     assert lines[0] == ("| model | provider | floor ms | sync floor ms | provider ms | of floor | of sync floor "
                         "| sync floor: of floor | cycles |") and len(lines) == 3      # the unpaired job has no row
     assert lines[2] == "| MobileNetV2 | shm | 42.2 | 46.9 | 52.3 | 80% | 88% | 91% | 60 |"
+
+
+def test_the_readmes_table_is_what_its_command_prints():
+    """The README's first table is bench.models_table's output for the committed JSON it names."""
+    import pathlib
+    import re
+    root = pathlib.Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    files = re.search(r"python -m bench\.models_table docs/models/rounds/\{([a-z0-9,]+)\}\.json", readme).group(1)
+    printed = table([str(root / "docs" / "models" / "rounds" / f"{m}.json") for m in files.split(",")])
+    section = readme.split("## How it does", 1)[1].split("## Layout", 1)[0]
+    assert printed in section
