@@ -117,6 +117,38 @@ def test_the_endpoints_talk_to_each_other(rdma_port, a_kind, b_kind):
         b.close()
 
 
+@pytest.mark.parametrize("a_kind,b_kind", [("native", "native"), ("pyverbs", "native")])
+def test_fabric_settings_reach_the_queue_pair_and_it_still_delivers(rdma_port, a_kind, b_kind):
+    """A traffic class, service level, hop limit, timeout, retry count and MTU cap
+    (addressing.Fabric) are taken by both endpoints, and the write still lands."""
+    from rdmatensor.providers.verbs.addressing import Fabric
+    fabric = Fabric(traffic_class=106, service_level=3, hop_limit=8, timeout=16, retry_count=5, mtu=1024)
+    a, b = endpoint_class(a_kind)(fabric=fabric), endpoint_class(b_kind)(fabric=fabric)
+    try:
+        for ep in (a, b):
+            ep.post_recv(ep.recv_depth)
+        assert a.params().fabric == fabric.agreed() and a.params().link_layer == "Ethernet"
+        a.connect(b.params())
+        b.connect(a.params())
+        src = np.arange(5000, dtype=np.uint8)
+        dst = np.zeros(8192, np.uint8)
+        a.register(src, LOCAL_ONLY)
+        region = b.remote_region(dst, b.register(dst, REMOTE_WRITE))
+        a.post_write(src, region, 100, imm=7)
+        done = completions(a, b, want=2)
+        assert [c[4] for c in done if c[0] == 1] == [7] and np.array_equal(dst[100:5100], src)
+    finally:
+        a.close()
+        b.close()
+    c, d = endpoint_class("native")(fabric=Fabric(traffic_class=96)), endpoint_class("native")()
+    try:
+        with pytest.raises(TransportError, match="fabric settings differ"):
+            c.connect(d.params())
+    finally:
+        c.close()
+        d.close()
+
+
 def test_native_refuses_a_bad_write_before_posting_it(pair):
     a, b = pair
     src = np.ones(4096, np.uint8)

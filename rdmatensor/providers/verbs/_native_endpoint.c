@@ -245,13 +245,17 @@ static struct ibv_context *open_device(const char *name)
 
 static int ep_init(Endpoint *self, PyObject *args, PyObject *kw)
 {
-    static char *names[] = {"device", "port", "gid_index", "depth", "recv_depth", "psn", NULL};
+    static char *names[] = {"device", "port", "gid_index", "depth", "recv_depth", "psn", "pkey_index", NULL};
     const char *device;
-    int port = 1, gid_index = 0, depth = 256, recv_depth = 256;
+    int port = 1, gid_index = 0, depth = 256, recv_depth = 256, pkey_index = 0;
     unsigned int psn = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "s|iiiiI", names, &device, &port, &gid_index, &depth,
-                                     &recv_depth, &psn))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "s|iiiiIi", names, &device, &port, &gid_index, &depth,
+                                     &recv_depth, &psn, &pkey_index))
         return -1;
+    if (pkey_index < 0 || pkey_index > 0xffff) {
+        PyErr_Format(UsageError, "bad P_Key index %d", pkey_index);
+        return -1;
+    }
     if (self->ctx || self->closed) {
         PyErr_SetString(UsageError, "an Endpoint is initialized once");
         return -1;
@@ -336,7 +340,7 @@ static int ep_init(Endpoint *self, PyObject *args, PyObject *kw)
     }
     self->max_inline = init.cap.max_inline_data;
     /* INIT now, so receives can be posted before the peer is known. */
-    struct ibv_qp_attr attr = {.qp_state = IBV_QPS_INIT, .pkey_index = 0, .port_num = (uint8_t)port,
+    struct ibv_qp_attr attr = {.qp_state = IBV_QPS_INIT, .pkey_index = (uint16_t)pkey_index, .port_num = (uint8_t)port,
                                .qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE};
     if ((rc = ibv_modify_qp(self->qp, &attr, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS))) {
         verbs_error("moving the queue pair to INIT", rc);
@@ -453,26 +457,35 @@ static MemoryRegion *find_source(Endpoint *self, uint64_t addr, uint64_t len)
 static PyObject *ep_connect_qp(Endpoint *self, PyObject *args)
 {
     unsigned int qpn, psn;
-    int mtu;
+    int mtu, is_global = 1, dlid = 0, sl = 0, hop_limit = 64, traffic_class = 0, timeout = 14, retry_cnt = 7;
     Py_buffer gid;
-    if (!PyArg_ParseTuple(args, "IIy*i", &qpn, &psn, &gid, &mtu))
+    /* the route (addressing.py's Route): a GRH to the GID, or on InfiniBand the LID alone */
+    if (!PyArg_ParseTuple(args, "IIy*i|iiiiiii", &qpn, &psn, &gid, &mtu, &is_global, &dlid, &sl, &hop_limit,
+                          &traffic_class, &timeout, &retry_cnt))
         return NULL;
     if (check_open(self)) {
         PyBuffer_Release(&gid);
         return NULL;
     }
-    if (gid.len != 16 || mtu < IBV_MTU_256 || mtu > IBV_MTU_4096) {
+    if (gid.len != 16 || mtu < IBV_MTU_256 || mtu > IBV_MTU_4096 || dlid < 0 || dlid > 0xffff || sl < 0 ||
+        sl > 15 || hop_limit < 0 || hop_limit > 255 || traffic_class < 0 || traffic_class > 255 || timeout < 0 ||
+        timeout > 31 || retry_cnt < 0 || retry_cnt > 7) {
         PyBuffer_Release(&gid);
-        PyErr_Format(TransportError, "unusable peer parameters: a %zd-byte GID, MTU enum %d", gid.len, mtu);
+        PyErr_Format(TransportError, "unusable route: a %zd-byte GID, MTU enum %d, LID %d, SL %d, hop limit %d, "
+                     "traffic class %d, timeout %d, retries %d", gid.len, mtu, dlid, sl, hop_limit, traffic_class,
+                     timeout, retry_cnt);
         return NULL;
     }
     struct ibv_qp_attr attr = {
         .qp_state = IBV_QPS_RTR, .path_mtu = mtu, .dest_qp_num = qpn & 0xffffff, .rq_psn = psn & 0xffffff,
         .max_dest_rd_atomic = 1, .min_rnr_timer = 12,
-        .ah_attr = {.is_global = 1, .port_num = (uint8_t)self->port,
-                    .grh = {.sgid_index = (uint8_t)self->gid_index, .hop_limit = 64}},
+        .ah_attr = {.is_global = is_global ? 1 : 0, .dlid = (uint16_t)dlid, .sl = (uint8_t)sl,
+                    .port_num = (uint8_t)self->port,
+                    .grh = {.sgid_index = (uint8_t)self->gid_index, .hop_limit = (uint8_t)hop_limit,
+                            .traffic_class = (uint8_t)traffic_class}},
     };
-    memcpy(attr.ah_attr.grh.dgid.raw, gid.buf, 16);
+    if (is_global)
+        memcpy(attr.ah_attr.grh.dgid.raw, gid.buf, 16);
     PyBuffer_Release(&gid);
     int rc = ibv_modify_qp(self->qp, &attr, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
                            IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER);
@@ -483,8 +496,8 @@ static PyObject *ep_connect_qp(Endpoint *self, PyObject *args)
     }
     struct ibv_qp_attr rts = {
         .qp_state = IBV_QPS_RTS, .sq_psn = self->psn, .max_rd_atomic = 1,
-        .timeout = 14,          /* 4.096 us * 2^14 = 67 ms per try */
-        .retry_cnt = 7,
+        .timeout = (uint8_t)timeout,      /* 4.096 us * 2^timeout per try (14: 67 ms) */
+        .retry_cnt = (uint8_t)retry_cnt,
         .rnr_retry = 7,         /* infinite: the receiver re-posts receives as it consumes them */
     };
     rc = ibv_modify_qp(self->qp, &rts, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
@@ -1361,7 +1374,8 @@ static PyMethodDef ep_methods[] = {
      "register(buffer, access=LOCAL_WRITE|REMOTE_WRITE) -> MemoryRegion: writable C-contiguous memory, kept alive until deregistered"},
     {"deregister", (PyCFunction)ep_deregister, METH_O, "deregister(mr): idempotent"},
     {"connect_qp", (PyCFunction)ep_connect_qp, METH_VARARGS,
-     "connect_qp(qpn, psn, gid16, mtu_enum): the queue pair to RTR and RTS"},
+     "connect_qp(qpn, psn, gid16, mtu_enum, is_global=1, dlid=0, sl=0, hop_limit=64, traffic_class=0, "
+     "timeout=14, retry_cnt=7): the queue pair to RTR and RTS along the route (addressing.py)"},
     {"local", (PyCFunction)ep_local, METH_NOARGS, "(qpn, psn, gid16, active_mtu_enum) of this side"},
     {"post_write", (PyCFunction)(void (*)(void))ep_post_write, METH_VARARGS | METH_KEYWORDS,
      "post_write(src, (addr, length, rkey), offset, imm=None) -> send number, 0 if the send queue is full"},

@@ -118,7 +118,8 @@ class VerbsChannel(Channel):
         self._post_receives()
         try:   # proto3 drops zero fields: a PSN of 0 is legal and simply absent
             remote = RcParams(int(peer_params.get("qpn", 0)), int(peer_params.get("psn", 0)),
-                              str(peer_params["gid"]), int(peer_params["mtu"]))
+                              str(peer_params["gid"]), int(peer_params["mtu"]), int(peer_params.get("lid", 0)),
+                              str(peer_params.get("link_layer") or "Ethernet"), str(peer_params.get("fabric", "")))
         except (KeyError, TypeError, ValueError) as exc:
             raise TransportError(f"peer {self.peer} sent unusable verbs parameters: {exc!r}") from exc
         if remote.mtu not in MTU_ENUM:

@@ -11,6 +11,7 @@ import random
 
 from ...devices import CONTEXT_LOCK, MTU_BYTES, MTU_ENUM
 from ...errors import TransportError
+from .addressing import Fabric, port_identity, route
 from .rc import EndpointHelpers, RcParams, find_port, gid_bytes, gid_str
 
 try:
@@ -28,21 +29,26 @@ if _native_endpoint is not None:
         status_name = staticmethod(_native_endpoint.status_name)
 
         def __init__(self, device: str | None = None, port: int = 1, gid_index: int | None = None,
-                     depth: int = 256, recv_depth: int | None = None):
+                     depth: int = 256, recv_depth: int | None = None, fabric: Fabric | None = None):
             device, port, gid_index = find_port(device, port, gid_index)
+            self.fabric = fabric or Fabric.from_env()
+            self.lid, self.link_layer = port_identity(device, port)
             with CONTEXT_LOCK:     # the pyverbs endpoint tells its completion channel's fd apart by it
-                super().__init__(device, port, gid_index, depth, recv_depth or depth, random.getrandbits(24))
+                super().__init__(device, port, gid_index, depth, recv_depth or depth, random.getrandbits(24),
+                                 self.fabric.pkey_index)
 
         def params(self) -> RcParams:
             qpn, psn, gid, mtu = self.local()
-            return RcParams(qpn, psn, gid_str(gid), MTU_BYTES[mtu])
+            return RcParams(qpn, psn, gid_str(gid), MTU_BYTES[mtu], self.lid, self.link_layer, self.fabric.agreed())
 
         def connect(self, remote: RcParams) -> None:
-            mtu = min(remote.mtu, MTU_BYTES[self.local()[3]])
+            _, _, gid, mtu = self.local()
+            r = route(self.link_layer, gid_str(gid), MTU_BYTES[mtu], self.gid_index, remote, self.fabric)
             try:
-                gid = gid_bytes(remote.gid)
+                dgid = gid_bytes(r.dgid) if r.is_global else bytes(16)
             except ValueError as exc:
                 raise TransportError(f"unusable peer GID: {exc}") from exc
-            self.connect_qp(remote.qpn, remote.psn, gid, MTU_ENUM[mtu])
+            self.connect_qp(remote.qpn, remote.psn, dgid, MTU_ENUM[r.path_mtu], int(r.is_global), r.dlid,
+                            r.service_level, r.hop_limit, r.traffic_class, r.timeout, r.retry_count)
 else:
     NativeEndpoint = None

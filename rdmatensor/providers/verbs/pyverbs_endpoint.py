@@ -22,6 +22,7 @@ import time
 from ...devices import CONTEXT_LOCK, MTU_BYTES, MTU_ENUM
 from ...errors import DeviceError, TransportError, UsageError, VerbsError
 from ..contract import pair_imm
+from .addressing import Fabric, port_identity, route
 from .rc import (LOCAL_ONLY, MAX_CHAIN, MAX_REGION, RECV_BATCH, REMOTE_WRITE, EndpointHelpers, RcParams,
                  RemoteRegion, find_port)
 
@@ -45,9 +46,11 @@ RECV_TAG = 1 << 63         # marks a receive's wr_id: a flushed completion's opc
 
 class RcEndpoint(EndpointHelpers):
     def __init__(self, device: str | None = None, port: int = 1, gid_index: int | None = None,
-                 depth: int = 256, recv_depth: int | None = None):
+                 depth: int = 256, recv_depth: int | None = None, fabric: Fabric | None = None):
         device, port, gid_index = find_port(device, port, gid_index)
         self.device, self.port, self.gid_index = device, port, gid_index
+        self.fabric = fabric or Fabric.from_env()
+        self.lid, self.link_layer = port_identity(device, port)
         self._mrs: list[MR] = []
         self._sources: list[tuple[int, int, MR]] = []     # local-only regions: (start, end, mr)
         self._post_lock = threading.Lock()               # posts mutate the shared work requests
@@ -80,6 +83,7 @@ class RcEndpoint(EndpointHelpers):
             # INIT now, so receives can be posted before the peer is known.
             init_attr = QPAttr(port_num=port)
             init_attr.qp_access_flags = REMOTE_WRITE
+            init_attr.pkey_index = self.fabric.pkey_index
             self.qp.to_init(init_attr)
             # pyverbs wants an SGE on every receive, though a write's immediate
             # never lands in it: all receives share this scratch region.
@@ -126,23 +130,28 @@ class RcEndpoint(EndpointHelpers):
 
     # -- connection -------------------------------------------------------
     def params(self) -> RcParams:
-        return RcParams(self.qp.qp_num, self.psn, str(self.gid), MTU_BYTES[self.active_mtu])
+        return RcParams(self.qp.qp_num, self.psn, str(self.gid), MTU_BYTES[self.active_mtu], self.lid,
+                        self.link_layer, self.fabric.agreed())
 
     def connect(self, remote: RcParams) -> None:
-        mtu = min(remote.mtu, MTU_BYTES[self.active_mtu])
+        r = route(self.link_layer, str(self.gid), MTU_BYTES[self.active_mtu], self.gid_index, remote, self.fabric)
         attr = QPAttr(port_num=self.port)
         attr.qp_access_flags = REMOTE_WRITE
-        gr = GlobalRoute(dgid=GID(remote.gid), sgid_index=self.gid_index)
-        attr.ah_attr = AHAttr(gr=gr, is_global=1, port_num=self.port)
-        attr.path_mtu = MTU_ENUM[mtu]
+        if r.is_global:
+            gr = GlobalRoute(dgid=GID(r.dgid), sgid_index=r.sgid_index, hop_limit=r.hop_limit,
+                             traffic_class=r.traffic_class)
+            attr.ah_attr = AHAttr(gr=gr, is_global=1, port_num=self.port, sl=r.service_level)
+        else:
+            attr.ah_attr = AHAttr(is_global=0, dlid=r.dlid, port_num=self.port, sl=r.service_level)
+        attr.path_mtu = MTU_ENUM[r.path_mtu]
         attr.dest_qp_num = remote.qpn
         attr.rq_psn = remote.psn
         attr.sq_psn = self.psn
         attr.max_dest_rd_atomic = 1
         attr.max_rd_atomic = 1
         attr.min_rnr_timer = 12
-        attr.timeout = 14      # 4.096 us * 2^14 = 67 ms per try
-        attr.retry_cnt = 7
+        attr.timeout = r.timeout            # 4.096 us * 2^timeout per try
+        attr.retry_cnt = r.retry_count
         attr.rnr_retry = 7     # infinite: the receiver re-posts receives as it consumes them
         try:
             self.qp.to_rtr(attr)

@@ -63,6 +63,9 @@ class RcParams:
     psn: int
     gid: str
     mtu: int
+    lid: int = 0                    # InfiniBand's address within a subnet (0 on RoCE)
+    link_layer: str = "Ethernet"    # or "InfiniBand"
+    fabric: str = ""                # the path settings both ends must share (addressing.Fabric.agreed)
 
     def to_dict(self) -> dict:
         return asdict(self)
