@@ -109,11 +109,12 @@ def list_devices(gids: bool = True) -> list[Device]:
     return devices
 
 
-def active_port() -> tuple[Device, Port] | None:
-    """The first ACTIVE port of any device (with the GIDs a connection needs), or None."""
+def active_port(device: str | None = None, number: int | None = None) -> tuple[Device, Port] | None:
+    """The first ACTIVE port (of `device`, numbered `number`, where given) with the GIDs a
+    connection needs, or None."""
     for dev in list_devices(gids=False):
         for port in dev.ports:
-            if port.active:
+            if port.active and device in (None, dev.name) and number in (None, port.number):
                 port.gids = _gids(SYSFS / dev.name / "ports" / str(port.number), first_roce_v2_ipv4=True)
                 return dev, port
     return None

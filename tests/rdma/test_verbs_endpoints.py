@@ -149,6 +149,23 @@ def test_fabric_settings_reach_the_queue_pair_and_it_still_delivers(rdma_port, a
         d.close()
 
 
+def test_the_hca_setting_picks_or_excludes_the_device(rdma_port, monkeypatch):
+    from rdmatensor.errors import DeviceError
+    device = rdma_port[0].name
+    monkeypatch.setenv("RDMATENSOR_IB_HCA", device)
+    ep = NativeEndpoint()
+    gid_index = ep.gid_index
+    assert ep.device == device
+    ep.close()
+    monkeypatch.setenv("RDMATENSOR_IB_GID_INDEX", str(gid_index))
+    ep = RcEndpoint()
+    assert (ep.device, ep.gid_index) == (device, gid_index)
+    ep.close()
+    monkeypatch.setenv("RDMATENSOR_IB_HCA", "^" + device)
+    with pytest.raises(DeviceError, match=f"no ACTIVE RDMA port left by RDMATENSOR_IB_HCA='\\^{device}'"):
+        NativeEndpoint()
+
+
 def test_native_refuses_a_bad_write_before_posting_it(pair):
     a, b = pair
     src = np.ones(4096, np.uint8)

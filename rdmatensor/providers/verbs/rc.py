@@ -45,7 +45,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
-from ...errors import DeviceError
+from . import choose_port
+
 
 # ibv_access_flags (verbs ABI): receive arenas may be written by the peer,
 # never read remotely; staging memory we send from is local only.
@@ -91,21 +92,13 @@ def gid_str(raw: bytes) -> str:
 
 
 def find_port(device: str | None, port: int, gid_index: int | None) -> tuple[str, int, int]:
-    """(device, port, GID index) to open: as given, else the first ACTIVE port and
-    its RoCE v2 GID; DeviceError naming what is missing."""
+    """(device, port, GID index) to open: as given, else as choose_port decides
+    (RDMATENSOR_IB_HCA, RDMATENSOR_IB_GID_INDEX, the NIC nearest this rank);
+    DeviceError naming what is missing."""
     if device is not None:
         return device, port, gid_index or 0
-    from ...devices import active_port, list_devices
-    found = active_port()
-    if not found:
-        names = [d.name for d in list_devices(gids=False)]
-        raise DeviceError("no RDMA device with an ACTIVE port" +
-                          (f" (found {', '.join(names)}, none ACTIVE)" if names else " (no RDMA device at all)"))
-    dev, found_port = found
-    gid = found_port.roce_v2_gid()
-    if gid_index is None:
-        gid_index = gid.index if gid else 0
-    return dev.name, found_port.number, gid_index
+    device, port, chosen_gid = choose_port.choose()
+    return device, port, chosen_gid if gid_index is None else gid_index
 
 
 class EndpointHelpers:
