@@ -27,6 +27,7 @@ and once nobody polls, it stops owing them and takes events again.
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 
@@ -40,7 +41,8 @@ from .choose_endpoint import endpoint_class
 from .rc import LOCAL_ONLY, MAX_CHAIN, RECV_BATCH, REMOTE_WRITE, RcParams, RemoteRegion
 
 SEND_DEPTH = 256
-SPIN_SECONDS = 0.002       # a waiter polls the CQ itself this long before it sleeps
+# A waiter polls the CQ itself this long before it sleeps (RDMATENSOR_VERBS_SPIN_US: 0 sleeps at once).
+SPIN_SECONDS = float(os.environ.get("RDMATENSOR_VERBS_SPIN_US", "") or 2000) / 1e6
 DEFER_SECONDS = 0.005      # after a waiter's last poll, the background thread takes no events this long,
                            # and credits are owed: it looks this often, and posts them
 
