@@ -1,5 +1,7 @@
-"""Gradients all-reduced while backprop runs: a small CNN whose backward pass takes
-measurable time, trained with DistributedGradientTape inside tf.function, then
+"""Gradients all-reduced while backprop runs: a small CNN whose backward pass ends with
+BACKWARD_TAIL seconds of waiting (a weightless layer between the first two convolutions,
+whose gradient sleeps: the first conv layer's gradients, the last bucket, come after it),
+trained with DistributedGradientTape inside tf.function, then
 eagerly, then by Keras' fit with DistributedOptimizer. Run as every worker of a job (RDMATENSOR_FUSION_THRESHOLD and
 RDMATENSOR_TIMELINE from the environment); writes what it saw to OUT_DIR.
 
@@ -8,6 +10,7 @@ RDMATENSOR_TIMELINE from the environment); writes what it saw to OUT_DIR.
 import hashlib
 import json
 import sys
+import time
 
 import keras
 import numpy as np
@@ -20,6 +23,10 @@ from tests.tf.reference_steps import distributed_and_local
 out_dir = sys.argv[1]
 steps = int(sys.argv[2]) if len(sys.argv) > 2 else 6
 EAGER_STEPS, FIT_STEPS = 2, 4
+# Two inter-op threads: with one (TensorFlow's default for a rank bound to one core), the executor
+# runs, in some processes and then every step, each weight gradient after the whole input-gradient
+# chain, so every bucket is handed over at the end of backprop and there is nothing to overlap.
+tf.config.threading.set_inter_op_parallelism_threads(2)
 hvd.init()
 GLOBAL_BATCH = 64
 rng = np.random.default_rng(0)                 # the same data on every rank; each takes its shard
@@ -37,10 +44,27 @@ def batch(step, shard=True):
     return images[lo:lo + GLOBAL_BATCH // hvd.size()], labels[lo:lo + GLOBAL_BATCH // hvd.size()]
 
 
-def cnn(seed):
+class SlowBackward(keras.layers.Layer):
+    """The identity, whose gradient takes BACKWARD_TAIL seconds: backprop's tail is then long
+    whatever TensorFlow's executor does with this small model's ops on a busy machine."""
+
+    def call(self, x):
+        @tf.custom_gradient
+        def identity(x):
+            def grad(dy):
+                return tf.numpy_function(lambda d: time.sleep(BACKWARD_TAIL) or d, [dy], dy.dtype, stateful=False)
+            return tf.identity(x), grad
+        return identity(x)
+
+
+BACKWARD_TAIL = 0.05
+
+
+def cnn(seed, slow=False):
     keras.utils.set_random_seed(seed)
     return keras.Sequential([keras.Input((32, 32, 3)),
                              keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+                             *([SlowBackward()] if slow else []),
                              keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
                              keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
                              keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
@@ -51,7 +75,7 @@ def digest(variables):
     return hashlib.sha256(b"".join(np.asarray(v).tobytes() for v in variables)).hexdigest()
 
 
-model, reference = cnn(3 + hvd.rank()), cnn(3)       # different starts, fixed by the broadcast
+model, reference = cnn(3 + hvd.rank(), slow=True), cnn(3)      # different starts, fixed by the broadcast
 hvd.broadcast_variables(model.variables, root_rank=0)
 opt, ref_opt = keras.optimizers.SGD(0.05), keras.optimizers.SGD(0.05)
 dist_step, local_step = distributed_and_local(hvd, model, reference, opt, ref_opt, loss_fn)

@@ -61,14 +61,14 @@ def test_gradients_reduced_while_backprop_runs(tmp_path, monkeypatch):
             # one thread, buckets in the plan's order
             assert all(r["ring"][j][1] <= r["ring"][j + 1][0] for j in buckets[:-1])
         # inside tf.function (the tape's, then fit's), the first bucket's ring starts while backprop still
-        # computes the last bucket's gradients. (Whether a ring also ends by then is not asked: on this
-        # small model the rest of backprop takes about as long as one ring, 0.1-2 ms, and the first ring
-        # ended 0.1-0.2 ms after the last bucket was ready in most rounds, before it in some.)
+        # computes the last bucket's gradients: in every round where TensorFlow hands the last bucket over
+        # well after the first (the script's backprop ends with a 50 ms wait), and that is most rounds.
         tape, fit = range(STEPS), range(STEPS + EAGER_STEPS, STEPS + EAGER_STEPS + FIT_STEPS)
-        last_ready = {k: max(rounds[k]["ready"].values()) for k in (*tape, *fit)}
         for graph in (tape, fit):
-            started = [k for k in graph if rounds[k]["ring"][0][0] < last_ready[k]]
-            assert len(started) >= len(graph) // 2, started
+            tail = {k: (min(rounds[k]["ready"].values()), max(rounds[k]["ready"].values())) for k in graph}
+            long_tail = [k for k in graph if tail[k][1] - tail[k][0] > 25_000]         # microseconds
+            assert len(long_tail) >= len(graph) // 2, tail
+            assert all(rounds[k]["ring"][0][0] < tail[k][1] for k in long_tail), (tail, rounds)
 
 
 def test_a_time_line_that_cannot_be_written_is_a_usage_error_naming_the_rank(tmp_path):
