@@ -12,7 +12,9 @@ them), with no model computing beside: the ring alone. Each round times
   stores (rdmatensor.streaming);
 - `gather`: the same with plain copies and numpy's add and multiply;
 - `copy`: as before both: the gradients copied into one bucket buffer first
-  (copy_fused=True), plain copies and numpy.
+  (copy_fused=True), plain copies and numpy;
+- `staged` (verbs only): `stream` with the outputs not registered, so the
+  all-gather's writes are copied into staging first (register_outputs=False).
 
 Beside them, `traffic`: the memory traffic a 2-rank ring of each bucket cannot
 avoid, done locally with the same streaming copies and add and no peer, no
@@ -41,6 +43,12 @@ import time
 
 WAYS = ("stream", "gather", "copy")
 COLUMNS = (*WAYS, "traffic")
+STAGED = "staged"          # measured where writes need registered memory (verbs)
+
+
+def ways_of(provider: str) -> tuple:
+    from rdmatensor.providers import REGISTRY
+    return (*WAYS, STAGED) if REGISTRY[provider].load().capabilities.needs_registered_source else WAYS
 
 
 def _traffic(buckets, mine: dict, theirs: dict):
@@ -93,15 +101,16 @@ def _rank(rank: int, peers: dict, token: str, model: str, provider: str, rounds:
     analysis = Analysis(Plan([s for s, _ in ring_specs(buckets, 2)]), "allreduce", 2, 0, infos, buckets=buckets)
     keys = [v.key for v in infos]
     with connect(rank, peers, analysis.plan, provider=provider, token=token) as session:
-        rings = {way: RingAllReduce(session, analysis, copy_fused=way == "copy") for way in WAYS}
+        rings = {way: RingAllReduce(session, analysis, copy_fused=way == "copy", register_outputs=way != STAGED)
+                 for way in ways_of(provider)}
         calls_of = {way: functools.partial(ring.allreduce_arrays, keys, mine) for way, ring in rings.items()}
         calls_of["traffic"] = _traffic(buckets, dict(zip(keys, mine, strict=True)),
                                        dict(zip(keys, theirs, strict=True)))
-        wall = {way: [] for way in COLUMNS}
-        cpu = {way: [] for way in COLUMNS}
+        wall = {way: [] for way in calls_of}
+        cpu = {way: [] for way in calls_of}
         for r in range(rounds + 1):               # round 0 warms up and checks
             for way, call in calls_of.items():
-                streaming.enabled = way in ("stream", "traffic") and streaming.BUILD_ERROR is None
+                streaming.enabled = way in ("stream", "traffic", STAGED) and streaming.BUILD_ERROR is None
                 w0, c0 = time.perf_counter(), time.process_time()
                 for _ in range(calls):
                     got = call()
@@ -158,23 +167,29 @@ def measure(model: str, provider: str, rounds: int, calls: int) -> dict:
         raise SystemExit(f"{model} over {provider}: a rank failed (exit codes {[p.exitcode for p in procs]})")
     row = {"model": model, "provider": provider, "bytes": results[0]["bytes"], "buckets": results[0]["buckets"],
            "fused_buckets": results[0]["fused"], "rounds": rounds, "calls": calls}
-    for way in COLUMNS:       # both ranks' samples: a rank's CPU is what its neighbour's compute loses
+    for way in results[0]["wall"]:       # both ranks' samples: a rank's CPU is what its neighbour's compute loses
         row[f"{way}_wall_ms"] = round(statistics.median(results[0]["wall"][way] + results[1]["wall"][way]), 2)
         row[f"{way}_cpu_ms"] = round(statistics.median(results[0]["cpu"][way] + results[1]["cpu"][way]), 2)
     row["cpu_copy_over_stream"] = round(row["copy_cpu_ms"] / row["stream_cpu_ms"], 3)
     row["wall_copy_over_stream"] = round(row["copy_wall_ms"] / row["stream_wall_ms"], 3)
     row["wall_stream_over_traffic"] = round(row["stream_wall_ms"] / row["traffic_wall_ms"], 3)
+    if f"{STAGED}_wall_ms" in row:
+        row["wall_staged_over_stream"] = round(row[f"{STAGED}_wall_ms"] / row["stream_wall_ms"], 3)
+        row["cpu_staged_over_stream"] = round(row[f"{STAGED}_cpu_ms"] / row["stream_cpu_ms"], 3)
     return row
 
 
 def table(rows: list[dict]) -> str:
     lines = ["| model | provider | MB | stream: wall / CPU ms | gather: wall / CPU ms | copy first: wall / CPU ms "
-             "| traffic alone: wall / CPU ms | CPU copy/stream | wall stream/traffic |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| traffic alone: wall / CPU ms | CPU copy/stream | wall stream/traffic "
+             "| outputs staged: wall / CPU ms | wall staged/stream |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
+        staged = (f"{r[f'{STAGED}_wall_ms']} / {r[f'{STAGED}_cpu_ms']} | {r['wall_staged_over_stream']}x"
+                  if f"{STAGED}_wall_ms" in r else "- | -")
         lines.append(f"| {r['model']} | {r['provider']} | {r['bytes'] / 1e6:.1f} | "
                      + " | ".join(f"{r[f'{w}_wall_ms']} / {r[f'{w}_cpu_ms']}" for w in COLUMNS)
-                     + f" | {r['cpu_copy_over_stream']}x | {r['wall_stream_over_traffic']}x |")
+                     + f" | {r['cpu_copy_over_stream']}x | {r['wall_stream_over_traffic']}x | {staged} |")
     return "\n".join(lines)
 
 

@@ -88,9 +88,19 @@ class Channel(ABC):
     def unexpose(self, region_id: int) -> None:
         self.local.pop(region_id, None)
 
-    def register_source(self, arena: Arena) -> None:
-        """Memory this side will write from (verbs registers it). Default: nothing to do."""
+    def register_source(self, buf: np.ndarray) -> None:
+        """Memory this side will write from (verbs registers it for local access
+        only, and keeps `buf` alive until deregister_source). Default: nothing to do."""
         return None
+
+    def deregister_source(self, buf: np.ndarray) -> None:
+        """Forget memory given to register_source(); no write may still read it."""
+        return None
+
+    def writes_from(self, src: np.ndarray) -> bool:
+        """Whether write() reads `src` (uint8, contiguous) where it is; else the
+        session copies it into registered staging first."""
+        return not self.capabilities.needs_registered_source
 
     @abstractmethod
     def params(self) -> dict:

@@ -85,7 +85,7 @@ class Exchange:
             if outgoing:
                 arenas = [ctx.arena(size) for size in outgoing.arena_sizes]
                 for arena in arenas:
-                    ch.register_source(arena)
+                    ch.register_source(arena.buf)
                 sending = [SendSlot(slot, peer, arenas[slot.arena].view(slot.offset, slot.size),
                                     raw=wire.is_raw(slot.spec, ctx.plan) and slot.spec.nbytes > 0)
                            for slot in outgoing.slots]

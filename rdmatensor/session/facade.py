@@ -122,6 +122,28 @@ class Session:
         Every write carries `tag`, as in send()."""
         self._sender.send_many(items, timeout, tag)
 
+    def register_source(self, array: np.ndarray) -> None:
+        """Let writes leave straight from `array` (writable, C-contiguous), with no copy
+        into staging: verbs registers it for local access only, with every peer, and
+        keeps it alive until deregister_source(). A write from it may still read it
+        after send() returns: wait_sent() before changing it."""
+        if not (isinstance(array, np.ndarray) and array.flags.c_contiguous and array.flags.writeable):
+            raise UsageError("register_source takes a writable C-contiguous numpy array")
+        if array.nbytes:
+            for ch in self._ctx.channels.values():
+                ch.register_source(array)
+
+    def deregister_source(self, array: np.ndarray) -> None:
+        """Undo register_source(), once every posted write completed."""
+        self._sender.flush()
+        for ch in self._ctx.channels.values():
+            ch.deregister_source(array)
+
+    def wait_sent(self, names) -> None:
+        """Wait until no write of these tensors (this rank sends them) still reads
+        its source: the array given to send() may change after this."""
+        self._sender.wait_sent(names)
+
     def recv(self, name: str, timeout: float | None = None, tag: int | None = None) -> Received:
         """Wait for `name` and return it as a read-only view of the receive arena.
 

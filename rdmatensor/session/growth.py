@@ -37,7 +37,7 @@ class Growth:
         ch = ctx.channels[st.peer]
         ch.attach(desc)
         staging = ctx.arena(desc["size"])
-        ch.register_source(staging)
+        ch.register_source(staging.buf)
         st.region, st.offset, st.capacity = desc["region_id"], 0, desc["size"]
         st.staging = staging.buf
         ctx.counters.add("grows")

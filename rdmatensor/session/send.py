@@ -2,8 +2,9 @@
 
 A static tensor (no checksum) goes in one one-sided write straight from
 wherever it is: the staging buffer the user filled (buffer()), or the user's
-own array where the provider can write from any memory; otherwise it is
-copied into staging first. A static tensor may also be given as Pieces,
+own array where the provider can write from it (any memory; on verbs,
+memory registered with register_source()); otherwise it is copied into
+staging first. A static tensor may also be given as Pieces,
 arrays of its dtype whose elements, end to end, are the tensor's (a gather
 write: the ring's fused buckets), written from where they are or copied once
 into staging. Dynamic tensors and checksummed plans go as one
@@ -76,6 +77,11 @@ class Sender:
         if st.pending is not None:
             self.ctx.channels[st.peer].wait(st.pending, self.ctx.timeout)
             st.pending = None
+
+    def wait_sent(self, names) -> None:
+        """Wait until no write of these tensors still reads its source."""
+        for name in names:
+            self.source_free(self._slot(name)[1])
 
     def flush(self) -> None:
         """Wait until every posted write completed, so close() cuts none off
@@ -255,10 +261,8 @@ class Sender:
             self.source_free(st)
             self.ctx.counters.add("copies")
             return array.into(staging)               # one copy, into registered memory
-        if not self.ctx.channels[st.peer].capabilities.needs_registered_source and array.flags.c_contiguous:
-            return array.reshape(-1).view(np.uint8)  # written straight from the user's array (staging's too)
-        if np.shares_memory(array, staging) and array.ctypes.data == staging.ctypes.data:
-            return staging                           # a view of staging, filled in place (.ctypes costs ~2 us)
+        if array.flags.c_contiguous and self.ctx.channels[st.peer].writes_from(array):
+            return array.reshape(-1).view(np.uint8)  # written straight from the array (registered, on verbs)
         self.source_free(st)
         np.copyto(staging.view(array.dtype).reshape(array.shape), array)
         self.ctx.counters.add("copies")

@@ -346,6 +346,40 @@ def test_views_are_zero_copy_and_staging_sends_copy_nothing(provider):
     assert copies <= 1 + 2 * serialization
 
 
+def test_registered_memory_is_written_from_where_it_is(provider):
+    """register_source(): writes leave from the array itself, with no copy into staging,
+    on every provider (verbs registers it, local access only); wait_sent() returns once no
+    write reads it, so changing it then never changes what was sent."""
+    plan = Plan([TensorSpec("a", (256, 1024), np.float32, 0, 1)])      # 1 MiB: a write of many packets
+
+    def body(s, r):
+        if r == 0:
+            own = np.empty((256, 1024), np.float32)
+            with pytest.raises(UsageError, match="writable C-contiguous"):
+                s.register_source(own[:, ::2])
+            s.register_source(own)
+            before = s.stats()["copies"]
+            for value in (1.0, 2.0, 3.0):
+                own[...] = value
+                s.send("a", own)
+                s.wait_sent(["a"])
+                own[...] = -1.0                     # after wait_sent: the peer still gets `value`
+            copied = s.stats()["copies"] - before
+            s.deregister_source(own)
+            s.send("a", np.full((256, 1024), 4.0, np.float32))     # not registered: copied where it must be
+            return copied
+        got = []
+        for _ in range(4):
+            with s.recv("a") as v:
+                got.append(float(v[0, 0]) if (v == v[0, 0]).all() else None)
+        return got
+
+    res = check(run_ranks(2, plan, provider, body))
+    assert res[1] == [1.0, 2.0, 3.0, 4.0]
+    serialization = {"grpc": 1, "verbs-rpc": 3}.get(provider, 0)     # the baselines serialize every send
+    assert res[0] == 3 * serialization
+
+
 def test_dynamic_tensors_grow_and_shrink_intact(provider):
     plan = Plan([TensorSpec("seq", (None, 5), np.float32, 0, 1, capacity=256),
                  TensorSpec("ids", (None,), np.int64, 1, 0)])

@@ -33,8 +33,9 @@ class Reused:
     while every existing one is still held: one or two in steady training,
     without the page faults of a fresh allocation per step."""
 
-    def __init__(self, size: int, dtype, tally: dict | None = None):
-        self.size, self.dtype, self.tally = size, np.dtype(dtype), tally
+    def __init__(self, size: int, dtype, tally: dict | None = None, on_new=None):
+        # on_new(buffer): called with each buffer allocated (the ring registers it for writes)
+        self.size, self.dtype, self.tally, self.on_new = size, np.dtype(dtype), tally, on_new
         self._free = collections.deque()       # thread-safe append/pop: finalizers run on TF's threads
         self.allocated = 0
 
@@ -44,6 +45,8 @@ class Reused:
         except IndexError:
             raw = aligned_empty((self.size,), self.dtype)
             self.allocated += 1
+            if self.on_new is not None and raw.nbytes:
+                self.on_new(raw)
             if self.tally is not None:
                 self.tally["allocated"] = self.tally.get("allocated", 0) + 1
         if not raw.nbytes:

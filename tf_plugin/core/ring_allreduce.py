@@ -34,7 +34,10 @@ dtypes block by block right after each block is added, while it is still in
 cache. Dividing before the sum would be as cheap but round differently. Partial sums land in staging, the
 complete sum of this rank's chunk straight in the output, which the
 all-gather sends from; every other chunk is copied once from its slot into
-the output (and, when N > 2, forwarded from there). The outputs are 64-byte
+the output (and, when N > 2, forwarded from there). On verbs each output
+buffer is registered once, when allocated, so those writes leave from it
+with no copy into staging; an output is leased again only once no write
+still reads it (_lease). The outputs are 64-byte
 aligned buffers reused once TensorFlow freed the previous step's
 (buffers.Reused), and reach TensorFlow with no copy (DLPack, or
 numpy_function's output).
@@ -106,12 +109,14 @@ class BucketView:
 
 class RingAllReduce:
     def __init__(self, session, analysis: Analysis, meter: Meter | None = None, average: bool = True,
-                 combine=np.add, copy_fused: bool = False, scale: float | None = None):
+                 combine=np.add, copy_fused: bool = False, scale: float | None = None,
+                 register_outputs: bool = True):
         # combine: how two ranks' values make one (np.add; np.minimum, np.maximum, np.multiply).
         # scale: the factor the combined values are multiplied by (Horovod's postscale, which
         # holds an average's 1/N); default 1/N when `average`, else none.
         # copy_fused: copy a bucket's members together first, as before gather writes
-        # (kept so that bench.ring_cpu measures both in one run).
+        # (kept so that bench.ring_cpu measures both in one run). register_outputs=False: the
+        # all-gather's writes are copied into staging on verbs, as before (bench.ring_cpu, too).
         self.session, self.analysis, self.combine = session, analysis, combine
         self.meter = meter or Meter()
         self.rank, self.size = session.rank, analysis.workers
@@ -120,14 +125,31 @@ class RingAllReduce:
         self.average = self.factor is not None        # whether the combined values are scaled
         self.index = {v.key: i for i, v in enumerate(analysis.variables)}
         self.shapes = {v.key: v.shape for v in analysis.variables}
+        self._register = register_outputs
         self._fused = {}        # copy_fused: a fused bucket's input buffer, reused every step, padding stays zero
         self._outputs = {}      # a bucket's output buffers, reused once TensorFlow let go of them
         for b in analysis.buckets:
             if len(b.members) > 1 and copy_fused:
                 self._fused[b.key] = aligned_empty((b.size,), b.dtype)
                 self._fused[b.key][...] = 0
-            self._outputs[b.key] = Reused(b.size, b.dtype, self.meter.tally)
+            self._outputs[b.key] = Reused(b.size, b.dtype, self.meter.tally, self._writes_leave_from)
+        self._in_flight: dict = {}    # bucket key -> the sends its last ring made from its output
         self._comm = None       # the communication thread of the in-graph ring (RingGradientTape)
+
+    def _writes_leave_from(self, output: np.ndarray) -> None:
+        """A new output buffer: the all-gather writes from it, so verbs registers it
+        (local access only) and those writes need no copy into staging."""
+        register = getattr(self.session, "register_source", None)
+        if register is not None and self._register:
+            register(output)
+
+    def _lease(self, key: str) -> np.ndarray:
+        """An output buffer for bucket `key`, once no write of its last ring still reads one
+        (a posted write from the output must not see it change, even on a retransmission)."""
+        sent = self._in_flight.pop(key, None)
+        if sent:
+            self.session.wait_sent(sent)
+        return self._outputs[key].lease()
 
     # ------------------------------------------------------------- all-reduce
     def allreduce_arrays(self, keys, arrays, average: bool = True) -> list[np.ndarray]:
@@ -143,7 +165,7 @@ class RingAllReduce:
         flats = [self._flat(b, [by_key[key] for key, _, _ in b.members], average) for b in buckets]
         with self.meter.comm():
             outs = self._ring([b.key for b in buckets], [f for f, _ in flats],
-                              [self._outputs[b.key].lease() for b in buckets], [d for _, d in flats])
+                              [self._lease(b.key) for b in buckets], [d for _, d in flats])
         result = {}
         for b, out in zip(buckets, outs, strict=True):
             result.update(zip((key for key, _, _ in b.members), b.split(out, self.shapes), strict=True))
@@ -157,7 +179,7 @@ class RingAllReduce:
         members: Bucket.split)."""
         b = self.analysis.buckets[j]
         flat, divide = self._flat(b, [np.ascontiguousarray(a) for a in arrays], self.average)
-        (out,) = self._ring([b.key], [flat], [self._outputs[b.key].lease()], [divide], tag)
+        (out,) = self._ring([b.key], [flat], [self._lease(b.key)], [divide], tag)
         return out
 
     def _flat(self, bucket, arrays: list, average: bool) -> tuple[BucketView, bool]:
@@ -182,18 +204,25 @@ class RingAllReduce:
                     o[at:at + piece.size] = piece
             return outs
         hierarchy = self.analysis.hierarchy
+        sent = [[] for _ in keys]          # per array, the sends that left from its output (see _lease)
         if hierarchy is None:
             group = tuple(range(self.size))
-            self._all_gather(group, keys, outs, self._reduce_scatter(group, keys, flats, outs, divide, tag), tag)
-            return outs
-        local, cross = hierarchy.local(self.rank), hierarchy.cross(self.rank)
-        lkeys, xkeys = [f"{k}/local" for k in keys], [f"{k}/cross" for k in keys]
-        # this host's sum of one chunk lands in the output, whose chunk the ranks across hosts then all-reduce in place
-        held = self._reduce_scatter(local, lkeys, flats, outs, [False] * len(flats), tag)
-        chunks = [held.get(i, o[:0]) for i, o in enumerate(outs)]
-        views = [BucketView.of(c) for c in chunks]      # added to in place
-        self._all_gather(cross, xkeys, chunks, self._reduce_scatter(cross, xkeys, views, chunks, divide, tag), tag)
-        self._all_gather(local, lkeys, outs, held, tag)
+            held = self._reduce_scatter(group, keys, flats, outs, divide, tag)
+            self._all_gather(group, keys, outs, held, tag, sent)
+        else:
+            local, cross = hierarchy.local(self.rank), hierarchy.cross(self.rank)
+            lkeys, xkeys = [f"{k}/local" for k in keys], [f"{k}/cross" for k in keys]
+            # this host's sum of one chunk lands in the output, whose chunk the ranks across hosts then
+            # all-reduce in place
+            held = self._reduce_scatter(local, lkeys, flats, outs, [False] * len(flats), tag)
+            chunks = [held.get(i, o[:0]) for i, o in enumerate(outs)]
+            views = [BucketView.of(c) for c in chunks]      # added to in place
+            cross_held = self._reduce_scatter(cross, xkeys, views, chunks, divide, tag)
+            # its first write left from the output, where the all-gather now receives: it must be done
+            self.session.wait_sent([ring_name(xkeys[i], "rs", 0, self.rank) for i in cross_held])
+            self._all_gather(cross, xkeys, chunks, cross_held, tag, sent)
+            self._all_gather(local, lkeys, outs, held, tag, sent)
+        self._in_flight.update(zip(keys, sent, strict=True))
         return outs
 
     def _reduce_scatter(self, group, keys: list, flats: list, outs: list, divide: list, tag: int) -> dict:
@@ -246,17 +275,21 @@ class RingAllReduce:
             if finish:
                 finish(dst[b:b + block])
 
-    def _all_gather(self, group, keys: list, outs: list, held: dict, tag: int) -> None:
+    def _all_gather(self, group, keys: list, outs: list, held: dict, tag: int, sent: list) -> None:
         """The all-gather of a ring over `group`, from this rank's complete chunks
         (`held`, in the outputs): every other chunk is copied once out of its
-        receive slot into the output, and forwarded from there."""
+        receive slot into the output, and forwarded from there. The names it
+        sends from outs[i] are added to sent[i]."""
         s, n, me = self.session, len(group), self.rank
         p, left = group.index(me), group[group.index(me) - 1]
         live = sorted(held)
         bounds = {i: [slice(lo, hi) for lo, hi in ring_bounds(outs[i].size, n)] for i in live}
         outgoing = dict(held)
         for step in range(n - 1):
-            s.send_many([(ring_name(keys[i], "ag", step, me), outgoing[i]) for i in live], tag=tag)
+            names = [ring_name(keys[i], "ag", step, me) for i in live]
+            s.send_many(list(zip(names, (outgoing[i] for i in live), strict=True)), tag=tag)
+            for i, name in zip(live, names, strict=True):
+                sent[i].append(name)
             c = ring_chunk("ag", step, p, n, receiving=True)
             for i in live:
                 dst = outs[i][bounds[i][c]]

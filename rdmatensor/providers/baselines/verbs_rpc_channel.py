@@ -61,6 +61,8 @@ class VerbsRpcChannel(VerbsChannel):
     expose = Channel.expose
     unexpose = Channel.unexpose
     register_source = Channel.register_source
+    deregister_source = Channel.deregister_source
+    writes_from = Channel.writes_from
     prepare_write = Channel.prepare_write           # a write is a message here: write() sends it
     credit_sink = Channel.credit_sink               # a credit is a message here: notify_later() sends it
     waiter = Channel.waiter                         # a completion is a message to parse here: _take() does it

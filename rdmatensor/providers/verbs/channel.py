@@ -27,6 +27,7 @@ and once nobody polls, it stops owing them and takes events again.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 import os
 import threading
 import time
@@ -74,6 +75,11 @@ class VerbsChannel(Channel):
         # a write never finds no receive posted (no RNR).
         self.ep = endpoint_class()(depth=SEND_DEPTH, recv_depth=max_incoming + RECV_BATCH)
         self._mrs: dict[int, object] = {}                    # exposed region id -> MR
+        # Memory writes may leave from: start address -> (end, MR, the array, alive while registered),
+        # and its sorted (start, end) pairs, replaced whole so writes_from() reads them without a lock.
+        self._sources: dict[int, tuple[int, object, np.ndarray]] = {}
+        self._source_ranges: tuple[list[int], list[int]] = ([], [])
+        self._sources_lock = threading.Lock()
         self._regions: dict[int, RemoteRegion] = {}          # the peer's region id -> where we write
         self._sent = 0                    # the highest send number completed (sends complete in order)
         self._failure: Exception | None = None    # why no later send will complete
@@ -101,8 +107,37 @@ class VerbsChannel(Channel):
         if mr is not None:
             self.ep.deregister(mr)
 
-    def register_source(self, arena: Arena) -> None:
-        self.ep.register(arena.buf, LOCAL_ONLY)
+    def register_source(self, buf: np.ndarray) -> None:
+        start = buf.ctypes.data
+        with self._sources_lock:
+            held = self._sources.get(start)
+            if held is not None and held[0] >= start + buf.nbytes:
+                return                                  # registered already
+            mr = self.ep.register(buf, LOCAL_ONLY)
+            if held is not None:
+                self.ep.deregister(held[1])
+            self._sources[start] = (start + buf.nbytes, mr, buf)
+            self._index_sources()
+
+    def deregister_source(self, buf: np.ndarray) -> None:
+        with self._sources_lock:
+            held = self._sources.pop(buf.ctypes.data, None)
+            if held is not None:
+                self._index_sources()
+                if not self._closing:
+                    self.ep.deregister(held[1])
+
+    def _index_sources(self) -> None:
+        starts = sorted(self._sources)
+        self._source_ranges = (starts, [self._sources[s][0] for s in starts])
+
+    def writes_from(self, src: np.ndarray) -> bool:
+        starts, ends = self._source_ranges
+        if not starts:
+            return False
+        addr = src.ctypes.data
+        i = bisect_right(starts, addr) - 1
+        return i >= 0 and addr + src.nbytes <= ends[i]
 
     def attach(self, descriptor: dict) -> None:
         try:
@@ -379,4 +414,7 @@ class VerbsChannel(Channel):
             self._release_sends(PeerLost("channel closed", peer=self.peer))
             self._mrs.clear()
             self._regions.clear()
+            with self._sources_lock:
+                self._sources.clear()
+                self._index_sources()
             self.ep.close()
