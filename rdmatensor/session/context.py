@@ -13,7 +13,11 @@ from ..plan import Plan, TensorSpec
 from ..errors import UnknownTensor
 from ..providers.contract import Channel
 
-COUNTERS = ("copies", "dynamic", "fallbacks", "grows", "waits", "corrupt")
+# copies by purpose, each with its bytes: pieces gathered into staging, a whole array copied
+# into staging (memory verbs cannot write from), a value framed (dynamic shape or checksum)
+COPY_PURPOSES = ("gather", "array", "frame")
+COUNTERS = ("copies", "dynamic", "fallbacks", "grows", "waits", "corrupt", "bytes_copied",
+            *(f"copies_{p}" for p in COPY_PURPOSES))
 
 
 class Counters:
@@ -34,6 +38,11 @@ class Counters:
     def snapshot(self) -> dict:
         with self._lock:
             return dict(self._values)
+
+
+def count_copy(counters: Counters, purpose: str, nbytes: int) -> None:
+    """Count one copy of `nbytes` made for `purpose` (COPY_PURPOSES)."""
+    counters.add("copies", f"copies_{purpose}", bytes_copied=nbytes)
 
 
 class SessionContext:

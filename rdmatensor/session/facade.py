@@ -198,8 +198,11 @@ class Session:
         self._live.fail(error)
 
     def stats(self) -> dict:
-        """Counters: bytes_sent/received, writes, recvs, copies (user array ->
-        staging, plus the grpc baseline's serialization copies on both sides),
+        """Counters: bytes_sent/received, writes, recvs, copies (into staging,
+        plus the grpc baseline's serialization copies on both sides; those into
+        staging by purpose as copies_gather (Pieces), copies_array (an array
+        the provider cannot write from) and copies_frame (a dynamic or
+        checksummed value's framing), with bytes_copied),
         dynamic (dynamic-shape sends), fallbacks, grows, waits (sends that had
         to wait for a credit), corrupt (values refused on receipt),
         control_calls (made by this rank: setup, barriers, grows; never one

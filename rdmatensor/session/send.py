@@ -20,7 +20,7 @@ from ..errors import PeerLost, RdmaTensorError, SendTimeout, TensorMismatch, Unk
 from ..plan import TensorSpec
 from ..providers.contract import INDEX_BITS, MAX_TAG, Pieces
 from . import wire
-from .context import SessionContext
+from .context import SessionContext, count_copy
 from .credits import Credits, SendSlot
 from .growth import Growth
 from .liveness import Liveness
@@ -245,7 +245,7 @@ class Sender:
             self.source_free(st)
             need, copied = wire.encode(spec, ctx.plan, array, st.staging)
             if copied:
-                ctx.counters.add("copies")
+                count_copy(ctx.counters, "frame", array.nbytes)
             st.pending = ch.write(st.region, st.offset, st.staging[:need], imm)
             if not spec.is_static:
                 ctx.counters.add("dynamic", "fallbacks")
@@ -259,11 +259,11 @@ class Sender:
             if not self.ctx.channels[st.peer].capabilities.needs_registered_source:
                 return Pieces(p.reshape(-1).view(np.uint8) for p in array)     # a gather write, no copy
             self.source_free(st)
-            self.ctx.counters.add("copies")
+            count_copy(self.ctx.counters, "gather", staging.nbytes)
             return array.into(staging)               # one copy, into registered memory
         if array.flags.c_contiguous and self.ctx.channels[st.peer].writes_from(array):
             return array.reshape(-1).view(np.uint8)  # written straight from the array (registered, on verbs)
         self.source_free(st)
         np.copyto(staging.view(array.dtype).reshape(array.shape), array)
-        self.ctx.counters.add("copies")
+        count_copy(self.ctx.counters, "array", array.nbytes)
         return staging

@@ -367,7 +367,8 @@ def test_registered_memory_is_written_from_where_it_is(provider):
             copied = s.stats()["copies"] - before
             s.deregister_source(own)
             s.send("a", np.full((256, 1024), 4.0, np.float32))     # not registered: copied where it must be
-            return copied
+            after = s.stats()
+            return copied, {k: after[k] for k in ("copies_array", "copies_gather", "copies_frame", "bytes_copied")}
         got = []
         for _ in range(4):
             with s.recv("a") as v:
@@ -377,7 +378,12 @@ def test_registered_memory_is_written_from_where_it_is(provider):
     res = check(run_ranks(2, plan, provider, body))
     assert res[1] == [1.0, 2.0, 3.0, 4.0]
     serialization = {"grpc": 1, "verbs-rpc": 3}.get(provider, 0)     # the baselines serialize every send
-    assert res[0] == 3 * serialization
+    copied, by_purpose = res[0]
+    assert copied == 3 * serialization
+    # the last send's copy, counted by its purpose with its bytes, only where writes need registered memory
+    staged = provider == "verbs"
+    assert by_purpose == {"copies_array": int(staged), "copies_gather": 0, "copies_frame": 0,
+                          "bytes_copied": (1 << 20) * staged}
 
 
 def test_dynamic_tensors_grow_and_shrink_intact(provider):

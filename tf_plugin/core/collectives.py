@@ -52,6 +52,7 @@ import numpy as np
 
 from rdmatensor import PeerLost, Plan, PlanMismatch, RdmaTensorError, TensorSpec, Timeout, UsageError, connect
 from rdmatensor.providers.contract import MAX_TAG
+from rdmatensor.session.context import COPY_PURPOSES
 
 from . import adasum, scaling, settings
 from .layout import Analysis, Hierarchy, VarInfo, buckets_of, fusion_threshold, hierarchical_specs, ring_specs
@@ -62,7 +63,8 @@ from .timeline import Timeline
 
 OK = np.ones(1, np.uint8)   # a broadcast's root to every other rank: every rank took the value
 TAGS = MAX_TAG + 1     # call numbers travel mod this in every write's tag
-COUNTED = ("control_calls", "bytes_sent", "bytes_received", "writes", "recvs", "copies", "dynamic", "grows")
+COUNTED = ("control_calls", "bytes_sent", "bytes_received", "writes", "recvs", "copies", "dynamic", "grows",
+           "bytes_copied", *(f"copies_{p}" for p in COPY_PURPOSES))
 
 
 @dataclass

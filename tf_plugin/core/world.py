@@ -28,6 +28,7 @@ from rdmatensor import UsageError
 
 from .bootstrap import Bootstrap, PortReservation
 from .checked_collectives import CheckedCollectives, finite_check_from_env
+from .collectives import COUNTED
 from rdmatensor.runner import rendezvous_client as rendezvous
 from rdmatensor.runner.cluster import Cluster
 from .failure import JobFailure
@@ -303,7 +304,8 @@ def allgather_object(obj, session=None, name: str | None = None, process_set=Non
 
 def stats() -> dict:
     """This rank's counters since init(): control_calls, bytes_sent/received, writes,
-    recvs, copies (the sessions'), plugin_copies, dynamic, grows, over every plan
+    recvs, copies (the sessions'; by purpose copies_gather, copies_array, copies_frame,
+    with bytes_copied: Session.stats()), plugin_copies, dynamic, grows, over every plan
     generation and the bootstrap channel; generations (sessions the growing plan
     connected), extensions (generations after the first), tensor_sets, tensors (in
     the current plan), exchanges (bootstrap collectives: plan agreements, objects),
@@ -314,7 +316,7 @@ def stats() -> dict:
     w = world()
     out = w.collectives.stats()
     boot = w.bootstrap.stats()
-    for k in ("control_calls", "bytes_sent", "bytes_received", "writes", "recvs", "copies", "dynamic", "grows"):
+    for k in COUNTED:
         out[k] += boot.get(k, 0)
     out["exchanges"] = w.bootstrap.exchanges
     out["provider"] = out["provider"] or boot.get("provider")

@@ -231,7 +231,9 @@ def report(s: Summary, out=None) -> None:
     print(f"  steps/s             {s.steps_per_s:.2f}  (median step {s.median_step_ms:.1f} ms)", file=out)
     print(f"  bytes moved/step    {_fmt(s.bytes_per_step, '.0f')}"
           f"  ({_fmt(s.writes_per_step, '.0f')} writes)", file=out)
-    print(f"  copies/step         {_fmt(s.copies_per_step, '.1f')}; "
+    purposes = ", ".join(f"{k} {v:.1f}" for k, v in sorted((s.copies_by_purpose or {}).items()))
+    copied = "" if not s.bytes_copied_per_step else f", {s.bytes_copied_per_step / 1e6:.2f} MB copied into staging"
+    print(f"  copies/step         {_fmt(s.copies_per_step, '.1f')}{f' ({purposes}{copied})' if purposes else ''}; "
           f"zero-copy receives into TF {_fmt(s.zero_copy_ingest_per_step, '.0f')}", file=out)
     frac = "" if s.comm_fraction is None else f" ({100 * s.comm_fraction:.0f}% of a step)"
     print(f"  communication       {_fmt(s.comm_ms_per_step, '.2f')} ms/step per worker{frac}", file=out)

@@ -23,6 +23,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from rdmatensor.providers import REGISTRY
+from rdmatensor.session.context import COPY_PURPOSES
 
 from rdmatensor.runner.cores import BINDINGS
 from . import models
@@ -168,6 +169,10 @@ class RankResult:
     overlap: float | None = None            # share of the ring's time while backprop still ran
     ring_cpu_seconds: float | None = None   # CPU the communication thread used over the timed steps
     paired_seconds: dict | None = None      # a paired job's floor steps: {"none": [...], "sync": [...]}
+    # per step: copies by purpose, the session's (gather, array, frame: into staging) and the
+    # plugin's (copied, forwarded, fused: the ring's), and the bytes the session copied
+    copies_by_purpose: dict | None = None
+    bytes_copied_per_step: float | None = None
 
     @property
     def timed_steps(self) -> int:
@@ -187,13 +192,18 @@ class RankResult:
         def per_step(start, end, key):
             return (end[key] - start[key]) / timed
 
-        copies = sum(per_step(tally_before, tally_after, k) for k in ("copied", "forwarded", "fused"))
+        plugin = ("copied", "forwarded", "fused")
+        copies = sum(per_step(tally_before, tally_after, k) for k in plugin)
+        by_purpose = {p: per_step(before, after, f"copies_{p}") for p in COPY_PURPOSES if f"copies_{p}" in after}
+        by_purpose.update((k, per_step(tally_before, tally_after, k)) for k in plugin)
         return cls(cluster.rank, cluster.task_type, after["provider"], list(losses), list(step_seconds),
                    setup_seconds, comm_seconds, per_step(before, after, "bytes_sent"),
                    per_step(before, after, "writes"), per_step(before, after, "copies"), copies,
                    per_step(tally_before, tally_after, "zero_copy"),
                    after["dynamic"], after["fallbacks"], after["grows"], overlap=overlap,
-                   ring_cpu_seconds=ring_cpu_seconds)
+                   ring_cpu_seconds=ring_cpu_seconds,
+                   copies_by_purpose={k: v for k, v in by_purpose.items() if v},
+                   bytes_copied_per_step=per_step(before, after, "bytes_copied") if "bytes_copied" in after else None)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -234,6 +244,8 @@ class Summary:
     losses: list[float]                     # the global loss per step: mean over the workers' shards
     wall_seconds: float = 0.0               # set by the launcher: start to results, setup included
     paired: dict | None = None              # a paired job's floors, step by step (see paired())
+    copies_by_purpose: dict | None = None   # summed over the ranks (see RankResult)
+    bytes_copied_per_step: float | None = None
 
     @property
     def provider(self) -> str:
@@ -278,7 +290,18 @@ def summarize(config: JobConfig, results: list[RankResult]) -> Summary:
         ring_cpu_ms_per_step=_mean(None if w.ring_cpu_seconds is None else
                                    1e3 * w.ring_cpu_seconds / max(w.timed_steps, 1) for w in workers),
         dynamic=sum(r.dynamic for r in results), fallbacks=sum(r.fallbacks for r in results),
-        grows=sum(r.grows for r in results), losses=losses, paired=paired(workers))
+        grows=sum(r.grows for r in results), losses=losses, paired=paired(workers),
+        copies_by_purpose=_by_purpose(results), bytes_copied_per_step=_total(r.bytes_copied_per_step for r in results))
+
+
+def _by_purpose(results: list[RankResult]) -> dict | None:
+    if any(r.copies_by_purpose is None for r in results):
+        return None
+    out: dict = {}
+    for r in results:
+        for k, v in r.copies_by_purpose.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
 
 
 def paired(workers: list[RankResult]) -> dict | None:
