@@ -113,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--send-many", choices=("off", "on", "both"), default="off",
                    help="step and bw modes: send a step's tensors (bw: a window's) with one send_many() "
                         "call (verbs: up to 32 writes per doorbell); `both` measures each point with and without")
+    p.add_argument("--tx-depth", type=int, default=0, metavar="N",
+                   help="bw mode: writes in flight, as perftest's -t (default: 16, fewer above 1 MiB)")
     p.add_argument("--json", metavar="FILE", help="write results as JSON (schema in docs/results.md)")
     p.add_argument("--plot", metavar="FILE.png", help="bandwidth and latency against size")
     p.add_argument("--rank", type=int, choices=(0, 1), help="server/client mode: this side's rank")
@@ -133,7 +135,7 @@ def points_for(a, providers: list[str]) -> list[Point]:
         pts += [Point("lat", pr, s, checksum=c, **common) for s in lat_sizes for pr in providers for c in crcs]
     manys = {"off": (False,), "on": (True,), "both": (False, True)}[a.send_many]
     if a.mode in ("all", "bw"):
-        pts += [Point("bw", pr, s, checksum=c, send_many=m, **common)
+        pts += [Point("bw", pr, s, checksum=c, send_many=m, tx_depth=a.tx_depth, **common)
                 for s in bw_sizes for pr in providers for c in crcs for m in manys]
     if a.mode == "step":
         tensors = model_grads.tensor_sizes(a.model) if a.model else a.step_tensors
@@ -207,7 +209,10 @@ def _in_vm(argv: list[str], a) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    a = build_parser().parse_args(argv)
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    if not 0 <= a.tx_depth <= 4096:
+        parser.error(f"--tx-depth takes 1..4096 writes in flight (0: automatic), not {a.tx_depth}")
     a.providers = a.providers or (PAPER_PROVIDERS if a.mode == "paper" else ",".join(NAMES))
     asked = [x.strip() for x in a.providers.split(",") if x.strip()]
     unknown = [x for x in asked if x not in NAMES]

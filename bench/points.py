@@ -41,6 +41,7 @@ class Point:
     model: str = ""              # step mode: the model whose gradient set `tensors` is
     endpoint: str = ""           # verbs providers: the RC endpoint (native, pyverbs); "" is the default
     send_many: bool = False      # step mode: one send_many() per step instead of a send() per tensor
+    tx_depth: int = 0            # bw mode: writes in flight (slots); 0: window_for(size)
 
     @property
     def label(self) -> str:
@@ -64,9 +65,9 @@ class Result:
     extra: dict = field(default_factory=dict)
 
 
-def window_for(size: int) -> int:
+def window_for(size: int, tx_depth: int = 0) -> int:
     # Deep enough to keep the link busy, shallow enough not to flood a software NIC.
-    return max(1, min(16, (16 << 20) // max(size, 1)))
+    return tx_depth or max(1, min(16, (16 << 20) // max(size, 1)))
 
 
 def plan_for(point: Point) -> Plan:
@@ -75,7 +76,8 @@ def plan_for(point: Point) -> Plan:
         specs += [TensorSpec("ping", (point.size,), np.uint8, 0, 1),
                   TensorSpec("pong", (point.size,), np.uint8, 1, 0)]
     elif point.mode == "bw":
-        specs += [TensorSpec(f"w{i}", (point.size,), np.uint8, 0, 1) for i in range(window_for(point.size))]
+        window = window_for(point.size, point.tx_depth)
+        specs += [TensorSpec(f"w{i}", (point.size,), np.uint8, 0, 1) for i in range(window)]
         specs += [TensorSpec("ack", (1,), np.int64, 1, 0)]
     elif point.mode == "step":
         specs += [TensorSpec(f"g{i}", (n,), np.uint8, 0, 1) for i, n in enumerate(point.tensors)]
@@ -166,7 +168,7 @@ def _lat(s, rank: int, p: Point) -> Result | None:
 
 
 def _bw(s, rank: int, p: Point) -> Result | None:
-    window = window_for(p.size)
+    window = window_for(p.size, p.tx_depth)
     names = [f"w{i}" for i in range(window)]
     warm = max(p.warmup, window)
     if rank == 1:
