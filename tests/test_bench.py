@@ -1,6 +1,7 @@
 """rdmatensor-bench: arguments, a short real run with JSON and plot, target checks."""
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -132,6 +133,28 @@ def test_verbs_bandwidth_and_latency_against_perftest(tmp_path):
     assert rows["bw"]["reference"]["name"] == "ib_write_bw" and rows["bw"]["ratio_to_reference"] > 0
     assert rows["lat"]["reference"]["name"] == "ib_write_lat"
     print(res.stdout)
+
+
+@pytest.mark.rdma
+def test_verbs_ring_and_cpu_split(tmp_path):
+    """Over verbs: bench.ring_cpu's ways, the outputs written from where they are and staged, each
+    result checked bit for bit; bench.cpu_split's per-write CPU beside ib_write_bw's; --tx-depth."""
+    out = tmp_path / "ring.json"
+    res = subprocess.run([sys.executable, "-m", "bench.ring_cpu", "--models", "mobilenetv2", "--providers", "verbs",
+                          "--rounds", "1", "--calls", "1", "--json", str(out)],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["staged_wall_ms"] > 0 and row["wall_staged_over_stream"] > 0
+    res = subprocess.run([sys.executable, "-m", "bench.cpu_split", "--size", "64K", "--seconds", "1"],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rates = dict(re.findall(r"^\| (rdmatensor verbs|ib_write_bw) \| ([\d.]+) \|", res.stdout, re.M))
+    assert set(rates) == {"rdmatensor verbs", "ib_write_bw"} and all(float(r) > 0 for r in rates.values())
+    res = bench("bw", "--providers", "verbs", "--sizes", "64K", "--seconds", "0.3", "--tx-depth", "64",
+                "--no-references", "--json", str(tmp_path / "d.json"), timeout=600)
+    assert res.returncode == 0, res.stderr
+    assert json.loads((tmp_path / "d.json").read_text())["rows"][0]["window"] == 64
 
 
 def test_ring_cpu_measures_every_way_with_results_checked(tmp_path):
