@@ -21,6 +21,9 @@ def test_training_over_verbs_matches_single_process(rdma_port, mode, close_to_re
     assert s.writes_per_step == (16 if mode == "ps" else 4)
     if mode == "allreduce":    # per rank: the fused bucket's members once into staging (a gather); its output's
         assert s.copies_per_step == 2 * 1      # chunk leaves from the output itself (registered): no copy
+        # both of TensorFlow's memory: a chunk over several gradients (gather), or inside one (array)
+        assert set(s.copies_by_purpose) <= {"gather", "array"} and sum(s.copies_by_purpose.values()) == 2.0
+        assert s.bytes_copied_per_step > 0
 
 
 def test_pipeline_over_verbs(rdma_port):
