@@ -189,7 +189,7 @@ def _bw(s, rank: int, p: Point) -> Result | None:
         s.send(names[i % window], bufs[i % window])
     iters = _iterations(p, time.perf_counter() - t0, warm)
     _tell(s, iters)
-    copies0 = s.stats()["copies"]
+    copies0, waits0 = s.stats()["copies"], s.stats()["waits"]
     t0 = time.perf_counter()
     if p.send_many:       # a window's writes per call: one doorbell on verbs
         items = list(zip(names, bufs, strict=True))
@@ -203,7 +203,8 @@ def _bw(s, rank: int, p: Point) -> Result | None:
     seconds = time.perf_counter() - t0
     return Result("bw", p.provider, p.size, iters, mb_per_s=p.size * iters / seconds / 1e6,
                   gb_per_s=p.size * iters * 8 / seconds / 1e9, msg_per_s=iters / seconds,
-                  copies=s.stats()["copies"] - copies0, window=window)
+                  copies=s.stats()["copies"] - copies0, window=window,
+                  extra={"credit_waits": s.stats()["waits"] - waits0})
 
 
 def _step(s, rank: int, p: Point) -> Result | None:
