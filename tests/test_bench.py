@@ -147,9 +147,10 @@ def ring_cpu_row(tmp_path, provider: str):
 
 
 @pytest.mark.rdma
-def test_verbs_ring_and_cpu_split(tmp_path):
+def test_verbs_benchmarks(tmp_path):
     """Over verbs: bench.ring_cpu's ways, the outputs written from where they are and staged, each
-    result checked bit for bit; bench.cpu_split's per-write CPU beside ib_write_bw's; --tx-depth."""
+    result checked bit for bit; bench.cpu_split's per-write CPU beside ib_write_bw's; --tx-depth;
+    bench.registration_cost."""
     row, _ = ring_cpu_row(tmp_path, "verbs")
     assert row["staged_wall_ms"] > 0 and row["wall_staged_over_stream"] > 0
     res = subprocess.run([sys.executable, "-m", "bench.cpu_split", "--size", "64K", "--seconds", "1"],
@@ -161,6 +162,11 @@ def test_verbs_ring_and_cpu_split(tmp_path):
                 "--no-references", "--json", str(tmp_path / "d.json"), timeout=600)
     assert res.returncode == 0, res.stderr
     assert json.loads((tmp_path / "d.json").read_text())["rows"][0]["window"] == 64
+    res = subprocess.run([sys.executable, "-m", "bench.registration_cost", "--sizes", "64K,1M", "--rounds", "1"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-2000:]
+    costs = re.findall(r"^\| (\d+) KiB \| (\d+) \| (\d+) \|", res.stdout, re.M)
+    assert [c[0] for c in costs] == ["64", "1024"] and all(int(r) > 0 and int(c) > 0 for _, r, c in costs)
 
 
 def test_ring_cpu_measures_every_way_with_results_checked(tmp_path):
