@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     if not active_port():
         raise SystemExit("bench.registration_cost: no ACTIVE RDMA port here (run it inside `rdmatensor softroce vm`)")
     from rdmatensor.providers.verbs.choose_endpoint import endpoint_class
-    from rdmatensor.providers.verbs.rc import LOCAL_ONLY
+    from rdmatensor.providers.verbs.rc import READ_ONLY
     ep = endpoint_class()(depth=16, recv_depth=16)
     print("| size | register + deregister, us | copy, us | register / copy |")
     print("| --- | --- | --- | --- |")
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
             src, staging = np.ones(size, np.uint8), np.empty(size, np.uint8)
             n = max(5, min(200, (64 << 20) // size))
             def register(src=src):
-                ep.deregister(ep.register(src, LOCAL_ONLY))
+                ep.deregister(ep.register(src, READ_ONLY))
 
             def copy(src=src, staging=staging):
                 np.copyto(staging, src)

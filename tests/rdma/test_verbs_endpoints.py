@@ -19,7 +19,7 @@ import pytest
 from rdmatensor import PeerLost, Plan, TensorSpec, TransportError, UsageError, connect
 from rdmatensor.providers.contract import IMM_CREDIT, IMM_DATA, make_imm, pair_imm
 from rdmatensor.providers.verbs.choose_endpoint import ENDPOINT_ENV, endpoint_class
-from rdmatensor.providers.verbs.rc import LOCAL_ONLY, MAX_CHAIN, REMOTE_WRITE
+from rdmatensor.providers.verbs.rc import LOCAL_ONLY, MAX_CHAIN, READ_ONLY, REMOTE_WRITE
 from rdmatensor.providers.verbs.pyverbs_endpoint import RcEndpoint
 from rdmatensor.providers.verbs.native_endpoint import NativeEndpoint
 from rdmatensor.session.flag import Flag
@@ -43,9 +43,10 @@ def connected(a_kind: str = "native", b_kind: str = "native"):
 
 
 def source_and_target(a, b, src: np.ndarray):
-    """`src` registered as a's staging, and a zeroed page of b's a may write: (page, its remote region)."""
+    """`src` registered as a's staging (read by the NIC alone, as the channel registers it), and a zeroed
+    page of b's a may write: (page, its remote region)."""
     canary = np.zeros(4096, np.uint8)
-    a.register(src, LOCAL_ONLY)
+    a.register(src, READ_ONLY)
     return canary, b.remote_region(canary, b.register(canary, REMOTE_WRITE))
 
 

@@ -28,7 +28,7 @@ from ...control.service import pb
 from ...errors import RefusedWrite
 from ...memory import Arena
 from ..contract import Capabilities, Channel
-from ..verbs.rc import LOCAL_ONLY, RECV_BATCH
+from ..verbs.rc import LOCAL_ONLY, READ_ONLY, RECV_BATCH
 from ..verbs.channel import VerbsChannel
 
 CHUNK = 256 << 10         # one private receive (and send) buffer
@@ -50,7 +50,7 @@ class VerbsRpcChannel(VerbsChannel):
         self.copies = 0
         self._inbox, self._outbox = Arena(RECV_BUFFERS * CHUNK), Arena(SEND_BUFFERS * CHUNK)
         self.ep.register(self._inbox.buf, LOCAL_ONLY)
-        self.ep.register(self._outbox.buf, LOCAL_ONLY)
+        self.ep.register(self._outbox.buf, READ_ONLY)
         self._send_done: list = [None] * SEND_BUFFERS   # the number of the last send from each buffer
         self._next_send = 0
         self._send_lock = threading.Lock()

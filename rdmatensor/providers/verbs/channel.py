@@ -39,7 +39,7 @@ from ...memory import Arena
 from ..contract import Capabilities, Channel
 from ...devices import MTU_ENUM
 from .choose_endpoint import endpoint_class
-from .rc import LOCAL_ONLY, MAX_CHAIN, RECV_BATCH, REMOTE_WRITE, RcParams, RemoteRegion
+from .rc import MAX_CHAIN, READ_ONLY, RECV_BATCH, REMOTE_WRITE, RcParams, RemoteRegion
 
 SEND_DEPTH = 256
 # A waiter polls the CQ itself this long before it sleeps (RDMATENSOR_VERBS_SPIN_US: 0 sleeps at once).
@@ -113,7 +113,7 @@ class VerbsChannel(Channel):
             held = self._sources.get(start)
             if held is not None and held[0] >= start + buf.nbytes:
                 return                                  # registered already
-            mr = self.ep.register(buf, LOCAL_ONLY)
+            mr = self.ep.register(buf, READ_ONLY)       # the NIC only reads what we send from
             if held is not None:
                 self.ep.deregister(held[1])
             self._sources[start] = (start + buf.nbytes, mr, buf)

@@ -49,10 +49,12 @@ from . import choose_port
 
 
 # ibv_access_flags (verbs ABI): receive arenas may be written by the peer,
-# never read remotely; staging memory we send from is local only.
+# never read remotely; memory we only send from is read by the NIC alone (no
+# flag: local read); local-only buffers that receives land in are LOCAL_ONLY.
 ACCESS_LOCAL_WRITE, ACCESS_REMOTE_WRITE = 1, 2
 REMOTE_WRITE = ACCESS_LOCAL_WRITE | ACCESS_REMOTE_WRITE
 LOCAL_ONLY = ACCESS_LOCAL_WRITE
+READ_ONLY = 0
 MAX_REGION = 4 << 30
 RECV_BATCH = 16            # consumed receives given back with one post (a chain of work requests)
 MAX_CHAIN = 32             # writes posted with one doorbell (post_writes)
