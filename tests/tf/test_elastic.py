@@ -21,14 +21,14 @@ COMMIT = 4                                          # elastic_script.py's steps 
 
 def elastic_job(tmp_path: Path, provider: str, mode: str, steps: int, kill_at: int, add_at: int,
                 min_np: int = 2, elastic_timeout: float = 60.0, slots: int = 3,
-                discovery: str | None = None) -> subprocess.CompletedProcess:
+                discovery: str | None = None, discovery_interval: float = 1.0) -> subprocess.CompletedProcess:
     (tmp_path / "hosts").write_text(f"localhost:{slots}\n")
     discover = tmp_path / "discover.sh"
     discover.write_text(discovery or f"#!/bin/sh\ncat {tmp_path / 'hosts'}\n")
     discover.chmod(0o755)
     cmd = [sys.executable, "-m", "rdmatensor.runner.cli", "--min-np", str(min_np), "--max-np", str(slots),
            "--host-discovery-script", str(discover), "--provider", provider, "--timeout", "200",
-           "--elastic-timeout", f"{elastic_timeout:g}",
+           "--elastic-timeout", f"{elastic_timeout:g}", "--discovery-interval", f"{discovery_interval:g}",
            sys.executable, str(SCRIPT), str(tmp_path), mode, str(steps), str(kill_at), str(add_at)]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(ROOT)})
@@ -97,7 +97,10 @@ def test_a_discovery_that_reads_nothing_once_stops_no_worker(tmp_path):
     once = tmp_path / "blank-done"
     script = (f"#!/bin/sh\nif [ -e {tmp_path / 'killed'} ] && [ ! -e {once} ]; then touch {once}; exit 0; fi\n"
               f"cat {tmp_path / 'hosts'}\n")
-    proc = elastic_job(tmp_path, "shm", "tape", steps=16, kill_at=6, add_at=-1, discovery=script)
+    # discovery every 0.1 s: the workers reform and finish the 10 steps after the kill in about a
+    # second or less, and at the default 1 s the script once did not run at all in that time
+    proc = elastic_job(tmp_path, "shm", "tape", steps=16, kill_at=6, add_at=-1, discovery=script,
+                       discovery_interval=0.1)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert once.exists()

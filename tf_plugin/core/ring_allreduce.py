@@ -204,7 +204,10 @@ class RingAllReduce:
                     o[at:at + piece.size] = piece
             return outs
         hierarchy = self.analysis.hierarchy
-        sent = [[] for _ in keys]          # per array, the sends that left from its output (see _lease)
+        # per array, the sends that left from its output (see _lease): recorded as they go, so a
+        # ring that fails half-way still has its next lease wait for them
+        sent = [[] for _ in keys]
+        self._in_flight.update(zip(keys, sent, strict=True))
         if hierarchy is None:
             group = tuple(range(self.size))
             held = self._reduce_scatter(group, keys, flats, outs, divide, tag)
@@ -219,10 +222,12 @@ class RingAllReduce:
             views = [BucketView.of(c) for c in chunks]      # added to in place
             cross_held = self._reduce_scatter(cross, xkeys, views, chunks, divide, tag)
             # its first write left from the output, where the all-gather now receives: it must be done
-            self.session.wait_sent([ring_name(xkeys[i], "rs", 0, self.rank) for i in cross_held])
+            first = {i: ring_name(xkeys[i], "rs", 0, self.rank) for i in cross_held}
+            for i, name in first.items():
+                sent[i].append(name)
+            self.session.wait_sent(list(first.values()))
             self._all_gather(cross, xkeys, chunks, cross_held, tag, sent)
             self._all_gather(local, lkeys, outs, held, tag, sent)
-        self._in_flight.update(zip(keys, sent, strict=True))
         return outs
 
     def _reduce_scatter(self, group, keys: list, flats: list, outs: list, divide: list, tag: int) -> dict:
