@@ -50,10 +50,12 @@ def test_two_hosts_over_ssh_pick_shm_or_verbs_per_pair_and_name_a_killed_remote_
     no process behind. First, the raw verbs example writes 8 MiB from host1
     into host0's memory, its client started over ssh."""
     py, size = sys.executable, str(8 << 20)
-    write = (shlex.join([py, "examples/rdma_write.py", "server", "--size", size]) + " & "
+    # each side's report into a file of its own, shown once both ended: written at once to the one
+    # console, the two lines were once interleaved mid-line
+    write = (shlex.join([py, "examples/rdma_write.py", "server", "--size", size]) + " > /tmp/rw-server & "
              + shlex.join(["ssh", "192.0.2.2", shlex.join(["cd", str(ROOT)]) + " && " + shlex.join(
                  [py, "examples/rdma_write.py", "client", "192.0.2.1", "--size", size, "--seed", "42"])])
-             + "; wait; ")
+             + " > /tmp/rw-client; wait; cat /tmp/rw-server /tmp/rw-client; ")
     job = [sys.executable, "-m", "rdmatensor.runner.cli", "-np", "4", "-H", "192.0.2.1:2,192.0.2.2:2",
            "--failure-wait", "1", "--grace", "1", sys.executable, "examples/all_pairs.py", "--die", "3"]
     # the remote side notices the closed connection and stops the rank: give it 10 s
