@@ -89,8 +89,8 @@ class Channel(ABC):
         self.local.pop(region_id, None)
 
     def register_source(self, buf: np.ndarray) -> None:
-        """Memory this side will write from (verbs registers it for local access
-        only, and keeps `buf` alive until deregister_source). Default: nothing to do."""
+        """Memory this side will write from (verbs registers it for the NIC to
+        read alone, with no access flag, and keeps `buf` alive until deregister_source). Default: nothing to do."""
         return None
 
     def deregister_source(self, buf: np.ndarray) -> None:

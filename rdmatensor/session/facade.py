@@ -124,7 +124,7 @@ class Session:
 
     def register_source(self, array: np.ndarray) -> None:
         """Let writes leave straight from `array` (writable, C-contiguous), with no copy
-        into staging: verbs registers it for local access only, with every peer, and
+        into staging: verbs registers it, for the NIC to read alone, with every peer, and
         keeps it alive until deregister_source(). A write from it may still read it
         after send() returns: wait_sent() before changing it."""
         if not (isinstance(array, np.ndarray) and array.flags.c_contiguous and array.flags.writeable):
