@@ -50,7 +50,7 @@ def _softroce(args: argparse.Namespace) -> int:
         try:
             return softroce.run(command, hosts=args.hosts, timeout=args.timeout, cpus=args.cpus,
                                 memory_mb=args.memory, mtu=args.mtu, shares=args.share,
-                                ssh=args.ssh).returncode
+                                ssh=args.ssh, rails=args.rails).returncode
         except VmTimeout as exc:
             print(f"rdmatensor: {exc}", file=sys.stderr)
             return 124
@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Run CMD on real SoftRoCE in one VM (one rxe device shared "
                                     "by all its processes) or two VMs linked by a virtual wire.")
     vm.add_argument("--hosts", type=int, choices=(1, 2), default=1)
+    vm.add_argument("--rails", type=int, choices=(1, 2), default=1,
+                    help="NICs per VM, each with its own rxe device and link to the other VM (2: with --hosts 2)")
     vm.add_argument("--timeout", type=float, default=softroce.vm.DEFAULT_TIMEOUT,
                     help="kill the VM(s) after this many seconds (default %(default)s)")
     vm.add_argument("--cpus", type=int, help="vCPUs per VM (default 2 for one host, 1 each for two)")

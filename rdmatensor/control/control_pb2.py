@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n rdmatensor/control/control.proto\x12\x12rdmatensor.control\"V\n\x06Region\x12\x11\n\tregion_id\x18\x01 \x01(\x05\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0c\n\x04\x61\x64\x64r\x18\x03 \x01(\x04\x12\x0b\n\x03key\x18\x04 \x01(\r\x12\x10\n\x08shm_name\x18\x05 \x01(\t\"\xed\x01\n\rChannelParams\x12\x10\n\x08provider\x18\x01 \x01(\t\x12\x0b\n\x03qpn\x18\x02 \x01(\r\x12\x0b\n\x03psn\x18\x03 \x01(\r\x12\x0b\n\x03gid\x18\x04 \x01(\t\x12\x0b\n\x03mtu\x18\x05 \x01(\r\x12\x0c\n\x04host\x18\x06 \x01(\t\x12\x0c\n\x04port\x18\x07 \x01(\r\x12\x0c\n\x04path\x18\x08 \x01(\t\x12\x0f\n\x07host_id\x18\t \x01(\t\x12\x0b\n\x03key\x18\n \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x0b \x01(\t\x12\x0c\n\x04ring\x18\x0c \x01(\t\x12\x0b\n\x03lid\x18\r \x01(\r\x12\x12\n\nlink_layer\x18\x0e \x01(\t\x12\x0e\n\x06\x66\x61\x62ric\x18\x0f \x01(\t\"\xda\x01\n\x0f\x45xchangeRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04peer\x18\x02 \x01(\x05\x12\x13\n\x0bplan_digest\x18\x03 \x01(\t\x12\x12\n\nplan_specs\x18\x04 \x01(\t\x12\x32\n\x07\x63hannel\x18\x05 \x01(\x0b\x32!.rdmatensor.control.ChannelParams\x12+\n\x07regions\x18\x06 \x03(\x0b\x32\x1a.rdmatensor.control.Region\x12\x13\n\x0bpair_secret\x18\x07 \x01(\t\x12\x0c\n\x04wire\x18\x08 \x01(\r\"~\n\rExchangeReply\x12\x32\n\x07\x63hannel\x18\x01 \x01(\x0b\x32!.rdmatensor.control.ChannelParams\x12+\n\x07regions\x18\x02 \x03(\x0b\x32\x1a.rdmatensor.control.Region\x12\x0c\n\x04wire\x18\x03 \x01(\r\"N\n\x0bGrowRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04slot\x18\x02 \x01(\x05\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x13\n\x0bpair_secret\x18\x04 \x01(\t\"7\n\tGrowReply\x12*\n\x06region\x18\x01 \x01(\x0b\x32\x1a.rdmatensor.control.Region\"A\n\x0e\x42\x61rrierRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x13\n\x0bpair_secret\x18\x03 \x01(\t\"\x0e\n\x0c\x42\x61rrierReply\"e\n\nByeRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0bpair_secret\x18\x03 \x01(\t\x12\x16\n\tlost_rank\x18\x04 \x01(\x05H\x00\x88\x01\x01\x42\x0c\n\n_lost_rank\"\n\n\x08\x42yeReply\"0\n\x0bPingRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x13\n\x0bpair_secret\x18\x02 \x01(\t\")\n\tPingReply\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0e\n\x06status\x18\x02 \x01(\t\"~\n\x0bPushRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x11\n\tregion_id\x18\x02 \x01(\x05\x12\x0b\n\x03key\x18\x03 \x01(\r\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0f\n\x07payload\x18\x05 \x01(\x0c\x12\x0b\n\x03imm\x18\x06 \x01(\r\x12\x13\n\x0bpair_secret\x18\x07 \x01(\t\"\x0b\n\tPushReply2\x83\x03\n\x07\x43ontrol\x12R\n\x08\x45xchange\x12#.rdmatensor.control.ExchangeRequest\x1a!.rdmatensor.control.ExchangeReply\x12\x46\n\x04Grow\x12\x1f.rdmatensor.control.GrowRequest\x1a\x1d.rdmatensor.control.GrowReply\x12O\n\x07\x42\x61rrier\x12\".rdmatensor.control.BarrierRequest\x1a .rdmatensor.control.BarrierReply\x12\x43\n\x03\x42ye\x12\x1e.rdmatensor.control.ByeRequest\x1a\x1c.rdmatensor.control.ByeReply\x12\x46\n\x04Ping\x12\x1f.rdmatensor.control.PingRequest\x1a\x1d.rdmatensor.control.PingReply2R\n\x08\x42\x61seline\x12\x46\n\x04Push\x12\x1f.rdmatensor.control.PushRequest\x1a\x1d.rdmatensor.control.PushReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n rdmatensor/control/control.proto\x12\x12rdmatensor.control\"i\n\x06Region\x12\x11\n\tregion_id\x18\x01 \x01(\x05\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0c\n\x04\x61\x64\x64r\x18\x03 \x01(\x04\x12\x0b\n\x03key\x18\x04 \x01(\r\x12\x10\n\x08shm_name\x18\x05 \x01(\t\x12\x11\n\trail_keys\x18\x06 \x03(\r\"\x9f\x02\n\rChannelParams\x12\x10\n\x08provider\x18\x01 \x01(\t\x12\x0b\n\x03qpn\x18\x02 \x01(\r\x12\x0b\n\x03psn\x18\x03 \x01(\r\x12\x0b\n\x03gid\x18\x04 \x01(\t\x12\x0b\n\x03mtu\x18\x05 \x01(\r\x12\x0c\n\x04host\x18\x06 \x01(\t\x12\x0c\n\x04port\x18\x07 \x01(\r\x12\x0c\n\x04path\x18\x08 \x01(\t\x12\x0f\n\x07host_id\x18\t \x01(\t\x12\x0b\n\x03key\x18\n \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x0b \x01(\t\x12\x0c\n\x04ring\x18\x0c \x01(\t\x12\x0b\n\x03lid\x18\r \x01(\r\x12\x12\n\nlink_layer\x18\x0e \x01(\t\x12\x0e\n\x06\x66\x61\x62ric\x18\x0f \x01(\t\x12\x30\n\x05rails\x18\x10 \x03(\x0b\x32!.rdmatensor.control.ChannelParams\"\xda\x01\n\x0f\x45xchangeRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04peer\x18\x02 \x01(\x05\x12\x13\n\x0bplan_digest\x18\x03 \x01(\t\x12\x12\n\nplan_specs\x18\x04 \x01(\t\x12\x32\n\x07\x63hannel\x18\x05 \x01(\x0b\x32!.rdmatensor.control.ChannelParams\x12+\n\x07regions\x18\x06 \x03(\x0b\x32\x1a.rdmatensor.control.Region\x12\x13\n\x0bpair_secret\x18\x07 \x01(\t\x12\x0c\n\x04wire\x18\x08 \x01(\r\"~\n\rExchangeReply\x12\x32\n\x07\x63hannel\x18\x01 \x01(\x0b\x32!.rdmatensor.control.ChannelParams\x12+\n\x07regions\x18\x02 \x03(\x0b\x32\x1a.rdmatensor.control.Region\x12\x0c\n\x04wire\x18\x03 \x01(\r\"N\n\x0bGrowRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04slot\x18\x02 \x01(\x05\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x13\n\x0bpair_secret\x18\x04 \x01(\t\"7\n\tGrowReply\x12*\n\x06region\x18\x01 \x01(\x0b\x32\x1a.rdmatensor.control.Region\"A\n\x0e\x42\x61rrierRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x13\n\x0bpair_secret\x18\x03 \x01(\t\"\x0e\n\x0c\x42\x61rrierReply\"e\n\nByeRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0bpair_secret\x18\x03 \x01(\t\x12\x16\n\tlost_rank\x18\x04 \x01(\x05H\x00\x88\x01\x01\x42\x0c\n\n_lost_rank\"\n\n\x08\x42yeReply\"0\n\x0bPingRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x13\n\x0bpair_secret\x18\x02 \x01(\t\")\n\tPingReply\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0e\n\x06status\x18\x02 \x01(\t\"~\n\x0bPushRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x11\n\tregion_id\x18\x02 \x01(\x05\x12\x0b\n\x03key\x18\x03 \x01(\r\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0f\n\x07payload\x18\x05 \x01(\x0c\x12\x0b\n\x03imm\x18\x06 \x01(\r\x12\x13\n\x0bpair_secret\x18\x07 \x01(\t\"\x0b\n\tPushReply2\x83\x03\n\x07\x43ontrol\x12R\n\x08\x45xchange\x12#.rdmatensor.control.ExchangeRequest\x1a!.rdmatensor.control.ExchangeReply\x12\x46\n\x04Grow\x12\x1f.rdmatensor.control.GrowRequest\x1a\x1d.rdmatensor.control.GrowReply\x12O\n\x07\x42\x61rrier\x12\".rdmatensor.control.BarrierRequest\x1a .rdmatensor.control.BarrierReply\x12\x43\n\x03\x42ye\x12\x1e.rdmatensor.control.ByeRequest\x1a\x1c.rdmatensor.control.ByeReply\x12\x46\n\x04Ping\x12\x1f.rdmatensor.control.PingRequest\x1a\x1d.rdmatensor.control.PingReply2R\n\x08\x42\x61seline\x12\x46\n\x04Push\x12\x1f.rdmatensor.control.PushRequest\x1a\x1d.rdmatensor.control.PushReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,35 +32,35 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rdmatensor.control.control_
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_REGION']._serialized_start=56
-  _globals['_REGION']._serialized_end=142
-  _globals['_CHANNELPARAMS']._serialized_start=145
-  _globals['_CHANNELPARAMS']._serialized_end=382
-  _globals['_EXCHANGEREQUEST']._serialized_start=385
-  _globals['_EXCHANGEREQUEST']._serialized_end=603
-  _globals['_EXCHANGEREPLY']._serialized_start=605
-  _globals['_EXCHANGEREPLY']._serialized_end=731
-  _globals['_GROWREQUEST']._serialized_start=733
-  _globals['_GROWREQUEST']._serialized_end=811
-  _globals['_GROWREPLY']._serialized_start=813
-  _globals['_GROWREPLY']._serialized_end=868
-  _globals['_BARRIERREQUEST']._serialized_start=870
-  _globals['_BARRIERREQUEST']._serialized_end=935
-  _globals['_BARRIERREPLY']._serialized_start=937
-  _globals['_BARRIERREPLY']._serialized_end=951
-  _globals['_BYEREQUEST']._serialized_start=953
-  _globals['_BYEREQUEST']._serialized_end=1054
-  _globals['_BYEREPLY']._serialized_start=1056
-  _globals['_BYEREPLY']._serialized_end=1066
-  _globals['_PINGREQUEST']._serialized_start=1068
-  _globals['_PINGREQUEST']._serialized_end=1116
-  _globals['_PINGREPLY']._serialized_start=1118
-  _globals['_PINGREPLY']._serialized_end=1159
-  _globals['_PUSHREQUEST']._serialized_start=1161
-  _globals['_PUSHREQUEST']._serialized_end=1287
-  _globals['_PUSHREPLY']._serialized_start=1289
-  _globals['_PUSHREPLY']._serialized_end=1300
-  _globals['_CONTROL']._serialized_start=1303
-  _globals['_CONTROL']._serialized_end=1690
-  _globals['_BASELINE']._serialized_start=1692
-  _globals['_BASELINE']._serialized_end=1774
+  _globals['_REGION']._serialized_end=161
+  _globals['_CHANNELPARAMS']._serialized_start=164
+  _globals['_CHANNELPARAMS']._serialized_end=451
+  _globals['_EXCHANGEREQUEST']._serialized_start=454
+  _globals['_EXCHANGEREQUEST']._serialized_end=672
+  _globals['_EXCHANGEREPLY']._serialized_start=674
+  _globals['_EXCHANGEREPLY']._serialized_end=800
+  _globals['_GROWREQUEST']._serialized_start=802
+  _globals['_GROWREQUEST']._serialized_end=880
+  _globals['_GROWREPLY']._serialized_start=882
+  _globals['_GROWREPLY']._serialized_end=937
+  _globals['_BARRIERREQUEST']._serialized_start=939
+  _globals['_BARRIERREQUEST']._serialized_end=1004
+  _globals['_BARRIERREPLY']._serialized_start=1006
+  _globals['_BARRIERREPLY']._serialized_end=1020
+  _globals['_BYEREQUEST']._serialized_start=1022
+  _globals['_BYEREQUEST']._serialized_end=1123
+  _globals['_BYEREPLY']._serialized_start=1125
+  _globals['_BYEREPLY']._serialized_end=1135
+  _globals['_PINGREQUEST']._serialized_start=1137
+  _globals['_PINGREQUEST']._serialized_end=1185
+  _globals['_PINGREPLY']._serialized_start=1187
+  _globals['_PINGREPLY']._serialized_end=1228
+  _globals['_PUSHREQUEST']._serialized_start=1230
+  _globals['_PUSHREQUEST']._serialized_end=1356
+  _globals['_PUSHREPLY']._serialized_start=1358
+  _globals['_PUSHREPLY']._serialized_end=1369
+  _globals['_CONTROL']._serialized_start=1372
+  _globals['_CONTROL']._serialized_end=1759
+  _globals['_BASELINE']._serialized_start=1761
+  _globals['_BASELINE']._serialized_end=1843
 # @@protoc_insertion_point(module_scope)

@@ -254,7 +254,10 @@ class Pieces(tuple):
 # tag-0 DATA's, PAIR_BITS each. An RC endpoint sends a credit it owes this
 # way, instead of as a send of its own, when both indices fit (see pair_imm):
 # on SoftRoCE every work request costs the kernel a packet.
-IMM_DATA, IMM_CREDIT, IMM_PAIR = 0, 1, 2
+# A PIECE immediate is one rail's part of a DATA write striped over several
+# NICs (verbs/rails.py): the channel hands the session the DATA immediate once
+# every piece is in, so a session never sees one.
+IMM_DATA, IMM_CREDIT, IMM_PAIR, IMM_PIECE = 0, 1, 2, 3
 WIRE_VERSION = 2        # this format (2: with PAIR); a pair of ranks checks it agrees before any write
 INDEX_BITS = MAX_SLOTS.bit_length() - 1
 TAG_BITS = 30 - INDEX_BITS

@@ -29,20 +29,22 @@ from .liveness import Liveness
 
 def region_msg(desc: dict) -> pb.Region:
     return pb.Region(region_id=desc["region_id"], size=desc["size"], key=desc["key"],
-                     addr=desc.get("addr", 0), shm_name=desc.get("shm_name", ""))
+                     addr=desc.get("addr", 0), shm_name=desc.get("shm_name", ""),
+                     rail_keys=desc.get("rail_keys", ()))
 
 
 def region_dict(msg: pb.Region) -> dict:
     return {"region_id": msg.region_id, "size": msg.size, "key": msg.key, "addr": msg.addr,
-            "shm_name": msg.shm_name}
+            "shm_name": msg.shm_name, "rail_keys": list(msg.rail_keys)}
 
 
 def params_msg(provider: str, params: dict) -> pb.ChannelParams:
-    return pb.ChannelParams(provider=provider, **params)
+    rails = [params_msg(provider, rail) for rail in params.get("rails", ())]
+    return pb.ChannelParams(provider=provider, rails=rails, **{k: v for k, v in params.items() if k != "rails"})
 
 
 def params_dict(msg: pb.ChannelParams) -> dict:
-    return {f.name: v for f, v in msg.ListFields()}
+    return {f.name: [params_dict(r) for r in v] if f.name == "rails" else v for f, v in msg.ListFields()}
 
 
 class Exchange:

@@ -27,8 +27,20 @@ until grep -q ACTIVE /sys/class/infiniband/rxe0/ports/1/state 2>/dev/null; do
   i=$((i + 1)); [ $i -gt 100 ] && fail "rxe0 port 1 not ACTIVE after 10 s"
   sleep 0.1
 done
-ulimit -l unlimited
 say "rxe0 ACTIVE on $RDT_IFNAME $RDT_ADDR mtu $RDT_MTU"
+if [ -n "${RDT_RAIL_IFNAME:-}" ]; then
+  # A second rail: its own NIC, subnet and rxe device.
+  ip link set "$RDT_RAIL_IFNAME" mtu "$RDT_MTU" up || fail "cannot set $RDT_RAIL_IFNAME up"
+  ip addr add "$RDT_RAIL_ADDR/24" dev "$RDT_RAIL_IFNAME" || fail "cannot address $RDT_RAIL_IFNAME"
+  rdma link add rxe1 type rxe netdev "$RDT_RAIL_IFNAME" || fail "rdma link add rxe1"
+  i=0
+  until grep -q ACTIVE /sys/class/infiniband/rxe1/ports/1/state 2>/dev/null; do
+    i=$((i + 1)); [ $i -gt 100 ] && fail "rxe1 port 1 not ACTIVE after 10 s"
+    sleep 0.1
+  done
+  say "rxe1 ACTIVE on $RDT_RAIL_IFNAME $RDT_RAIL_ADDR"
+fi
+ulimit -l unlimited
 if [ -d "$job/ssh" ]; then
   # The job's client configuration, in this VM's overlay only.
   mkdir -p /run/sshd

@@ -8,6 +8,10 @@ the same interpreter, virtualenv, pyverbs and project tree as the host.
 - hosts=1: one VM, one rxe device shared by every process in it (loopback).
 - hosts=2: two VMs whose NICs are joined by a qemu socket netdev on the
   host's loopback, one rxe device each: a two-host RDMA cluster.
+- rails=2 (with hosts=2): each VM has a second NIC, joined to the other's
+  by a second socket netdev on a subnet of its own, with its own rxe device
+  (rxe1 on eth1): two rails between the hosts. eth0 also carries the
+  control traffic.
 - ssh=True: each VM also runs Debian's sshd with host keys made for this
   boot and one job key authorized; the command runs on host0 only and
   reaches every VM by plain `ssh ADDR` (as a launcher does), while the other
@@ -40,6 +44,7 @@ GUEST_INIT = Path(__file__).with_name("guest_init.sh")
 # TEST-NET-1 (RFC 5737): documentation addresses, only ever used on the
 # VMs' private link inside qemu.
 GUEST_ADDRS = ("192.0.2.1", "192.0.2.2")
+RAIL_ADDRS = ("198.51.100.1", "198.51.100.2")    # TEST-NET-2: the second rail's link
 DEFAULT_TIMEOUT = 600.0
 DEFAULT_MTU = 9000
 BOOT_TIMEOUT = 180.0
@@ -179,7 +184,7 @@ def run(command: Sequence[str], hosts: int = 1, timeout: float = DEFAULT_TIMEOUT
         cpus: int | None = None, memory_mb: int | None = None, mtu: int = DEFAULT_MTU,
         env: dict[str, str] | None = None, cwd: str | None = None, shares: Sequence[str] = (),
         stdout: BinaryIO | None = None, stderr: BinaryIO | None = None,
-        log=None, ssh: bool = False) -> VmResult:
+        log=None, ssh: bool = False, rails: int = 1) -> VmResult:
     """Run `command` in `hosts` SoftRoCE VMs; return its exit status(es).
 
     With two hosts the command runs on both; it learns its side from
@@ -193,6 +198,8 @@ def run(command: Sequence[str], hosts: int = 1, timeout: float = DEFAULT_TIMEOUT
         raise SoftRoceError(f"hosts must be 1 or 2, not {hosts!r}")
     if not command:
         raise SoftRoceError("no command given to run in the VM")
+    if rails not in (1, 2) or (rails == 2 and hosts != 2):
+        raise SoftRoceError(f"rails must be 1, or 2 with two hosts, not {rails!r} with {hosts} host(s)")
     if not 1280 <= mtu <= 9000:
         raise SoftRoceError(f"mtu must be between 1280 and 9000, not {mtu}")
     shares = [os.path.abspath(d) for d in shares]
@@ -225,22 +232,22 @@ def run(command: Sequence[str], hosts: int = 1, timeout: float = DEFAULT_TIMEOUT
             for i in range(1, hosts):
                 (job / f"cmd-{i}.sh").write_text(f"until [ -e {q}/rc-0 ]; do sleep 0.2; done\n")
         _write_env(job / "cmd.env", cwd or os.getcwd(), env)
-        port = _free_port()
+        ports = [_free_port() for _ in range(rails)]
         for i in range(hosts):
             peer = GUEST_ADDRS[1 - i] if hosts == 2 else GUEST_ADDRS[0]
             role = "server" if i == 0 else "client"
             (job / f"vm-{i}.env").write_text(
                 f"RDT_INDEX={i}\nRDT_ADDR={GUEST_ADDRS[i]}\nRDT_MTU={mtu}\nRDT_IFNAME=eth0\n"
+                + (f"RDT_RAIL_ADDR={RAIL_ADDRS[i]}\nRDT_RAIL_IFNAME=eth1\n" if rails == 2 else "") +
                 f"export RDMATENSOR_VM_INDEX={i} RDMATENSOR_VM_HOSTS={hosts} RDMATENSOR_VM_ROLE={role}\n"
                 f"export RDMATENSOR_VM_ADDR={GUEST_ADDRS[i]} RDMATENSOR_VM_PEER_ADDR={peer}\n"
                 f"export RDMATENSOR_VM_ADDRS='{' '.join(GUEST_ADDRS[:hosts])}'\n")
         for i in range(hosts):
             if hosts == 1:
-                netdev = "hubport,id=net0,hubid=0"  # a link to nowhere: rxe loops back locally
-            elif i == 0:
-                netdev = f"socket,id=net0,listen=127.0.0.1:{port}"
+                netdevs = ["hubport,id=net0,hubid=0"]  # a link to nowhere: rxe loops back locally
             else:
-                netdev = f"socket,id=net0,connect=127.0.0.1:{port}"
+                side = "listen" if i == 0 else "connect"
+                netdevs = [f"socket,id=net{r},{side}=127.0.0.1:{port}" for r, port in enumerate(ports)]
             argv = [
                 qemu, "-accel", "tcg", "-cpu", "max", "-smp", str(cpus), "-m", str(memory_mb),
                 "-nodefaults", "-no-reboot", "-display", "none",
@@ -253,14 +260,15 @@ def run(command: Sequence[str], hosts: int = 1, timeout: float = DEFAULT_TIMEOUT
                 "-virtfs", f"local,path={job},mount_tag=job,security_model=none,multidevs=remap",
                 *[arg for n, d in enumerate(shares) for arg in (
                     "-virtfs", f"local,path={d},mount_tag=share{n},security_model=none,multidevs=remap")],
-                "-netdev", netdev,
-                "-device", f"virtio-net-pci,netdev=net0,mac=52:54:00:0d:72:{i + 1:02x}",
+                *[arg for r, netdev in enumerate(netdevs) for arg in (
+                    "-netdev", netdev,
+                    "-device", f"virtio-net-pci,netdev=net{r},mac=52:54:00:0d:{0x72 + r:02x}:{i + 1:02x}")],
             ]
             procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, start_new_session=True))
             if hosts == 2 and i == 0:
                 deadline = time.monotonic() + 30
-                while not _listening(port):
+                while not all(_listening(port) for port in ports):
                     if procs[0].poll() is not None or time.monotonic() > deadline:
                         raise SoftRoceError("first VM did not start listening for its peer: "
                                             + procs[0].stdout.read().decode(errors="replace"))

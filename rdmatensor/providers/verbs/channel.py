@@ -68,12 +68,22 @@ class VerbsChannel(Channel):
         return False, ("no RDMA device (run inside `rdmatensor softroce vm`, "
                        "or `rdmatensor softroce up` where the kernel has rdma_rxe)")
 
-    def __init__(self, *args, max_incoming: int = 128, **kwargs):
+    def __new__(cls, *args, **kwargs):
+        if cls is VerbsChannel and kwargs.get("port") is None:
+            from .rails import RailsChannel, rails_wanted
+            if rails_wanted() > 1:       # RDMATENSOR_IB_RAILS: several NICs to each peer
+                cls = RailsChannel
+        return super().__new__(cls)
+
+    def __init__(self, *args, max_incoming: int = 128, port: tuple[str, int, int] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         # Every slot has at most one DATA and one CREDIT immediate in flight,
         # and fewer than RECV_BATCH consumed receives wait to be given back, so
-        # a write never finds no receive posted (no RNR).
-        self.ep = endpoint_class()(depth=SEND_DEPTH, recv_depth=max_incoming + RECV_BATCH)
+        # a write never finds no receive posted (no RNR). `port`: (device, port,
+        # GID index) to open, else as choose_port decides.
+        device, number, gid_index = port or (None, 1, None)
+        self.ep = endpoint_class()(device, number, gid_index, depth=SEND_DEPTH,
+                                   recv_depth=max_incoming + RECV_BATCH)
         self._mrs: dict[int, object] = {}                    # exposed region id -> MR
         # Memory writes may leave from: start address -> (end, MR, the array, alive while registered),
         # and its sorted (start, end) pairs, replaced whole so writes_from() reads them without a lock.

@@ -10,6 +10,12 @@ Among the ports left, a rank takes one on its own NUMA node where the host
 says where its NICs and its cores are, and spreads ranks that share a host
 round-robin by local rank (RDMATENSOR_LOCAL_RANK, or a launcher's): one NIC
 per rank on a host with one NIC per socket or GPU.
+
+    RDMATENSOR_IB_RAILS=2                two ports to each peer (rails.py): the
+                                         first two left, in the order listed
+                                         (by name without a list), the same
+                                         order on every host: rail i meets the
+                                         peer's rail i
 """
 from __future__ import annotations
 
@@ -20,7 +26,7 @@ from pathlib import Path
 from ...devices import SYSFS, active_port, list_devices
 from ...errors import DeviceError
 
-HCA_ENV, GID_ENV = "RDMATENSOR_IB_HCA", "RDMATENSOR_IB_GID_INDEX"
+HCA_ENV, GID_ENV, RAILS_ENV = "RDMATENSOR_IB_HCA", "RDMATENSOR_IB_GID_INDEX", "RDMATENSOR_IB_RAILS"
 LOCAL_RANK_VARS = ("RDMATENSOR_LOCAL_RANK", "HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID",
                    "LOCAL_RANK")
 
@@ -44,9 +50,8 @@ def parse_hca(spec: str) -> tuple[bool, list[tuple[str, int | None]]]:
     return exclude, items
 
 
-def select(candidates: list[Candidate], spec: str = "", local_rank: int = 0, my_numa: set[int] = frozenset()
-           ) -> Candidate:
-    """The port this rank opens among the ACTIVE ones; DeviceError naming what was asked and what there is."""
+def allowed(candidates: list[Candidate], spec: str = "") -> list[Candidate]:
+    """The ACTIVE ports RDMATENSOR_IB_HCA leaves, in its order (else as given); DeviceError if none."""
     left = list(candidates)
     if spec:
         exclude, items = parse_hca(spec)
@@ -54,10 +59,20 @@ def select(candidates: list[Candidate], spec: str = "", local_rank: int = 0, my_
         def named(c: Candidate) -> bool:
             return any(c.device == name and port in (None, c.port) for name, port in items)
         left = [c for c in left if named(c) != exclude]
+        if not exclude:           # the order listed is the rails' order
+            order = {name_port: i for i, name_port in enumerate(items)}
+            left.sort(key=lambda c: order.get((c.device, c.port), order.get((c.device, None), 0)))
     if not left:
         there = ", ".join(f"{c.device}:{c.port}" for c in candidates) or "none"
         raise DeviceError("no ACTIVE RDMA port left" + (f" by {HCA_ENV}={spec!r}" if spec else "") +
                           f" (ACTIVE ports here: {there})")
+    return left
+
+
+def select(candidates: list[Candidate], spec: str = "", local_rank: int = 0, my_numa: set[int] = frozenset()
+           ) -> Candidate:
+    """The port this rank opens among the ACTIVE ones; DeviceError naming what was asked and what there is."""
+    left = allowed(candidates, spec)
     near = [c for c in left if c.numa >= 0 and c.numa in my_numa]
     pool = near or left
     return pool[local_rank % len(pool)]
@@ -103,16 +118,45 @@ def local_rank(env=os.environ) -> int:
     return 0
 
 
-def choose(env=os.environ) -> tuple[str, int, int]:
-    """(device, port, GID index) for this rank."""
-    spec = env.get(HCA_ENV, "").strip()
+def _candidates() -> list[Candidate]:
     devices = list_devices(gids=False)
     candidates = [Candidate(d.name, p.number, _numa_of(d.name)) for d in devices for p in d.ports if p.active]
     if not candidates:
         names = [d.name for d in devices]
         raise DeviceError("no RDMA device with an ACTIVE port" +
                           (f" (found {', '.join(names)}, none ACTIVE)" if names else " (no RDMA device at all)"))
-    pick = select(candidates, spec, local_rank(env), _my_numa_nodes())
+    return sorted(candidates, key=lambda c: (c.device, c.port))
+
+
+def rails(env=os.environ) -> int:
+    """RDMATENSOR_IB_RAILS: how many ports this rank opens to each peer (default 1)."""
+    raw = env.get(RAILS_ENV, "").strip()
+    if not raw:
+        return 1
+    if not raw.isdigit() or not 1 <= int(raw) <= 8:
+        raise DeviceError(f"{RAILS_ENV}={raw!r}: expected a number of rails from 1 to 8")
+    return int(raw)
+
+
+def choose_rails(count: int, env=os.environ) -> list[tuple[str, int, int]]:
+    """(device, port, GID index) of each rail: the first `count` ports RDMATENSOR_IB_HCA
+    leaves, in its order; DeviceError when there are fewer."""
+    spec = env.get(HCA_ENV, "").strip()
+    left = allowed(_candidates(), spec)
+    if len(left) < count:
+        raise DeviceError(f"{RAILS_ENV}={count} but only {len(left)} ACTIVE port(s) "
+                          + (f"left by {HCA_ENV}={spec!r}" if spec else "here")
+                          + f": {', '.join(f'{c.device}:{c.port}' for c in left)}")
+    return [_with_gid(c, env) for c in left[:count]]
+
+
+def choose(env=os.environ) -> tuple[str, int, int]:
+    """(device, port, GID index) for this rank."""
+    pick = select(_candidates(), env.get(HCA_ENV, "").strip(), local_rank(env), _my_numa_nodes())
+    return _with_gid(pick, env)
+
+
+def _with_gid(pick: Candidate, env) -> tuple[str, int, int]:
     raw = env.get(GID_ENV, "").strip()
     if raw:
         if not raw.isdigit():
