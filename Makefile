@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo demo-two-hosts test test-host test-rdma clean proto bench bench-models bench-models-paired bench-hierarchical bench-ring soak \
+.PHONY: setup demo demo-two-hosts test test-host test-rdma test-rails clean proto bench bench-models bench-models-paired bench-hierarchical bench-ring soak \
 	horovod-reference horovodrun-two-hosts horovod-diff
 
 setup:
@@ -137,6 +137,13 @@ horovodrun-two-hosts: setup horovod-reference
 
 test: setup
 	$(PY) scripts/run_tests.py
+
+# Two rails between two SoftRoCE VMs, each with two NICs and an rxe device on
+# each (RDMATENSOR_IB_RAILS=2): every tensor intact, and a training job
+# bit-identical to one rail with bytes on both NICs of both hosts. It proves
+# bytes and bits, not speed (1 vCPU per VM); not part of `make test`.
+test-rails: setup
+	$(PY) -m pytest -v -s -p no:cacheprovider tests/vm/rails_check.py
 
 test-host: setup
 	$(PY) scripts/run_tests.py --only host

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-APPLICATIONS = {"resnet50": "ResNet50", "vgg16": "VGG16", "densenet121": "DenseNet121"}
+APPLICATIONS = {"resnet50": "ResNet50", "vgg16": "VGG16", "densenet121": "DenseNet121", "mobilenetv2": "MobileNetV2"}
 
 
 def build(name: str, seed: int):

@@ -4,6 +4,8 @@ import pytest
 
 from rdmatensor.providers import REGISTRY
 
+from .ranks import RAILS
+
 PROVIDERS = [pytest.param(name, marks=pytest.mark.rdma) if info.needs_rdma else name
              for name, info in REGISTRY.items()]
 
@@ -21,3 +23,6 @@ def each_with(providers: list, values: list) -> list:
         name, marks = (p.values[0], p.marks) if hasattr(p, "values") else (p, ())
         out += [pytest.param(name, v, marks=marks, id=f"{name}-{v}") for v in values]
     return out
+
+# verbs over two rails, for the contract tests whose writes are large enough to be striped
+TWO_RAILS = pytest.param(RAILS, marks=pytest.mark.rdma, id="verbs-two-rails")

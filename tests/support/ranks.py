@@ -2,6 +2,7 @@
 provider still goes through its real sockets, shared memory or queue pairs)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -10,6 +11,9 @@ import traceback
 from rdmatensor import connect
 
 TOKEN = "test-token"
+# verbs over two rails (providers/verbs/rails.py), both on this host's one RDMA
+# port (RDMATENSOR_IB_HCA names it twice): every write of 256 KiB and more striped
+RAILS = "verbs+rails"
 
 
 _next_port = [20000 + os.getpid() % 4000 * 3]
@@ -37,6 +41,9 @@ def run_ranks(n, plan, provider, body, join_timeout=180.0, token=TOKEN, tokens=N
               **kw):
     """Run body(session, rank) on ranks 0..n-1 at once; return {rank: result or exception}.
     `peers` gives every rank's address (ranks beyond n run elsewhere)."""
+    if provider == RAILS:
+        with _two_rails():
+            return run_ranks(n, plan, "verbs", _striping(body), join_timeout, token, tokens, plans, peers, **kw)
     peers = peers or {r: f"127.0.0.1:{p}" for r, p in enumerate(free_ports(n))}
     results = {}
 
@@ -56,6 +63,32 @@ def run_ranks(n, plan, provider, body, join_timeout=180.0, token=TOKEN, tokens=N
         t.join(join_timeout)
         assert not t.is_alive(), f"a rank did not finish within {join_timeout} s"
     return results
+
+
+@contextlib.contextmanager
+def _two_rails():
+    from rdmatensor.devices import active_port
+    dev, port = active_port()
+    saved = {k: os.environ.get(k) for k in ("RDMATENSOR_IB_RAILS", "RDMATENSOR_IB_HCA")}
+    os.environ.update(RDMATENSOR_IB_RAILS="2", RDMATENSOR_IB_HCA=f"{dev.name}:{port.number},{dev.name}:{port.number}")
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _striping(body):
+    """body, then a check that every channel of the session ran over two rails."""
+    def run(s, r):
+        out = body(s, r)
+        widths = [getattr(ch, "width", 1) for ch in s._ctx.channels.values()]
+        assert widths and set(widths) == {2}, f"rank {r}: rails in use per channel {widths}, not 2"
+        return out
+    return run
 
 
 def check(results):

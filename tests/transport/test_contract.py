@@ -11,7 +11,7 @@ from rdmatensor import (AuthenticationError, CallMismatch, PeerLost, Pieces, Pla
 from rdmatensor.plan import SUPPORTED_DTYPES
 from rdmatensor.session import slots
 
-from ..support.providers import PROVIDERS, SCALE_PROVIDERS, each_with
+from ..support.providers import PROVIDERS, SCALE_PROVIDERS, TWO_RAILS, each_with
 from ..support.ranks import check, run_ranks
 
 
@@ -58,7 +58,7 @@ def test_every_dtype_arrives_intact(provider):
 
 
 @pytest.mark.parametrize("provider,nbytes", each_with(PROVIDERS, [1, 63, 4096, (1 << 20) + 7])
-                         + each_with(SCALE_PROVIDERS, [64 << 20]))
+                         + each_with(SCALE_PROVIDERS, [64 << 20]) + each_with([TWO_RAILS], [(1 << 20) + 7, 64 << 20]))
 def test_sizes_from_one_byte_to_64_mib(provider, nbytes):
     plan = Plan([TensorSpec("blob", (nbytes,), np.uint8, 0, 1)])
     data = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
@@ -249,7 +249,7 @@ def test_a_write_carries_its_tag_and_recv_never_hands_over_another_calls_value(p
     assert res[1] == ([1.0] * 4, [("a", 17), ("b", 17), ("d", 17)], [0, 1, 2, 3, 4], [3.0] * 4)
 
 
-@pytest.mark.parametrize("provider", SCALE_PROVIDERS)
+@pytest.mark.parametrize("provider", [*SCALE_PROVIDERS, TWO_RAILS])
 def test_many_to_one_and_ring_with_three_ranks(provider):
     specs = [TensorSpec("g1", (256,), np.float64, 1, 0), TensorSpec("g2", (256,), np.float64, 2, 0),
              TensorSpec("p1", (256,), np.float64, 0, 1), TensorSpec("p2", (256,), np.float64, 0, 2),
@@ -346,6 +346,7 @@ def test_views_are_zero_copy_and_staging_sends_copy_nothing(provider):
     assert copies <= 1 + 2 * serialization
 
 
+@pytest.mark.parametrize("provider", [*PROVIDERS, TWO_RAILS])
 def test_registered_memory_is_written_from_where_it_is(provider):
     """register_source(): writes leave from the array itself, with no copy into staging,
     on every provider (verbs registers it, local access only); wait_sent() returns once no
@@ -417,7 +418,7 @@ def test_dynamic_tensors_grow_and_shrink_intact(provider):
     assert stats["grows"] >= 2
 
 
-@pytest.mark.parametrize("provider", SCALE_PROVIDERS)
+@pytest.mark.parametrize("provider", [*SCALE_PROVIDERS, TWO_RAILS])
 def test_sends_and_recvs_from_several_threads(provider):
     names = [f"t{i}" for i in range(8)]
     plan = Plan([TensorSpec(n, (2048,), np.float32, 0, 1) for n in names])
@@ -609,6 +610,7 @@ def test_both_ranks_send_tens_of_megabytes_to_each_other_at_once(provider):
         assert res[r] == [(float(w), float(w)) for w in want]
 
 
+@pytest.mark.parametrize("provider", [*PROVIDERS, TWO_RAILS])
 def test_megabytes_sent_right_before_a_close_all_arrive_while_the_peer_writes_back(provider):
     """The sender closes the moment its last send returns, while the receiver
     is still writing to it. A stream socket closed with unread data resets the

@@ -192,3 +192,18 @@ def test_a_rank_of_an_older_release_is_refused_before_any_write(older):
     assert out == (f"PlanMismatch: rank {older} writes the data path in a release older than format "
                    f"numbers, rank {newer} in format 2: run the same rdmatensor on every rank")
     assert procs[older].communicate(timeout=90)[0].strip().splitlines()[-1] != "connected"
+
+
+def test_each_rails_parameters_and_keys_cross_the_control_plane():
+    """What a verbs channel over several rails sends at setup (providers/verbs/rails.py)
+    survives the protobuf messages: each further rail's parameters, and a region's
+    key on every rail."""
+    from rdmatensor.session.exchange import params_dict, params_msg, region_dict, region_msg
+    rail = {"qpn": 7, "psn": 9, "gid": "fe80::1", "mtu": 4096, "lid": 0, "link_layer": "Ethernet"}
+    params = {"qpn": 5, "psn": 3, "gid": "fe80::2", "mtu": 4096, "rails": [rail, {**rail, "qpn": 8}]}
+    back = params_dict(params_msg("verbs", params))
+    assert back["qpn"] == 5 and [r["qpn"] for r in back["rails"]] == [7, 8] and back["rails"][0]["psn"] == 9
+    assert "rails" not in params_dict(params_msg("verbs", {"qpn": 5}))
+    desc = {"region_id": 2, "size": 4096, "key": 11, "addr": 1 << 20, "rail_keys": [12, 13]}
+    assert region_dict(region_msg(desc))["rail_keys"] == [12, 13]
+    assert region_dict(region_msg({"region_id": 2, "size": 1, "key": 11}))["rail_keys"] == []

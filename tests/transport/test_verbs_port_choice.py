@@ -4,7 +4,7 @@ round-robin by local rank; and what is said when nothing is left."""
 import pytest
 
 from rdmatensor.errors import DeviceError
-from rdmatensor.providers.verbs.choose_port import Candidate, local_rank, parse_hca, select
+from rdmatensor.providers.verbs.choose_port import Candidate, allowed, local_rank, parse_hca, rails, select
 
 TWO_SOCKETS = [Candidate("mlx5_0", 1, 0), Candidate("mlx5_1", 1, 0), Candidate("mlx5_2", 1, 1),
                Candidate("mlx5_3", 1, 1)]
@@ -37,3 +37,14 @@ def test_the_local_rank_comes_from_whichever_launcher_set_it():
     assert local_rank({"RDMATENSOR_LOCAL_RANK": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}) == 3
     assert local_rank({"OMPI_COMM_WORLD_LOCAL_RANK": "1"}) == 1
     assert local_rank({}) == 0
+
+
+def test_rails_are_the_ports_left_in_the_order_listed_and_a_port_listed_twice_is_two_rails():
+    assert [c.device for c in allowed(TWO_SOCKETS, "mlx5_3,mlx5_1")] == ["mlx5_3", "mlx5_1"]
+    assert [c.device for c in allowed(TWO_SOCKETS, "^mlx5_0")] == ["mlx5_1", "mlx5_2", "mlx5_3"]
+    assert [c.device for c in allowed(TWO_SOCKETS, "mlx5_2,mlx5_2")] == ["mlx5_2", "mlx5_2"]
+    assert select(TWO_SOCKETS, "mlx5_2,mlx5_2", 1, set()).device == "mlx5_2"   # one rail: listed twice is once
+    assert rails({}) == 1 and rails({"RDMATENSOR_IB_RAILS": "2"}) == 2
+    for bad in ("0", "two", "9"):
+        with pytest.raises(DeviceError, match=f"RDMATENSOR_IB_RAILS='{bad}': expected a number of rails"):
+            rails({"RDMATENSOR_IB_RAILS": bad})

@@ -68,11 +68,11 @@ class VerbsChannel(Channel):
         return False, ("no RDMA device (run inside `rdmatensor softroce vm`, "
                        "or `rdmatensor softroce up` where the kernel has rdma_rxe)")
 
+    over_rails: type | None = None    # the channel over several NICs (rails.py registers it)
+
     def __new__(cls, *args, **kwargs):
-        if cls is VerbsChannel and kwargs.get("port") is None:
-            from .rails import RailsChannel, rails_wanted
-            if rails_wanted() > 1:       # RDMATENSOR_IB_RAILS: several NICs to each peer
-                cls = RailsChannel
+        if cls is VerbsChannel and kwargs.get("port") is None and cls.over_rails and cls.over_rails.wanted() > 1:
+            cls = cls.over_rails          # RDMATENSOR_IB_RAILS: several NICs to each peer
         return super().__new__(cls)
 
     def __init__(self, *args, max_incoming: int = 128, port: tuple[str, int, int] | None = None, **kwargs):

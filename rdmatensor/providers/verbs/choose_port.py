@@ -51,17 +51,18 @@ def parse_hca(spec: str) -> tuple[bool, list[tuple[str, int | None]]]:
 
 
 def allowed(candidates: list[Candidate], spec: str = "") -> list[Candidate]:
-    """The ACTIVE ports RDMATENSOR_IB_HCA leaves, in its order (else as given); DeviceError if none."""
+    """The ACTIVE ports RDMATENSOR_IB_HCA leaves, in its order (a port listed twice
+    is two rails on it), else as given; DeviceError if none."""
     left = list(candidates)
     if spec:
         exclude, items = parse_hca(spec)
 
-        def named(c: Candidate) -> bool:
-            return any(c.device == name and port in (None, c.port) for name, port in items)
-        left = [c for c in left if named(c) != exclude]
-        if not exclude:           # the order listed is the rails' order
-            order = {name_port: i for i, name_port in enumerate(items)}
-            left.sort(key=lambda c: order.get((c.device, c.port), order.get((c.device, None), 0)))
+        def named(c: Candidate, name: str, port: int | None) -> bool:
+            return c.device == name and port in (None, c.port)
+        if exclude:
+            left = [c for c in left if not any(named(c, *item) for item in items)]
+        else:
+            left = [c for item in items for c in candidates if named(c, *item)]
     if not left:
         there = ", ".join(f"{c.device}:{c.port}" for c in candidates) or "none"
         raise DeviceError("no ACTIVE RDMA port left" + (f" by {HCA_ENV}={spec!r}" if spec else "") +
@@ -72,7 +73,7 @@ def allowed(candidates: list[Candidate], spec: str = "") -> list[Candidate]:
 def select(candidates: list[Candidate], spec: str = "", local_rank: int = 0, my_numa: set[int] = frozenset()
            ) -> Candidate:
     """The port this rank opens among the ACTIVE ones; DeviceError naming what was asked and what there is."""
-    left = allowed(candidates, spec)
+    left = list(dict.fromkeys(allowed(candidates, spec)))
     near = [c for c in left if c.numa >= 0 and c.numa in my_numa]
     pool = near or left
     return pool[local_rank % len(pool)]

@@ -41,15 +41,15 @@ PIECE_ALIGN = 4096          # pieces start on page boundaries of the source
 LOW_BITS = (1 << 30) - 1    # an immediate's tag and slot
 
 
-def rails_wanted(env=os.environ) -> int:
-    return choose_port.rails(env)
-
-
 class RailsChannel(VerbsChannel):
     """A verbs channel over RDMATENSOR_IB_RAILS ports to its peer."""
 
+    @staticmethod
+    def wanted(env=os.environ) -> int:
+        return choose_port.rails(env)
+
     def __init__(self, rank: int, peer: int, host: str, on_imm, on_lost, max_incoming: int = 128, **kwargs):
-        ports = choose_port.choose_rails(rails_wanted())
+        ports = choose_port.choose_rails(self.wanted())
         self._deliver = on_imm                       # the session's: whole writes only
         self._pieces: dict[int, int] = {}            # a striped write's low bits -> pieces in so far
         self._pieces_lock = threading.Lock()
@@ -188,3 +188,6 @@ class RailsChannel(VerbsChannel):
         for rail in getattr(self, "rails", ()):
             rail.close()
         super().close()
+
+
+VerbsChannel.over_rails = RailsChannel
