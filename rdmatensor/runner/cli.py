@@ -99,6 +99,9 @@ def parser() -> argparse.ArgumentParser:
                          help="seconds the job waits for --min-np workers before it fails (default 600)")
     elastic.add_argument("--discovery-interval", type=float, default=1.0,
                          help="seconds between runs of the discovery script (default 1)")
+    elastic.add_argument("--reset-limit", type=int, metavar="N",
+                         help="stop the job when it would form again (a worker lost or added) more than N times "
+                              "after its first round (horovodrun's; default: no limit)")
     horovodrun_flags.add_to(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="CMD [ARGS ...]")
     return p
@@ -116,6 +119,14 @@ def check_build() -> str:
     return "\n".join(lines)
 
 
+def parsed_without_defaults(argv: list[str]) -> argparse.Namespace:
+    """Only what the command line gave (a flag wins over --config-file)."""
+    p = parser()
+    for action in p._actions:
+        action.default = argparse.SUPPRESS
+    return p.parse_args(argv)
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = parser()
@@ -128,6 +139,10 @@ def main(argv=None) -> int:
         return 0
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     try:
+        if args.config_file:
+            given = set(vars(parsed_without_defaults(argv)))
+            horovodrun_flags.read_config(args.config_file, args, given,
+                                         lambda msg: print(f"rdmatensor-run: {msg}", file=sys.stderr))
         if args.hostfile:
             if args.hosts:
                 raise LaunchError("give the hosts once: -H or --hostfile")
@@ -174,11 +189,13 @@ def main_elastic(p: argparse.ArgumentParser, args, command: list[str]) -> int:
         p.error(f"--min-np {min_np}, -np {args.np}, --max-np {max_np}: need 1 <= min-np <= np <= max-np")
     if args.elastic_timeout <= 0 or args.discovery_interval <= 0:
         p.error("--elastic-timeout and --discovery-interval must be positive")
+    if args.reset_limit is not None and args.reset_limit < 0:
+        p.error(f"--reset-limit {args.reset_limit}: must be 0 or more")
     if not os.access(args.host_discovery_script, os.X_OK):
         p.error(f"--host-discovery-script {args.host_discovery_script}: not an executable file")
     return launch_elastic(command, os.path.abspath(args.host_discovery_script), min_np, max_np, args.np,
                           args.provider, args.timeout, args.elastic_timeout, args.discovery_interval,
-                          grace=args.grace, forward=args.forward, ssh_port=args.ssh_port,
+                          args.reset_limit, grace=args.grace, forward=args.forward, ssh_port=args.ssh_port,
                           output_dir=args.output_filename)
 
 

@@ -72,12 +72,14 @@ class ElasticJob(Job):
     """Workers started and lost over the job's life, one rendezvous for all."""
 
     def __init__(self, command: Sequence[str], script: str, min_np: int, max_np: int, np: int | None = None,
-                 elastic_timeout: float = 600.0, discovery_interval: float = 1.0, **kwargs):
+                 elastic_timeout: float = 600.0, discovery_interval: float = 1.0, reset_limit: int | None = None,
+                 **kwargs):
         super().__init__([], command, **kwargs)
         if not 1 <= min_np <= max_np:
             raise LaunchError(f"--min-np {min_np} --max-np {max_np}: need 1 <= min-np <= max-np")
         self.script, self.min_np, self.max_np, self.np = script, min_np, max_np, np
         self.elastic_timeout, self.discovery_interval = elastic_timeout, discovery_interval
+        self.reset_limit = reset_limit      # re-formations allowed after the first round (None: any)
         self.rounds = Rounds(self._alive_ids, min_np)
         # the launcher gives up first, and says why in one line
         self.server = Server(self.rounds, self.token, join_timeout=elastic_timeout + 30.0)
@@ -206,6 +208,11 @@ class ElasticJob(Job):
                         break
                 else:
                     self.short_since = None
+                if self.reset_limit is not None and self.rounds.resets > self.reset_limit:
+                    self._end(f"the job's reset {self.rounds.resets} (workers lost or added) is more than "
+                              f"--reset-limit {self.reset_limit} allows: stopping it, as horovodrun does")
+                    status = 1
+                    break
                 if self.stop_request:
                     why, status = self.stop_request
                     self._end(why)
@@ -253,9 +260,9 @@ class ElasticJob(Job):
 
 def launch_elastic(command: Sequence[str], script: str, min_np: int, max_np: int, np: int | None = None,
                    provider: str | None = None, timeout: float | None = None, elastic_timeout: float = 600.0,
-                   discovery_interval: float = 1.0, **kwargs) -> int:
+                   discovery_interval: float = 1.0, reset_limit: int | None = None, **kwargs) -> int:
     """Run `command` as an elastic job; its exit status."""
-    job = ElasticJob(command, script, min_np, max_np, np, elastic_timeout, discovery_interval,
+    job = ElasticJob(command, script, min_np, max_np, np, elastic_timeout, discovery_interval, reset_limit,
                      provider=provider, **kwargs)
     with stop_on_signals(job):
         return job.run(timeout)

@@ -21,7 +21,6 @@ REFUSED = {
                        "(seconds, default 120: -x it), and --timeout bounds the whole job",
     "--network-interface": "the control plane uses the addresses -H names, and each pair of ranks picks its data "
                            "path by --provider",
-    "--config-file": "not read: give its settings as flags, or as HOROVOD_* or RDMATENSOR_* variables",
     "--autotune": "nothing is autotuned",
     "--hierarchical-allgather": "the all-gather is always direct, rank to rank",
     "--torus-allreduce": "no NCCL",
@@ -29,7 +28,6 @@ REFUSED = {
     "--num-nccl-streams": "no NCCL",
     "--gloo": "rdmatensor-run is the launcher: there is no Gloo or MPI to choose",
     "--mpi": "rdmatensor-run is the launcher: there is no Gloo or MPI to choose",
-    "--reset-limit": "not counted: an elastic job re-forms whenever workers change, until --elastic-timeout",
 }
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 
@@ -65,6 +63,11 @@ def add_to(parser: argparse.ArgumentParser) -> None:
                             "(default 60)")
     group.add_argument("--stall-check-shutdown-time-seconds", type=float, metavar="S",
                        help="fail a collective that waited this long (default 0: until the timeout)")
+    group.add_argument("--config-file", metavar="FILE",
+                       help="horovodrun's YAML configuration: params (fusion_threshold_mb, hierarchical_allreduce), "
+                            "timeline (filename), stall_check (enabled, warning_time_seconds, shutdown_time_seconds), "
+                            "logging (level); a flag given too wins, and settings that mean nothing here are named "
+                            "in one warning each")
     group.add_argument("--output-filename", metavar="DIR",
                        help="also write each rank's output to DIR/rank.N/stdout and stderr")
     group.add_argument("--verbose", action="store_true", help="say where each rank runs and what it is given")
@@ -74,6 +77,71 @@ def add_to(parser: argparse.ArgumentParser) -> None:
     refused = parser.add_argument_group("horovodrun's flags that do not apply here (each refused, saying why)")
     for flag in REFUSED:
         refused.add_argument(flag, action=_Refuse, help=REFUSED[flag])
+
+
+# horovodrun's configuration file: section -> {key: the flag's dest here, or None: means nothing here}
+CONFIG = {
+    "params": {"fusion_threshold_mb": "fusion_threshold_mb", "hierarchical_allreduce": "hierarchical_allreduce",
+               "cycle_time_ms": None, "cache_capacity": None, "hierarchical_allgather": None,
+               "torus_allreduce": None},
+    "timeline": {"filename": "timeline_filename", "mark_cycles": None},
+    "stall_check": {"enabled": "no_stall_check", "warning_time_seconds": "stall_check_warning_time_seconds",
+                    "shutdown_time_seconds": "stall_check_shutdown_time_seconds"},
+    "logging": {"level": "log_level", "with_timestamp": None},
+    "autotune": None, "library_options": None, "controller": None,
+}
+CONFIG_TYPES = {"fusion_threshold_mb": int, "hierarchical_allreduce": bool, "timeline_filename": str,
+                "no_stall_check": bool, "stall_check_warning_time_seconds": float,
+                "stall_check_shutdown_time_seconds": float, "log_level": str}
+
+
+def read_config(path: str, args, given: set[str], warn) -> None:
+    """Set `args` from horovodrun's YAML configuration file, as horovodrun does: a
+    flag on the command line (its dest in `given`) wins over the file. What means
+    nothing here is named through warn(), once per setting; a wrong type or an
+    unknown section is a LaunchError naming it."""
+    import yaml
+    try:
+        with open(path) as f:
+            config = yaml.safe_load(f) or {}
+    except OSError as exc:
+        raise LaunchError(f"--config-file {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise LaunchError(f"--config-file {path}: not YAML: {exc}") from None
+    if not isinstance(config, dict):
+        raise LaunchError(f"--config-file {path}: expected sections (params, timeline, ...), not a "
+                          f"{type(config).__name__}")
+    for section, values in config.items():
+        if section not in CONFIG:
+            raise LaunchError(f"--config-file {path}: unknown section {section!r} "
+                              f"(horovodrun's are {', '.join(CONFIG)})")
+        keys = CONFIG[section]
+        if keys is None or not isinstance(values, dict):
+            if keys is None and values and values != {"enabled": False}:
+                warn(f"--config-file {path}: {section} means nothing here, ignored")
+            continue
+        for key, value in values.items():
+            if key not in keys:
+                raise LaunchError(f"--config-file {path}: unknown setting {section}.{key}")
+            dest = keys[key]
+            if dest is None:
+                warn(f"--config-file {path}: {section}.{key} means nothing here, ignored")
+                continue
+            if dest in given or value is None:
+                continue
+            want = CONFIG_TYPES[dest]
+            if want is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+                raise LaunchError(f"--config-file {path}: {section}.{key} is {value!r}, expected {want.__name__}")
+            if dest == "no_stall_check":
+                value = not value
+            elif dest == "log_level":
+                if value.upper() not in LOG_LEVELS:
+                    raise LaunchError(f"--config-file {path}: logging.level {value!r} is not one of "
+                                      f"{', '.join(LOG_LEVELS)}")
+                value = value.upper()
+            setattr(args, dest, value)
 
 
 def environment(args) -> dict[str, str]:

@@ -65,6 +65,7 @@ class Rounds:
         self.current: Round | None = None
         self.closed: str | None = None                # why the job ended, for joiners still waiting
         self.established: set[int] = set()           # workers of a round that reached a commit
+        self.resets = 0                               # rounds begun after one that formed (horovodrun's resets)
         self._cv = threading.Condition()
 
     def _form(self) -> None:
@@ -90,6 +91,7 @@ class Rounds:
         deadline = time.monotonic() + timeout
         with self._cv:
             if self.current is None or (self.current.number <= after and self.current.complete):
+                self.resets += self.current is not None
                 self._form()
             while True:
                 if self.closed:

@@ -21,14 +21,15 @@ COMMIT = 4                                          # elastic_script.py's steps 
 
 def elastic_job(tmp_path: Path, provider: str, mode: str, steps: int, kill_at: int, add_at: int,
                 min_np: int = 2, elastic_timeout: float = 60.0, slots: int = 3,
-                discovery: str | None = None, discovery_interval: float = 1.0) -> subprocess.CompletedProcess:
+                discovery: str | None = None, discovery_interval: float = 1.0, extra: tuple = ()
+                ) -> subprocess.CompletedProcess:
     (tmp_path / "hosts").write_text(f"localhost:{slots}\n")
     discover = tmp_path / "discover.sh"
     discover.write_text(discovery or f"#!/bin/sh\ncat {tmp_path / 'hosts'}\n")
     discover.chmod(0o755)
     cmd = [sys.executable, "-m", "rdmatensor.runner.cli", "--min-np", str(min_np), "--max-np", str(slots),
            "--host-discovery-script", str(discover), "--provider", provider, "--timeout", "200",
-           "--elastic-timeout", f"{elastic_timeout:g}", "--discovery-interval", f"{discovery_interval:g}",
+           "--elastic-timeout", f"{elastic_timeout:g}", "--discovery-interval", f"{discovery_interval:g}", *extra,
            sys.executable, str(SCRIPT), str(tmp_path), mode, str(steps), str(kill_at), str(add_at)]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(ROOT)})
@@ -154,3 +155,13 @@ def test_below_min_np_the_job_fails_in_one_line(tmp_path):
         proc.stderr[-3000:]
     assert not any(line.startswith("final") for w in range(2) for line in lines_of(proc.stdout, w))
     print(f"{lines[0]} ({elapsed:.1f} s for the whole job)")
+
+
+def test_past_the_reset_limit_the_job_stops_in_one_line(tmp_path):
+    """--reset-limit 0 (horovodrun's): the first time the job would form again, after
+    the kill, it stops instead, saying why, and no worker finishes."""
+    proc = elastic_job(tmp_path, "shm", "tape", steps=16, kill_at=6, add_at=-1, extra=("--reset-limit", "0"))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert ("rdmatensor-run: the job's reset 1 (workers lost or added) is more than --reset-limit 0 allows: "
+            "stopping it, as horovodrun does") in proc.stderr, proc.stderr[-3000:]
+    assert not any(line.startswith("final") for w in range(3) for line in lines_of(proc.stdout, w))

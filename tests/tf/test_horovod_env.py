@@ -103,6 +103,30 @@ def test_flags_map_to_the_ranks_environment():
         horovodrun_flags.environment(parser().parse_args(["--fusion-threshold-mb", "-1", "x"]))
 
 
+def test_horovodruns_config_file_sets_what_it_means_here_and_a_flag_wins(tmp_path):
+    """horovodrun's YAML layout: the settings with a meaning here become the ranks'
+    variables, a flag given as well wins, the rest are named and ignored, and a
+    wrong setting is refused naming it."""
+    config = tmp_path / "horovod.yaml"
+    config.write_text("params:\n  fusion_threshold_mb: 8\n  cycle_time_ms: 5\n  hierarchical_allreduce: false\n"
+                      f"timeline:\n  filename: {tmp_path / 't.json'}\nstall_check:\n  enabled: false\n"
+                      "logging:\n  level: debug\n")
+    proc = run(["-np", "1", "--config-file", str(config), "--log-level", "error", "sh", "-c",
+                "env | grep ^RDMATENSOR_ | sort"], timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    got = dict(line.split("] ", 1)[1].split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
+    assert got["RDMATENSOR_FUSION_THRESHOLD"] == str(8 * MiB) and got["RDMATENSOR_HIERARCHICAL_ALLREDUCE"] == "0"
+    assert got["RDMATENSOR_TIMELINE"] == str(tmp_path / "t.json") and got["RDMATENSOR_STALL_CHECK_DISABLE"] == "1"
+    assert got["RDMATENSOR_LOG_LEVEL"] == "error"                    # the flag, not the file's debug
+    assert f"--config-file {config}: params.cycle_time_ms means nothing here, ignored" in proc.stderr
+    for text, says in (("params:\n  fusion_threshold_mb: lots\n", "params.fusion_threshold_mb is 'lots', expected int"),
+                       ("params:\n  fusion_mb: 8\n", "unknown setting params.fusion_mb"),
+                       ("tuning: {}\n", "unknown section 'tuning'"), ("logging:\n  level: loud\n", "'loud'")):
+        config.write_text(text)
+        proc = run(["-np", "1", "--config-file", str(config), "true"], timeout=60)
+        assert proc.returncode == 2 and says in proc.stderr, (text, proc.stderr)
+
+
 def test_a_hostfile_as_horovodrun_reads_it(tmp_path):
     hosts = tmp_path / "hosts"
     hosts.write_text("# the job\nnode1 slots=2\nnode2:4\n\nnode3\n")
