@@ -41,6 +41,7 @@ class SendSlot(compiled.SendState if compiled else object):
         self.staging_bytes: np.ndarray | None = None     # what one write of `view` sends
         self.raw = bool(raw)                  # a static value goes as it is: no header, no checksum, not empty
         self.pending = None                   # the last posted write's handle, while it may read staging
+        self.borrowed: list = []              # memory registered for that write alone (send.py's _gather)
         self.post = None                      # the channel's prepared write of `view` (tag 0), if it has one
         self.writes = self.bytes_sent = 0
         self.imm = make_imm(IMM_DATA, slot.index)

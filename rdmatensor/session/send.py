@@ -6,13 +6,17 @@ own array where the provider can write from it (any memory; on verbs,
 memory registered with register_source()); otherwise it is copied into
 staging first. A static tensor may also be given as Pieces,
 arrays of its dtype whose elements, end to end, are the tensor's (a gather
-write: the ring's fused buckets), written from where they are or copied once
-into staging. Dynamic tensors and checksummed plans go as one
+write: the ring's fused buckets), written from where they are; on verbs,
+each piece of RDMATENSOR_VERBS_REGISTER_MIN bytes or more is registered for
+that write alone and deregistered once it completed, the smaller ones copied
+into their place in staging. Dynamic tensors and checksummed plans go as one
 write from staging laid out by wire.encode(). A posted write (verbs) may
 still read staging after send() returns, so staging is reused only once that
 write completed.
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -27,6 +31,10 @@ from .liveness import Liveness
 
 
 BATCH = 32      # send_many() posts its queue once it holds this many writes (one chain on verbs)
+# A piece of a gather write at least this large is registered for its write
+# (on verbs) instead of copied into staging: registering and deregistering it
+# cost less than copying it in the SoftRoCE VM from 64 KiB up (bench/registration_cost.py).
+REGISTER_MIN = int(os.environ.get("RDMATENSOR_VERBS_REGISTER_MIN", "") or 256 << 10)
 
 
 def tag_bits(tag: int) -> int:
@@ -73,10 +81,22 @@ class Sender:
         return st.view
 
     def source_free(self, st: SendSlot) -> None:
-        """Wait until the previous write no longer reads this slot's staging memory."""
+        """Wait until the previous write no longer reads this slot's staging memory,
+        nor memory registered for it alone, which is then deregistered."""
         if st.pending is not None:
             self.ctx.channels[st.peer].wait(st.pending, self.ctx.timeout)
             st.pending = None
+        if st.borrowed:
+            self._give_back(st)
+
+    def _give_back(self, st: SendSlot) -> None:
+        """Deregister what was registered for the slot's last write. It ran while this
+        side still holds the memory (st.borrowed keeps it alive), so a registration
+        never outlives what it maps."""
+        ch = self.ctx.channels[st.peer]
+        borrowed, st.borrowed = st.borrowed, []
+        for buf in borrowed:
+            ch.deregister_source(buf)
 
     def wait_sent(self, names) -> None:
         """Wait until no write of these tensors still reads its source."""
@@ -118,6 +138,8 @@ class Sender:
             st.writes -= 1
             st.bytes_sent -= array.nbytes
             self.credits.keep(st)
+            if st.borrowed and st.pending is None:
+                self._give_back(st)
             if isinstance(exc, PeerLost):
                 # A write that finds its peer gone reports the loss like any other: it
                 # sticks, watchers hear it, and this call raises what every later one will.
@@ -250,17 +272,45 @@ class Sender:
             if not spec.is_static:
                 ctx.counters.add("dynamic", "fallbacks")
 
+    def _gather(self, st: SendSlot, ch, pieces: Pieces, staging: np.ndarray):
+        """Pieces for a channel that writes only from registered memory: a piece of
+        REGISTER_MIN bytes or more is written from where it is, registered for this
+        write alone unless it is already; runs of smaller ones are copied into their
+        place in staging. The result, end to end, is the tensor."""
+        out, at, run, copied = [], 0, None, 0
+        for p in pieces:
+            flat = p.reshape(-1).view(np.uint8)
+            n = flat.nbytes
+            if n and (n >= REGISTER_MIN or ch.writes_from(flat)):
+                if run is not None:
+                    out.append(staging[run:at])
+                    run = None
+                if not ch.writes_from(flat):
+                    ch.register_source(flat)
+                    st.borrowed.append(flat)
+                out.append(flat)
+            elif n:
+                staging[at:at + n] = flat
+                copied += n
+                run = at if run is None else run
+            at += n
+        if run is not None:
+            out.append(staging[run:at])
+        if copied:
+            count_copy(self.ctx.counters, "gather", copied)
+        return out[0] if len(out) == 1 else Pieces(out)
+
     def _source(self, st: SendSlot, array: np.ndarray) -> np.ndarray:
         """Where a static tensor's write reads from, copying into staging only if it must."""
         staging = st.staging[:array.nbytes]
         if array is st.view:
             return staging                           # filled in place: no copy
         if isinstance(array, Pieces):
-            if not self.ctx.channels[st.peer].capabilities.needs_registered_source:
+            ch = self.ctx.channels[st.peer]
+            if not ch.capabilities.needs_registered_source:
                 return Pieces(p.reshape(-1).view(np.uint8) for p in array)     # a gather write, no copy
             self.source_free(st)
-            count_copy(self.ctx.counters, "gather", staging.nbytes)
-            return array.into(staging)               # one copy, into registered memory
+            return self._gather(st, ch, array, staging)
         if array.flags.c_contiguous and self.ctx.channels[st.peer].writes_from(array):
             return array.reshape(-1).view(np.uint8)  # written straight from the array (registered, on verbs)
         self.source_free(st)

@@ -12,7 +12,7 @@ from rdmatensor.plan import SUPPORTED_DTYPES
 from rdmatensor.session import slots
 
 from ..support.providers import PROVIDERS, SCALE_PROVIDERS, TWO_RAILS, each_with
-from ..support.ranks import check, run_ranks
+from ..support.ranks import RAILS, check, run_ranks
 
 
 
@@ -143,12 +143,15 @@ def test_send_many_delivers_every_tensor_in_order_with_repeats_and_copies(provid
     assert res[0]["writes"] == steps * (n + 3)
 
 
+@pytest.mark.parametrize("provider", [*PROVIDERS, TWO_RAILS])
 def test_pieces_arrive_as_one_tensor_and_bad_pieces_are_refused(provider):
     """A gather write: a tensor given as Pieces, arrays of its dtype laid end to
     end (read-only and of other shapes too; a 2 MiB one, more than a socket takes
     at once), arrives as if it were one array, through send() and send_many(),
     on a plain and on a checksummed plan; pieces that do not make the tensor are
-    refused before anything goes, and lose no credit."""
+    refused before anything goes, and lose no credit. Over verbs the 2 MiB piece
+    is registered for its write alone and written from where it is (only the
+    small ones are copied), and deregistered once the write is done."""
     rng = np.random.default_rng(7)
     parts = [rng.standard_normal(n).astype(np.float32) for n in (5, 1 << 19, 3, 0, 11)]
     parts[1] = parts[1].reshape(512, 1024)
@@ -172,8 +175,10 @@ def test_pieces_arrive_as_one_tensor_and_bad_pieces_are_refused(provider):
                 for _ in range(3):
                     s.send("g", Pieces(parts))
                     s.send_many([("h", Pieces(parts)), ("g", Pieces(parts))])
+                s.wait_sent(["g", "h"])
+                still = s._ctx.channels[1].writes_from(parts[1].reshape(-1).view(np.uint8))
                 s.barrier("received")
-                return s.stats()
+                return s.stats(), still
             got = []
             for _ in range(3):
                 for name in ("g", "h", "g"):
@@ -184,7 +189,11 @@ def test_pieces_arrive_as_one_tensor_and_bad_pieces_are_refused(provider):
 
         res = check(run_ranks(2, plan, provider, body))
         assert res[1] == [True] * 9
-        assert res[0]["writes"] == 9
+        stats, still = res[0]
+        assert stats["writes"] == 9
+        if provider in ("verbs", RAILS) and not checksum:
+            assert not still                            # its registration given back
+            assert stats["copies_gather"] == 9 and stats["bytes_copied"] == 9 * 4 * (5 + 3 + 11)
 
     run(False)
     run(True)
@@ -382,7 +391,7 @@ def test_registered_memory_is_written_from_where_it_is(provider):
     copied, by_purpose = res[0]
     assert copied == 3 * serialization
     # the last send's copy, counted by its purpose with its bytes, only where writes need registered memory
-    staged = provider == "verbs"
+    staged = provider in ("verbs", RAILS)
     assert by_purpose == {"copies_array": int(staged), "copies_gather": 0, "copies_frame": 0,
                           "bytes_copied": (1 << 20) * staged}
 

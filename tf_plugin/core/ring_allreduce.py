@@ -212,6 +212,7 @@ class RingAllReduce:
             group = tuple(range(self.size))
             held = self._reduce_scatter(group, keys, flats, outs, divide, tag)
             self._all_gather(group, keys, outs, held, tag, sent)
+            self._inputs_read(keys, flats)
         else:
             local, cross = hierarchy.local(self.rank), hierarchy.cross(self.rank)
             lkeys, xkeys = [f"{k}/local" for k in keys], [f"{k}/cross" for k in keys]
@@ -228,7 +229,15 @@ class RingAllReduce:
             self.session.wait_sent(list(first.values()))
             self._all_gather(cross, xkeys, chunks, cross_held, tag, sent)
             self._all_gather(local, lkeys, outs, held, tag, sent)
+            if len(local) > 1:
+                self._inputs_read(lkeys, flats)
         return outs
+
+    def _inputs_read(self, keys: list, flats: list) -> None:
+        """Wait for the reduce-scatter's first writes, the only ones that leave from the
+        caller's arrays (on verbs, their large pieces registered for that write alone,
+        deregistered here): the caller may reuse them once the ring returns."""
+        self.session.wait_sent([ring_name(keys[i], "rs", 0, self.rank) for i, f in enumerate(flats) if f.size])
 
     def _reduce_scatter(self, group, keys: list, flats: list, outs: list, divide: list, tag: int) -> dict:
         """The reduce-scatter of a ring over `group` (global ranks in ring order):

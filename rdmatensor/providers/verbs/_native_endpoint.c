@@ -382,10 +382,13 @@ static PyObject *ep_register(Endpoint *self, PyObject *args, PyObject *kw)
         return NULL;
     mr->mr = NULL;
     mr->has_view = 0;
-    if (PyObject_GetBuffer(obj, &mr->view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+    /* memory the NIC only reads (no access flag) may be read-only here too */
+    int writes = access & (IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+    if (PyObject_GetBuffer(obj, &mr->view, (writes ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS) < 0) {
         Py_DECREF(mr);
         PyErr_Clear();
-        PyErr_SetString(UsageError, "only writable C-contiguous memory can be registered");
+        PyErr_SetString(UsageError, writes ? "only writable C-contiguous memory can be registered for writes"
+                                           : "only C-contiguous memory can be registered");
         return NULL;
     }
     mr->has_view = 1;

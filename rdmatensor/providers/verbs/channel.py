@@ -36,7 +36,7 @@ import numpy as np
 
 from ...errors import PeerLost, ProviderUnavailable, RdmaTensorError, TransportError
 from ...memory import Arena
-from ..contract import Capabilities, Channel
+from ..contract import Capabilities, Channel, Pieces
 from ...devices import MTU_ENUM
 from .choose_endpoint import endpoint_class
 from .rc import MAX_CHAIN, READ_ONLY, RECV_BATCH, REMOTE_WRITE, RcParams, RemoteRegion
@@ -200,6 +200,8 @@ class VerbsChannel(Channel):
 
     def write(self, region_id: int, offset: int, src: np.ndarray, imm: int) -> int:
         """Post the write and return its number: `src` stays in use until wait(number)."""
+        if isinstance(src, Pieces):
+            return self.write_many([(region_id, offset, src, imm)])[0]
         remote = self._regions.get(region_id)
         if remote is None:
             self.check_remote(region_id, offset, src.nbytes)     # raises, naming the region
@@ -222,7 +224,11 @@ class VerbsChannel(Channel):
 
     def write_many(self, writes: list) -> list[int]:
         """Post the writes as chains of up to MAX_CHAIN work requests (one
-        doorbell each); their numbers. A chain is checked whole before it goes."""
+        doorbell each); their numbers. A chain is checked whole before it goes.
+        A write from Pieces goes as one write per piece, laid end to end, the
+        immediate on the last (one queue pair: they land in order)."""
+        if any(isinstance(w[2], Pieces) for w in writes):
+            return self._write_pieces(writes)
         numbers = []
         for i in range(0, len(writes), MAX_CHAIN):
             chain = []
@@ -239,6 +245,20 @@ class VerbsChannel(Channel):
                 raise
             numbers += range(first, first + len(chain))
         return numbers
+
+    def _write_pieces(self, writes: list) -> list[int]:
+        flat, ends = [], []
+        for region_id, offset, src, imm in writes:
+            if isinstance(src, Pieces):
+                self.check_remote(region_id, offset, src.nbytes)    # whole, before any piece goes
+                for piece in src[:-1]:
+                    flat.append((region_id, offset, piece, None))
+                    offset += piece.nbytes
+                src = src[-1]
+            flat.append((region_id, offset, src, imm))
+            ends.append(len(flat) - 1)
+        numbers = self.write_many(flat)
+        return [numbers[end] for end in ends]
 
     def notify(self, imm: int) -> None:
         self._post(self.ep.post_send_imm, imm)

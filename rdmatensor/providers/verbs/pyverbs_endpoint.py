@@ -98,9 +98,12 @@ class RcEndpoint(EndpointHelpers):
 
     # -- memory -----------------------------------------------------------
     def register(self, array, access: int = REMOTE_WRITE) -> MR:
-        """Register a writable C-contiguous array's memory (kept alive by the caller)."""
-        if not (array.flags.c_contiguous and array.flags.writeable):
-            raise UsageError("only writable C-contiguous memory can be registered")
+        """Register a C-contiguous array's memory (kept alive by the caller), writable
+        unless the NIC only reads it (no access flag)."""
+        writes = access & (ev.IBV_ACCESS_LOCAL_WRITE | ev.IBV_ACCESS_REMOTE_WRITE)
+        if not array.flags.c_contiguous or (writes and not array.flags.writeable):
+            raise UsageError("only writable C-contiguous memory can be registered for writes" if writes
+                             else "only C-contiguous memory can be registered")
         if array.nbytes == 0 or array.nbytes > MAX_REGION:
             raise UsageError(f"a region must hold 1 byte to 4 GiB, not {array.nbytes}")
         try:

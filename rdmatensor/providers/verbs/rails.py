@@ -127,7 +127,8 @@ class RailsChannel(VerbsChannel):
 
     # -- sending ----------------------------------------------------------
     def _stripes(self, src: np.ndarray, imm: int) -> bool:
-        return self.width > 1 and src.nbytes >= STRIPE_MIN and imm >> 30 == IMM_DATA
+        return (self.width > 1 and isinstance(src, np.ndarray) and src.nbytes >= STRIPE_MIN
+                and imm is not None and imm >> 30 == IMM_DATA)
 
     def write(self, region_id: int, offset: int, src: np.ndarray, imm: int) -> int:
         if not self._stripes(src, imm):
