@@ -10,11 +10,12 @@ from .errors import (AuthenticationError, BadRequest, CallMismatch, CreditViolat
                      PlanError, PlanMismatch, ProviderUnavailable, RdmaTensorError, RecvTimeout, RefusedWrite,
                      RemoteError, SendTimeout, TensorMismatch, Timeout, TransportError, UnknownTensor, UsageError)
 from .plan import Plan, TensorSpec
-from .providers.contract import Pieces
+from .providers.contract import HeldPieces, Pieces
 from .session import Received, Session, connect
 
 __version__ = "0.1.0"
-__all__ = ["Plan", "TensorSpec", "Pieces", "connect", "Session", "Received", "TlsConfig", "RdmaTensorError",
+__all__ = ["Plan", "TensorSpec", "Pieces", "HeldPieces", "connect", "Session", "Received", "TlsConfig",
+           "RdmaTensorError",
            "PlanError", "PlanMismatch", "CallMismatch", "TensorMismatch", "UnknownTensor", "AuthenticationError",
            "PeerLost", "TransportError", "RemoteError", "RefusedWrite", "IntegrityError", "CreditViolation",
            "BadRequest", "UsageError", "Timeout", "SendTimeout", "RecvTimeout", "ProviderUnavailable",

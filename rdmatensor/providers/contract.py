@@ -245,6 +245,14 @@ class Pieces(tuple):
     def tobytes(self) -> bytes:
         return b"".join(p.tobytes() for p in self)
 
+
+class HeldPieces(Pieces):
+    """Pieces their sender leaves untouched, and alive, until wait_sent() says the
+    write is done (the ring waits for its first writes before it returns): over
+    verbs the large ones are then written from where they are, registered for
+    that write alone, instead of copied into staging first. Plain Pieces may be
+    changed as soon as send() returns."""
+
 # Immediates: 2 bits of kind, 12 bits of tag, 18 bits of slot index. The tag
 # is the sender's label for the write (a DATA immediate's: which call it
 # belongs to, see Session.send), so a receiver can tell one call's value from

@@ -6,10 +6,11 @@ own array where the provider can write from it (any memory; on verbs,
 memory registered with register_source()); otherwise it is copied into
 staging first. A static tensor may also be given as Pieces,
 arrays of its dtype whose elements, end to end, are the tensor's (a gather
-write: the ring's fused buckets), written from where they are; on verbs,
-each piece of RDMATENSOR_VERBS_REGISTER_MIN bytes or more is registered for
-that write alone and deregistered once it completed, the smaller ones copied
-into their place in staging. Dynamic tensors and checksummed plans go as one
+write: the ring's fused buckets), written from where they are, or on verbs
+copied once into staging; HeldPieces, which their sender keeps unchanged
+until wait_sent(), have each piece of RDMATENSOR_VERBS_REGISTER_MIN bytes or
+more registered for that write alone instead (deregistered once it
+completed), the smaller ones copied into their place in staging. Dynamic tensors and checksummed plans go as one
 write from staging laid out by wire.encode(). A posted write (verbs) may
 still read staging after send() returns, so staging is reused only once that
 write completed.
@@ -22,7 +23,7 @@ import numpy as np
 
 from ..errors import PeerLost, RdmaTensorError, SendTimeout, TensorMismatch, UnknownTensor, UsageError
 from ..plan import TensorSpec
-from ..providers.contract import INDEX_BITS, MAX_TAG, Pieces
+from ..providers.contract import INDEX_BITS, MAX_TAG, HeldPieces, Pieces
 from . import wire
 from .context import SessionContext, count_copy
 from .credits import Credits, SendSlot
@@ -272,8 +273,8 @@ class Sender:
             if not spec.is_static:
                 ctx.counters.add("dynamic", "fallbacks")
 
-    def _gather(self, st: SendSlot, ch, pieces: Pieces, staging: np.ndarray):
-        """Pieces for a channel that writes only from registered memory: a piece of
+    def _gather(self, st: SendSlot, ch, pieces: HeldPieces, staging: np.ndarray):
+        """HeldPieces for a channel that writes only from registered memory: a piece of
         REGISTER_MIN bytes or more is written from where it is, registered for this
         write alone unless it is already; runs of smaller ones are copied into their
         place in staging. The result, end to end, is the tensor."""
@@ -310,6 +311,9 @@ class Sender:
             if not ch.capabilities.needs_registered_source:
                 return Pieces(p.reshape(-1).view(np.uint8) for p in array)     # a gather write, no copy
             self.source_free(st)
+            if not isinstance(array, HeldPieces):
+                count_copy(self.ctx.counters, "gather", staging.nbytes)
+                return array.into(staging)           # one copy: the caller may change them once send() returns
             return self._gather(st, ch, array, staging)
         if array.flags.c_contiguous and self.ctx.channels[st.peer].writes_from(array):
             return array.reshape(-1).view(np.uint8)  # written straight from the array (registered, on verbs)

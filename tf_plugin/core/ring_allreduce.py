@@ -53,7 +53,7 @@ from bisect import bisect_right
 
 import numpy as np
 
-from rdmatensor import Pieces, streaming
+from rdmatensor import HeldPieces, streaming
 
 from . import scaling
 from .buffers import Reused, aligned_empty
@@ -102,9 +102,10 @@ class BucketView:
         return out
 
     def source(self, lo: int, hi: int):
-        """What a write of elements [lo, hi) leaves from: one array where it can, else Pieces."""
+        """What a write of elements [lo, hi) leaves from: one array where it can, else
+        HeldPieces (the ring waits for the write before it returns: _inputs_read)."""
         pieces = self.cover(lo, hi)
-        return pieces[0][1] if len(pieces) == 1 else Pieces(p for _, p in pieces)
+        return pieces[0][1] if len(pieces) == 1 else HeldPieces(p for _, p in pieces)
 
 
 class RingAllReduce:
