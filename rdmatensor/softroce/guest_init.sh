@@ -18,28 +18,23 @@ mount -t tmpfs -o mode=1777 tmpfs /dev/shm
 mount -t tmpfs -o mode=0755 tmpfs /run
 hostname "rdt-host$idx"
 ip link set lo up
-ip link set "$RDT_IFNAME" mtu "$RDT_MTU" up || fail "cannot set $RDT_IFNAME up with mtu $RDT_MTU"
-ip addr add "$RDT_ADDR/24" dev "$RDT_IFNAME" || fail "cannot address $RDT_IFNAME"
 modprobe rdma_rxe || fail "modprobe rdma_rxe"
-rdma link add rxe0 type rxe netdev "$RDT_IFNAME" || fail "rdma link add rxe0"
-i=0
-until grep -q ACTIVE /sys/class/infiniband/rxe0/ports/1/state 2>/dev/null; do
-  i=$((i + 1)); [ $i -gt 100 ] && fail "rxe0 port 1 not ACTIVE after 10 s"
-  sleep 0.1
-done
-say "rxe0 ACTIVE on $RDT_IFNAME $RDT_ADDR mtu $RDT_MTU"
-if [ -n "${RDT_RAIL_IFNAME:-}" ]; then
-  # A second rail: its own NIC, subnet and rxe device.
-  ip link set "$RDT_RAIL_IFNAME" mtu "$RDT_MTU" up || fail "cannot set $RDT_RAIL_IFNAME up"
-  ip addr add "$RDT_RAIL_ADDR/24" dev "$RDT_RAIL_IFNAME" || fail "cannot address $RDT_RAIL_IFNAME"
-  rdma link add rxe1 type rxe netdev "$RDT_RAIL_IFNAME" || fail "rdma link add rxe1"
+
+# rxe_on DEVICE IFNAME ADDR: the NIC up and addressed, an rxe device on it, ACTIVE.
+rxe_on() {
+  ip link set "$2" mtu "$RDT_MTU" up || fail "cannot set $2 up with mtu $RDT_MTU"
+  ip addr add "$3/24" dev "$2" || fail "cannot address $2"
+  rdma link add "$1" type rxe netdev "$2" || fail "rdma link add $1"
   i=0
-  until grep -q ACTIVE /sys/class/infiniband/rxe1/ports/1/state 2>/dev/null; do
-    i=$((i + 1)); [ $i -gt 100 ] && fail "rxe1 port 1 not ACTIVE after 10 s"
+  until grep -q ACTIVE "/sys/class/infiniband/$1/ports/1/state" 2>/dev/null; do
+    i=$((i + 1)); [ $i -gt 100 ] && fail "$1 port 1 not ACTIVE after 10 s"
     sleep 0.1
   done
-  say "rxe1 ACTIVE on $RDT_RAIL_IFNAME $RDT_RAIL_ADDR"
-fi
+  say "$1 ACTIVE on $2 $3 mtu $RDT_MTU"
+}
+rxe_on rxe0 "$RDT_IFNAME" "$RDT_ADDR"
+# A second rail: its own NIC, subnet and rxe device.
+[ -z "${RDT_RAIL_IFNAME:-}" ] || rxe_on rxe1 "$RDT_RAIL_IFNAME" "$RDT_RAIL_ADDR"
 ulimit -l unlimited
 if [ -d "$job/ssh" ]; then
   # The job's client configuration, in this VM's overlay only.
