@@ -101,11 +101,11 @@ class BucketView:
             out.append((at - lo, self._zeros[:hi - at]))
         return out
 
-    def source(self, lo: int, hi: int):
-        """What a write of elements [lo, hi) leaves from: one array where it can, else
-        HeldPieces (the ring waits for the write before it returns: _inputs_read)."""
-        pieces = self.cover(lo, hi)
-        return pieces[0][1] if len(pieces) == 1 else HeldPieces(p for _, p in pieces)
+    def source(self, lo: int, hi: int) -> HeldPieces:
+        """What a write of elements [lo, hi) leaves from, one piece or several: held
+        (the ring waits for the write before it returns: _inputs_read), so that
+        verbs may write the large ones from where they are."""
+        return HeldPieces(p for _, p in self.cover(lo, hi))
 
 
 class RingAllReduce:
