@@ -32,6 +32,7 @@ from dataclasses import asdict
 
 from rdmatensor.providers import NAMES, provider_class
 from rdmatensor.providers.verbs.choose_endpoint import ENDPOINTS
+from rdmatensor.runner.cores import pin_threads
 
 from . import model_grads, report
 from .points import Point, run_point
@@ -113,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--send-many", choices=("off", "on", "both"), default="off",
                    help="step and bw modes: send a step's tensors (bw: a window's) with one send_many() "
                         "call (verbs: up to 32 writes per doorbell); `both` measures each point with and without")
+    p.add_argument("--rounds", type=int, default=1, metavar="N",
+                   help="measure each point N times, each time followed by its reference (interleaved, as the "
+                        "machine's load changes); the table shows medians, and the ratio's range over the rounds")
+    p.add_argument("--bind", choices=("core", "none"), default="core",
+                   help="both ranks on this host: rank 0 and the reference's client on one CPU, rank 1 and its "
+                        "server on another, as rdmatensor-run binds ranks (default core; none: unbound)")
+    p.add_argument("--cpu", type=int, help=argparse.SUPPRESS)     # the CPU the serving rank is bound to
     p.add_argument("--tx-depth", type=int, default=0, metavar="N",
                    help="bw mode: writes in flight, as perftest's -t (default: 16, fewer above 1 MiB)")
     p.add_argument("--json", metavar="FILE", help="write results as JSON (schema in docs/results.md)")
@@ -151,7 +159,7 @@ def points_for(a, providers: list[str]) -> list[Point]:
     if a.verbs_endpoint:     # each verbs point once per endpoint, next to each other
         pts = [dataclasses.replace(p, endpoint=e) if p.provider.startswith("verbs") else p
                for p in pts for e in (a.verbs_endpoint if p.provider.startswith("verbs") else [""])]
-    return pts
+    return [p for p in pts for _ in range(a.rounds)]     # a point's rounds one after another
 
 
 def setup_points(a, providers: list[str]) -> list[tuple[str, int]]:
@@ -213,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     a = parser.parse_args(argv)
     if not 0 <= a.tx_depth <= 4096:
         parser.error(f"--tx-depth takes 1..4096 writes in flight (0: automatic), not {a.tx_depth}")
+    if not 1 <= a.rounds <= 100:
+        parser.error(f"--rounds takes 1..100, not {a.rounds}")
     a.providers = a.providers or (PAPER_PROVIDERS if a.mode == "paper" else ",".join(NAMES))
     asked = [x.strip() for x in a.providers.split(",") if x.strip()]
     unknown = [x for x in asked if x not in NAMES]
@@ -238,7 +248,20 @@ def main(argv: list[str] | None = None) -> int:
     return _measure(a, argv, points, setups, providers, skipped)
 
 
+def _cpus(a) -> tuple[int, int] | None:
+    """(rank 0's CPU, rank 1's CPU) when both ranks run here bound, else None."""
+    if a.bind != "core" or a.rank is not None:
+        return None
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:                   # no affinity on this platform
+        return None
+    return (cpus[0], cpus[1]) if len(cpus) >= 2 else None
+
+
 def _serve(a, points, setups) -> int:
+    if a.cpu is not None:
+        pin_threads({a.cpu})
     for i, point in enumerate(points):
         run_point(1, _peers(a, i), point)
     for j, (provider, count) in enumerate(setups):
@@ -253,8 +276,14 @@ def _measure(a, argv, points, setups, providers, skipped) -> int:
         span = len(points) + len(setups) + 1
         base = random.randint(20000, 32000 - 2 * span)
         a.peers = f"127.0.0.1:{base},127.0.0.1:{base + span}"
+        cpus = _cpus(a)
         child = subprocess.Popen([sys.executable, "-m", f"{__package__}.cli", *argv, "--rank", "1", "--peers", a.peers,
-                                  "--providers", ",".join(providers), *(["--in-vm"] if a.in_vm else [])])
+                                  "--providers", ",".join(providers), *(["--in-vm"] if a.in_vm else []),
+                                  *(["--cpu", str(cpus[1])] if cpus else [])])
+        if cpus:
+            pin_threads({cpus[0]})
+    else:
+        cpus = None
     device = _device() if "verbs" in providers and not a.no_references else None
     rows, setup_rows, references = [], [], {}
     try:
@@ -265,9 +294,10 @@ def _measure(a, argv, points, setups, providers, skipped) -> int:
             bar.set_postfix_str(f"{point.mode} {point.label} {report.human(point.size)}")
             row = asdict(run_point(0, _peers(a, i), point))
             if not a.no_references and point.mode in ("lat", "bw"):
-                key = point.provider, point.mode, point.size       # one reference for every endpoint's row
+                # one reference for every endpoint's row; with rounds, one after each round
+                key = point.provider, point.mode, point.size, (i if a.rounds > 1 else 0)
                 if key not in references:
-                    references[key] = reference(point.provider, point.mode, point.size, device)
+                    references[key] = reference(point.provider, point.mode, point.size, device, cpus)
                 row["reference"] = references[key]
             rows.append(row)
             bar.update()
@@ -286,6 +316,7 @@ def _measure(a, argv, points, setups, providers, skipped) -> int:
         print("rdmatensor-bench: the serving rank failed", file=sys.stderr)
         return 1
     _ratios(rows)
+    rows = report.medians(rows, a.rounds)
     targets = evaluate_targets(rows, setup_rows)
     print(report.table(rows))
     if a.mode == "paper":

@@ -2,6 +2,7 @@
 this host's device (server and client over loopback) and parse its figures."""
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -61,15 +62,24 @@ def parse_write_lat(output: str) -> LatResult:
     return LatResult(int(size), int(iters), float(tmin), float(tmax), float(typ), float(avg), float(p99))
 
 
-def _run_pair(tool: str, args: list[str], timeout: float) -> str:
+def _on(cpu: int | None):
+    """A child's preexec_fn that binds it to `cpu` (None: unbound)."""
+    return None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu}))
+
+
+def _run_pair(tool: str, args: list[str], timeout: float, cpus: tuple[int, int] | None = None) -> str:
+    """Server and client of `tool`; `cpus`: (client's, server's) CPU, bound as the bench's ranks are."""
     if not shutil.which(tool):
         raise RdmaTensorError(f"{tool} not found: install perftest (make setup does)")
-    server = subprocess.Popen([tool, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    client_cpu, server_cpu = cpus or (None, None)
+    server = subprocess.Popen([tool, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              preexec_fn=_on(server_cpu))
     try:
         # perftest's client does not retry a refused connection: start it once
         # the server listens (seconds, on a loaded machine under emulation).
         _wait_listening(int(args[args.index("-p") + 1]), server, within=60.0)
-        client = subprocess.run([tool, *args, "127.0.0.1"], capture_output=True, text=True, timeout=timeout)
+        client = subprocess.run([tool, *args, "127.0.0.1"], capture_output=True, text=True, timeout=timeout,
+                                preexec_fn=_on(client_cpu))
         try:
             server.communicate(timeout=10)   # the client has the figures; the server may linger
         except subprocess.TimeoutExpired:
@@ -100,16 +110,16 @@ def _wait_listening(port: int, server: subprocess.Popen, within: float) -> None:
 
 
 def run_write_bw(device: str, gid_index: int, size: int, iterations: int = 200,
-                 port: int = 18600, timeout: float = 300.0) -> BwResult:
+                 port: int = 18600, timeout: float = 300.0, cpus: tuple[int, int] | None = None) -> BwResult:
     """ib_write_bw server and client on this host, over one device (loopback)."""
     return parse_write_bw(_run_pair("ib_write_bw", [
         "-d", device, "-x", str(gid_index), "-s", str(size), "-n", str(iterations),
-        "-p", str(port), "-F", "--report_gbits"], timeout))
+        "-p", str(port), "-F", "--report_gbits"], timeout, cpus))
 
 
 def run_write_lat(device: str, gid_index: int, size: int, iterations: int = 1000,
-                  port: int = 18601, timeout: float = 300.0) -> LatResult:
+                  port: int = 18601, timeout: float = 300.0, cpus: tuple[int, int] | None = None) -> LatResult:
     """ib_write_lat server and client on this host, over one device (loopback)."""
     return parse_write_lat(_run_pair("ib_write_lat", [
         "-d", device, "-x", str(gid_index), "-s", str(size), "-n", str(iterations),
-        "-p", str(port), "-F"], timeout))
+        "-p", str(port), "-F"], timeout, cpus))

@@ -80,17 +80,18 @@ def raw_socket(size: int, mode: str, iters: int) -> dict:
     return {"name": "socket", "mb_per_s": size * iters / seconds / 1e6}
 
 
-def perftest(size: int, mode: str, device: str, gid_index: int) -> dict:
+def perftest(size: int, mode: str, device: str, gid_index: int, cpus: tuple[int, int] | None = None) -> dict:
     if mode == "lat":
-        r = run_write_lat(device, gid_index, size, iterations=1000 if size <= 65536 else 100)
+        r = run_write_lat(device, gid_index, size, iterations=1000 if size <= 65536 else 100, cpus=cpus)
         return {"name": "ib_write_lat", "lat_us": r.typical_us, "p99_us": r.p99_us}
     iters = int(max(20, min(1000, (256 << 20) // size)))
-    r = run_write_bw(device, gid_index, size, iterations=iters)
+    r = run_write_bw(device, gid_index, size, iterations=iters, cpus=cpus)
     return {"name": "ib_write_bw", "mb_per_s": r.mb_per_s}
 
 
-def reference(provider: str, mode: str, size: int, device=None) -> dict | None:
-    """The reference figure for one provider and point, or None where there is none."""
+def reference(provider: str, mode: str, size: int, device=None, cpus: tuple[int, int] | None = None) -> dict | None:
+    """The reference figure for one provider and point, or None where there is none;
+    `cpus`: perftest's client and server CPUs, as the bench's ranks are bound."""
     try:
         if provider == "shm":
             return memcpy(size)
@@ -100,7 +101,7 @@ def reference(provider: str, mode: str, size: int, device=None) -> dict | None:
                 iters = 50
             return raw_socket(size, mode, iters)
         if provider == "verbs" and device is not None:
-            return perftest(size, mode, device[0], device[1])
+            return perftest(size, mode, device[0], device[1], cpus)
     except (RdmaTensorError, OSError) as exc:
         return {"name": "error", "error": str(exc)}
     return None

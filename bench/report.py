@@ -33,21 +33,65 @@ _LAT_COLUMNS = [
     ("iters", 7, lambda r: r["iterations"]),
     *[(k, 9, functools.partial(_latency, k)) for k in ("min", "median", "p99", "max")],
     ("x grpc", 7, lambda r: _f(r.get("ratio_to_grpc"), ".3f")), ("reference", 16, lambda r: _reference(r, "lat_us")),
-    ("x ref", 6, lambda r: _f(r.get("ratio_to_reference"), ".2f"))]
+    ("x ref", 6, lambda r: _ratio(r, ".2f"))]
 _BW_COLUMNS = [
     ("mode", -5, lambda r: r["mode"]), ("provider", -13, lambda r: r["provider"]),
     ("size", 7, lambda r: human(r["size"])), ("iters", 7, lambda r: r["iterations"]),
     ("MB/s", 10, lambda r: f"{r['mb_per_s']:.1f}"), ("Gb/s", 8, lambda r: f"{r['gb_per_s']:.3f}"),
     ("msg/s", 10, lambda r: f"{r['msg_per_s']:.0f}"), ("x grpc", 7, lambda r: _f(r.get("ratio_to_grpc"), ".2f")),
     ("reference", 20, lambda r: _reference(r, "mb_per_s")),
-    ("x ref", 6, lambda r: _f(r.get("ratio_to_reference"), ".2f")), ("copies", 6, lambda r: r.get("copies", 0))]
+    ("x ref", 6, lambda r: _ratio(r, ".2f")), ("copies", 6, lambda r: r.get("copies", 0))]
 
 
 def _render(columns, rows: list[dict]) -> list[str]:
-    def line(cells):
-        return " ".join(f"{str(c):<{-w}}" if w < 0 else f"{str(c):>{w}}" for c, (_, w, _) in zip(cells, columns,
-                                                                                                  strict=True))
-    return [line([h for h, _, _ in columns])] + [line([cell(r) for _, _, cell in columns]) for r in rows]
+    cells = [[h for h, _, _ in columns]] + [[str(cell(r)) for _, _, cell in columns] for r in rows]
+    widths = [max(abs(w), *(len(c[i]) for c in cells)) * (-1 if w < 0 else 1)
+              for i, (_, w, _) in enumerate(columns)]       # a wider cell widens its column
+
+    def line(row):
+        return " ".join(f"{c:<{-w}}" if w < 0 else f"{c:>{w}}" for c, w in zip(row, widths, strict=True))
+    return [line(row) for row in cells]
+
+
+def medians(rows: list[dict], rounds: int) -> list[dict]:
+    """Each point's `rounds` consecutive rows as one: its median figures, and the
+    median of the rounds' ratios with their range (`ratio_range`), every round
+    kept in `per_round`."""
+    if rounds <= 1:
+        return rows
+    out = []
+    for k in range(0, len(rows), rounds):
+        group = rows[k:k + rounds]
+        row = dict(group[0], rounds=len(group), per_round=group)
+        if row["mode"] == "lat":
+            row["lat_us"] = {q: _median([r["lat_us"][q] for r in group]) for q in group[0]["lat_us"]}
+        else:
+            for f in ("mb_per_s", "gb_per_s", "msg_per_s"):
+                row[f] = _median([r[f] for r in group])
+        refs = [r.get("reference") for r in group]
+        if all(refs):
+            row["reference"] = dict(refs[0], **{f: _median([x[f] for x in refs])
+                                               for f in ("mb_per_s", "lat_us") if f in refs[0]})
+        for field in [f for f in group[0] if f.startswith("ratio_to_")]:
+            values = [r[field] for r in group]
+            if all(v is not None for v in values):
+                row[field] = _median(values)
+                if field == "ratio_to_reference":
+                    row["ratio_range"] = [min(values), max(values)]
+        out.append(row)
+    return out
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    n = len(ordered)
+    return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+
+
+def _ratio(r: dict, fmt: str) -> str:
+    value = _f(r.get("ratio_to_reference"), fmt)
+    span = r.get("ratio_range")
+    return f"{value} ({span[0]:{fmt}}-{span[1]:{fmt}})" if span else value
 
 
 def table(rows: list[dict]) -> str:

@@ -180,8 +180,9 @@ class Channel(ABC):
     def waiter(self):
         """A compiled callable w(flag, limit=None): True once `flag` is set within
         a short spin (at most `limit` seconds), None for wait_for() to wait (and
-        decide); the session's compiled hop calls it before wait_for(). None:
-        none (the default)."""
+        decide); the session's compiled hop calls it before wait_for(). w(None)
+        takes in what completed without waiting (a sender's look after its
+        write). None: none (the default)."""
         return None
 
     def peer_said_bye(self) -> None:

@@ -91,9 +91,14 @@ def bind_cores(env=os.environ) -> list[int] | None:
         return None
     if not mine:
         return None
-    for tid in os.listdir("/proc/self/task"):     # threads started before this import too
+    pin_threads(mine)
+    return mine
+
+
+def pin_threads(cores) -> None:
+    """Pin every thread of this process to `cores`, threads started before this call too."""
+    for tid in os.listdir("/proc/self/task"):
         try:
-            os.sched_setaffinity(int(tid), mine)
+            os.sched_setaffinity(int(tid), cores)
         except OSError:                      # a thread that ended meanwhile
             pass
-    return mine

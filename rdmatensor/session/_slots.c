@@ -743,6 +743,19 @@ static int hop_healthy(Hop *self, PyObject *peer, int check_peer) {
     return ok;
 }
 
+/* After a write: the sender takes in its completions and credits itself
+ * (the channel's waiter(None)), so its background thread is not woken for
+ * each: on SoftRoCE that thread takes the CPU the sender's NIC runs on. The
+ * write went; what the look finds wrong is the channel's error, which the
+ * next call reports. */
+static void hop_look(Hop *self, PyObject *peer) {
+    PyObject *w = channel_part(self, self->waiters, peer, waiter_name);
+    PyObject *r = w && w != Py_None ? PyObject_CallOneArg(w, Py_None) : NULL;
+    Py_XDECREF(r);
+    if (!r)
+        PyErr_Clear();
+}
+
 static PyObject *Hop_send(Hop *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     static const char *const names[] = {"name", "array", "timeout", "tag"};
     PyObject *a[4];
@@ -783,6 +796,7 @@ static PyObject *Hop_send(Hop *self, PyObject *const *args, size_t nargsf, PyObj
                     Py_DECREF(writes);
                     Py_DECREF(bytes);
                     Py_DECREF(credit);
+                    hop_look(self, st->peer);
                     Py_DECREF(found);
                     Py_RETURN_NONE;
                 }

@@ -59,6 +59,7 @@ def _fits(spec: TensorSpec, array) -> bool:
 class Sender:
     def __init__(self, ctx: SessionContext, credits: Credits, growth: Growth, live: Liveness):
         self.ctx, self.credits, self.growth, self.live = ctx, credits, growth, live
+        self._looks: dict = {}           # peer -> its channel's waiter(), or None
 
     def _slot(self, name: str) -> tuple[TensorSpec, SendSlot]:
         self.live.check()
@@ -135,6 +136,7 @@ class Sender:
                               or self.ctx.channels[st.peer].write(st.region, st.offset, st.staging_bytes, imm))
             else:
                 self._write(st, st.spec, array, imm)
+            self._look(st.peer)
         except BaseException as exc:
             st.writes -= 1
             st.bytes_sent -= array.nbytes
@@ -148,6 +150,20 @@ class Sender:
                 self.live.check()
                 self.live.check(st.peer)
             raise
+
+    def _look(self, peer: int) -> None:
+        """After a write, take in this channel's completions and credits on this thread
+        (its waiter(None)), so that its background thread is not woken for each: on
+        SoftRoCE that thread takes the CPU the sender's NIC runs on. What it finds
+        wrong becomes the channel's error, which the next call reports."""
+        look = self._looks.get(peer, False)
+        if look is False:
+            look = self._looks[peer] = self.ctx.channels[peer].waiter()
+        if look is not None:
+            try:
+                look(None)
+            except RdmaTensorError:
+                pass
 
     def wait_released(self, names, timeout: float | None = None) -> None:
         for name in names:
@@ -237,6 +253,7 @@ class Sender:
             del queued[peer]
             for (st, _, _), handle in zip(pairs, handles, strict=True):
                 st.pending = handle
+            self._look(peer)
 
     def _refuse(self, name: str, array) -> None:
         """Why send() cannot take `array` for `name`, as the error to raise."""

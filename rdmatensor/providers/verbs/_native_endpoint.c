@@ -36,6 +36,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <poll.h>
 #include <stdint.h>
 #include <string.h>
@@ -51,6 +52,8 @@
 #define MAX_CHAIN 32                       /* writes posted per doorbell by post_writes() */
 #define MAX_REGION (4ULL << 30)
 #define INLINE_WANTED 64                   /* small writes go inline when the device allows */
+#define SLEEP_LOOK 0.01                     /* a sleeping waiter looks at its flag this often */
+#define HAND_OVER 0.1                      /* ...after waiting this long at most for wait_event() to end */
 #define SCRATCH_BYTES 64                   /* receives need an SGE; immediates never fill it */
 #define IMM_CREDIT 1u                      /* providers/contract.py's immediates: kind (2 bits), tag, index */
 #define IMM_PAIR 2u
@@ -130,6 +133,7 @@ typedef struct {
     PyObject *mrs;                         /* list of MemoryRegion, closed before the PD */
     Py_ssize_t last_source;                /* index in mrs of the last source found */
     int wake_fd;                           /* close() wakes blocked waiters through it */
+    int nudge_fd;                          /* a waiter that would sleep on the channel ends wait_event() */
     int busy;                              /* threads inside a GIL-released section */
     int closing, closed;
     char device[64];
@@ -144,6 +148,8 @@ typedef struct {
     uint32_t owed[MAX_CHAIN];              /* immediates owed (credits): they lead the next chain posted */
     int n_owed;
     int deferring;                         /* owe() takes immediates only while this is set */
+    PyObject *on_owed;                     /* called once (then cleared) when owe() next takes one */
+    uint64_t woken_waiting, woken_waiter;  /* CQ events taken by wait_event(); waits ended asleep on the channel */
     int halted;                            /* prepared writes post nothing while this is set */
     struct ibv_recv_wr recv_wrs[RECV_BATCH];
     struct ibv_sge recv_sges[RECV_BATCH];
@@ -193,21 +199,24 @@ static void ep_release(Endpoint *self)
     if (self->pd) { ibv_dealloc_pd(self->pd); self->pd = NULL; }
     if (self->ctx) { ibv_close_device(self->ctx); self->ctx = NULL; }
     if (self->wake_fd >= 0) { close(self->wake_fd); self->wake_fd = -1; }
+    if (self->nudge_fd >= 0) { close(self->nudge_fd); self->nudge_fd = -1; }
     free(self->scratch);
     self->scratch = NULL;
+    Py_CLEAR(self->on_owed);
 }
 
 static PyObject *ep_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
     Endpoint *self = (Endpoint *)type->tp_alloc(type, 0);
     if (self)
-        self->wake_fd = -1;
+        self->wake_fd = self->nudge_fd = -1;
     return (PyObject *)self;
 }
 
 static void ep_dealloc(Endpoint *self)
 {
     ep_release(self);
+    Py_CLEAR(self->on_owed);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -311,7 +320,8 @@ static int ep_init(Endpoint *self, PyObject *args, PyObject *kw)
         verbs_error("making the completion channel non-blocking", errno);
         goto fail;
     }
-    if ((self->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) < 0) {
+    if ((self->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) < 0
+        || (self->nudge_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) < 0) {
         verbs_error("eventfd", errno);
         goto fail;
     }
@@ -835,6 +845,15 @@ static PyObject *ep_owe(Endpoint *self, PyObject *arg)
             Py_RETURN_FALSE;
     }
     self->owed[self->n_owed++] = imm;
+    PyObject *wake = self->on_owed;        /* the background thread parked until a credit is owed */
+    if (wake) {
+        self->on_owed = NULL;
+        PyObject *r = PyObject_CallNoArgs(wake);
+        Py_DECREF(wake);
+        if (!r)
+            return NULL;
+        Py_DECREF(r);
+    }
     Py_RETURN_TRUE;
 }
 
@@ -1065,15 +1084,24 @@ static PyObject *ep_reap(Endpoint *self, PyObject *args)
  * _polled_at kept, sleepers on sends woken, a failure handed to the
  * channel's _reap_failed()), until flag.is_set() or its spin (at most `limit`
  * seconds) passed.
+ * With the channel's event lock, once the spin passed it sleeps on the
+ * completion channel itself, up to `sleep` seconds: the completion that sets
+ * the flag wakes this thread alone, where handing it over from the
+ * background thread takes several wake-ups. On SoftRoCE the NIC is the
+ * kernel, so CPU spent spinning or handing over is the NIC's.
  * True: the flag is set. None: it is not, or this thread may not poll now
  * (another reaps, the channel is halted or closing, credits are owed that
- * find no room): take the channel's wait_for(), which decides and sleeps. */
+ * find no room): take the channel's wait_for(), which decides and sleeps.
+ * w(None) polls once, spinning not at all: a sender takes in its completions
+ * and credits itself, so the background thread is not woken for each. */
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
     Endpoint *ep;
     PyObject *channel, *on_imm, *acquire, *release;
-    double spin;                           /* seconds polled before giving up: wait_for() then sleeps */
+    PyObject *event_acquire, *event_release;   /* the channel's event lock, or NULL: never sleeps here */
+    double spin;                           /* seconds polled before giving up, or sleeping here */
+    double sleep;                          /* then seconds at most asleep on the completion channel */
 } Waiter;
 
 static PyTypeObject WaiterType;
@@ -1096,25 +1124,156 @@ static int mark_polled(Waiter *self)      /* the channel's _polled_at: a waiter 
     return rc;
 }
 
+/* The channel's _sent, and whoever sleeps on a send woken. */
+static int publish_sent(Waiter *self, unsigned long long last)
+{
+    PyObject *number = PyLong_FromUnsignedLongLong(last);
+    int rc = number ? PyObject_SetAttr(self->channel, sent_name, number) : -1;
+    Py_XDECREF(number);
+    if (rc < 0)
+        return -1;
+    PyObject *waiters = PyObject_GetAttr(self->channel, send_waiters_name);
+    int any = waiters ? PyObject_IsTrue(waiters) : -1;
+    Py_XDECREF(waiters);
+    if (any <= 0)
+        return any;
+    PyObject *r = PyObject_CallMethodNoArgs(self->channel, wake_sends_name);
+    Py_XDECREF(r);
+    return r ? 0 : -1;
+}
+
+/* A failure while reaping, as the channel's _reap() makes it: the exception
+ * taken out of the error indicator. */
+static PyObject *fetch_failure(void)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    return value ? value : Py_NewRef(Py_None);
+}
+
+/* After the spin, under the poll lock: sleep on the completion channel,
+ * holding the channel's event lock (the background thread then keeps off
+ * it), until the flag is set or `budget` seconds passed. Each wake-up takes
+ * in what completed, as the spin does. 1: set, 0: not, -1: error set. */
+static int sleep_for_flag(Waiter *self, PyObject *flag, double budget, unsigned long long *last, PyObject **failure)
+{
+    Endpoint *ep = self->ep;
+    PyObject *got = PyObject_CallOneArg(self->event_acquire, Py_False);
+    int set = got ? PyObject_IsTrue(got) : -1;
+    Py_XDECREF(got);
+    if (set == 0) {                        /* the background thread sleeps on the channel: end its wait */
+        uint64_t one = 1;
+        if (write(ep->nudge_fd, &one, sizeof one) < 0) { /* full: it is being woken anyway */ }
+        got = PyObject_CallFunction(self->event_acquire, "id", 1, budget < HAND_OVER ? budget : HAND_OVER);
+        set = got ? PyObject_IsTrue(got) : -1;
+        Py_XDECREF(got);
+    }
+    if (set <= 0)                          /* still held: the background thread hands the value over */
+        return set;
+    set = 0;
+    double deadline = now() + budget;
+    unsigned long long published = *last;
+    int armed = 0;                         /* an event taken leaves the CQ unarmed: armed again on the way out */
+    while (!set && !*failure) {
+        double left = deadline - now();
+        if (left <= 0 || ep->halted || ep->closing || ep->closed)
+            break;
+        if (ep->n_owed) {                  /* the peer may be waiting for them */
+            uint64_t first = post_owed_chain(ep);
+            if (first == POST_FAILED)
+                PyErr_Clear();             /* wait_for() posts them again and says what is wrong */
+            if (!first || first == POST_FAILED)
+                break;
+        }
+        int err = armed ? 0 : ibv_req_notify_cq(ep->cq, 0);
+        if (err) {
+            verbs_error("arming the completion queue", err);
+            set = -1;
+            break;
+        }
+        armed = 1;
+        struct ibv_wc wc[32];
+        int n = poll_completions(ep, wc, 32, 0);     /* what came before the CQ was armed */
+        if (n == 0) {
+            if (mark_polled(self) < 0) {               /* the background thread stays quiet */
+                set = -1;
+                break;
+            }
+            struct pollfd fds[2] = {{.fd = ep->channel->fd, .events = POLLIN},
+                                    {.fd = ep->wake_fd, .events = POLLIN}};
+            int ms = (int)((left < SLEEP_LOOK ? left : SLEEP_LOOK) * 1000 + 0.999), rc;
+            __atomic_add_fetch(&ep->busy, 1, __ATOMIC_ACQ_REL);
+            Py_BEGIN_ALLOW_THREADS
+            rc = poll(fds, 2, ms);
+            Py_END_ALLOW_THREADS
+            __atomic_sub_fetch(&ep->busy, 1, __ATOMIC_ACQ_REL);
+            if (ep->closing || ep->closed)
+                break;
+            if (rc > 0 && (fds[0].revents & POLLIN)) {
+                struct ibv_cq *cq;
+                void *cq_ctx;
+                if (ibv_get_cq_event(ep->channel, &cq, &cq_ctx) == 0) {
+                    ibv_ack_cq_events(cq, 1);
+                    armed = 0;
+                }                                       /* else another thread took it, and arms again */
+            }
+            n = poll_completions(ep, wc, 32, 0);
+        }
+        if (n < 0 || (n > 0 && take_completions(ep, wc, n, self->on_imm, last, failure) < 0)) {
+            *failure = fetch_failure();
+            break;
+        }
+        if (*last != published) {          /* a writer may wait for it: not until this sleep ends */
+            published = *last;
+            if (publish_sent(self, published) < 0) {
+                set = -1;
+                break;
+            }
+        }
+        if (!*failure)
+            set = flag_is_set(flag);
+    }
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    if (!armed && !ep->closing && !ep->closed)
+        ibv_req_notify_cq(ep->cq, 0);      /* the background thread sleeps on events next */
+    if (set == 1)
+        ep->woken_waiter++;
+    PyObject *r = PyObject_CallNoArgs(self->event_release);
+    Py_XDECREF(r);
+    if (type)
+        PyErr_Restore(type, value, tb);
+    else if (!r)
+        set = -1;
+    return set;
+}
+
 static PyObject *waiter_vectorcall(Waiter *self, PyObject *const *args, size_t nargsf, PyObject *kw)
 {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    double spin = self->spin;
+    double spin = self->spin, limit = INFINITY;
     if (nargs < 1 || nargs > 2 || kw) {
         PyErr_SetString(PyExc_TypeError, "waiter(flag, limit=None)");
         return NULL;
     }
     if (nargs == 2 && args[1] != Py_None) {   /* a caller's timeout shorter than the spin bounds it */
-        double limit = PyFloat_AsDouble(args[1]);
+        limit = PyFloat_AsDouble(args[1]);
         if (limit == -1.0 && PyErr_Occurred())
             return NULL;
         if (limit < spin)
             spin = limit > 0 ? limit : 0;
     }
+    double started = now();
     PyObject *flag = args[0];
-    int set = flag_is_set(flag);
+    int once = flag == Py_None;            /* a sender's look at its completions */
+    int set = once ? 0 : flag_is_set(flag);
     if (set)
         return set < 0 ? NULL : Py_NewRef(Py_True);
+    if (once)
+        spin = 0;
     Endpoint *ep = self->ep;
     if (ep->halted || ep->closed || ep->closing)
         Py_RETURN_NONE;
@@ -1145,21 +1304,23 @@ static PyObject *waiter_vectorcall(Waiter *self, PyObject *const *args, size_t n
         if (n == -2)
             break;
         if (n < 0 || take_completions(ep, wc, n, self->on_imm, &last, &failure) < 0) {
-            PyObject *type, *value, *tb;           /* the channel fails as _reap() makes it */
-            PyErr_Fetch(&type, &value, &tb);
-            PyErr_NormalizeException(&type, &value, &tb);
-            Py_XDECREF(type);
-            Py_XDECREF(tb);
-            failure = value ? value : Py_NewRef(Py_None);
+            failure = fetch_failure();             /* the channel fails as _reap() makes it */
             break;
         }
-        if (failure)
+        if (failure || once)
             break;
         if ((set = flag_is_set(flag)) != 0 || now() >= deadline)
             break;
     }
     if (set < 0)
         goto unlock;
+    if (!set && !failure && !stop && !once && self->event_acquire) {
+        double budget = limit - (now() - started);
+        if (budget > self->sleep)
+            budget = self->sleep;
+        if (budget > 0 && (set = sleep_for_flag(self, flag, budget, &last, &failure)) < 0)
+            goto unlock;
+    }
     if (last) {
         PyObject *number = PyLong_FromUnsignedLongLong(last);
         int rc = number ? PyObject_SetAttr(self->channel, sent_name, number) : -1;
@@ -1215,6 +1376,8 @@ static int waiter_traverse(Waiter *self, visitproc visit, void *arg)
     Py_VISIT(self->on_imm);
     Py_VISIT(self->acquire);
     Py_VISIT(self->release);
+    Py_VISIT(self->event_acquire);
+    Py_VISIT(self->event_release);
     return 0;
 }
 
@@ -1225,6 +1388,8 @@ static int waiter_clear(Waiter *self)
     Py_CLEAR(self->on_imm);
     Py_CLEAR(self->acquire);
     Py_CLEAR(self->release);
+    Py_CLEAR(self->event_acquire);
+    Py_CLEAR(self->event_release);
     return 0;
 }
 
@@ -1238,8 +1403,8 @@ static void waiter_dealloc(Waiter *self)
 static PyTypeObject WaiterType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "rdmatensor.providers.verbs._native_endpoint.Waiter",
-    .tp_doc = "Endpoint.waiter(channel, on_imm, poll_lock, spin)(flag, limit=None): True once the flag is set, "
-              "None to take the channel's wait_for()",
+    .tp_doc = "Endpoint.waiter(channel, on_imm, poll_lock, spin, event_lock=None, sleep=0)(flag, limit=None): "
+              "True once the flag is set, None to take the channel's wait_for(); w(None) polls once",
     .tp_basicsize = sizeof(Waiter),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
     .tp_vectorcall_offset = offsetof(Waiter, vectorcall),
@@ -1251,16 +1416,24 @@ static PyTypeObject WaiterType = {
 
 static PyObject *ep_waiter(Endpoint *self, PyObject *args)
 {
-    PyObject *channel, *on_imm, *lock;
-    double spin;
-    if (!PyArg_ParseTuple(args, "OOOd", &channel, &on_imm, &lock, &spin) || check_open(self))
+    PyObject *channel, *on_imm, *lock, *event_lock = Py_None;
+    double spin, sleep = 0;
+    if (!PyArg_ParseTuple(args, "OOOd|Od", &channel, &on_imm, &lock, &spin, &event_lock, &sleep) || check_open(self))
         return NULL;
     PyObject *acquire = PyObject_GetAttrString(lock, "acquire");
     PyObject *release = acquire ? PyObject_GetAttrString(lock, "release") : NULL;
-    Waiter *w = release ? PyObject_GC_New(Waiter, &WaiterType) : NULL;
+    PyObject *event_acquire = NULL, *event_release = NULL;
+    if (release && event_lock != Py_None) {
+        event_acquire = PyObject_GetAttrString(event_lock, "acquire");
+        event_release = event_acquire ? PyObject_GetAttrString(event_lock, "release") : NULL;
+    }
+    int ok = release && (event_lock == Py_None || event_release);
+    Waiter *w = ok ? PyObject_GC_New(Waiter, &WaiterType) : NULL;
     if (!w) {
         Py_XDECREF(acquire);
         Py_XDECREF(release);
+        Py_XDECREF(event_acquire);
+        Py_XDECREF(event_release);
         return NULL;
     }
     w->vectorcall = (vectorcallfunc)waiter_vectorcall;
@@ -1269,35 +1442,45 @@ static PyObject *ep_waiter(Endpoint *self, PyObject *args)
     w->on_imm = Py_NewRef(on_imm);
     w->acquire = acquire;
     w->release = release;
+    w->event_acquire = event_acquire;
+    w->event_release = event_release;
     w->spin = spin;
+    w->sleep = sleep;
     PyObject_GC_Track(w);
     return (PyObject *)w;
 }
 
 /* Block until the completion queue reports new work (at most `timeout` s),
  * with the GIL released; True if it did. Re-arms the queue, so the caller
- * polls once more afterwards. Safe from several threads at once. */
+ * polls once more afterwards. Safe from several threads at once. A waiter
+ * that wants to sleep on the channel itself ends it early (False). */
 static PyObject *ep_wait_event(Endpoint *self, PyObject *args)
 {
     double timeout;
     if (!PyArg_ParseTuple(args, "d", &timeout) || check_open(self))
         return NULL;
-    struct pollfd fds[2] = {{.fd = self->channel->fd, .events = POLLIN}, {.fd = self->wake_fd, .events = POLLIN}};
+    struct pollfd fds[3] = {{.fd = self->channel->fd, .events = POLLIN}, {.fd = self->wake_fd, .events = POLLIN},
+                            {.fd = self->nudge_fd, .events = POLLIN}};
     int ms = timeout <= 0 ? 0 : timeout > 1e6 ? 1000000000 : (int)(timeout * 1000 + 0.999);
     int rc;
     __atomic_add_fetch(&self->busy, 1, __ATOMIC_ACQ_REL);
     Py_BEGIN_ALLOW_THREADS
-    rc = poll(fds, 2, ms);
+    rc = poll(fds, 3, ms);
     Py_END_ALLOW_THREADS
     __atomic_sub_fetch(&self->busy, 1, __ATOMIC_ACQ_REL);
     if (rc < 0 && errno != EINTR)
         return verbs_error("waiting on the completion channel", errno);
+    if (rc > 0 && (fds[2].revents & POLLIN)) {
+        uint64_t count;
+        if (read(self->nudge_fd, &count, sizeof count) < 0) { /* another reader reset it */ }
+    }
     if (rc <= 0 || self->closing || !(fds[0].revents & POLLIN))
         Py_RETURN_FALSE;
     struct ibv_cq *cq;
     void *cq_ctx;
     if (ibv_get_cq_event(self->channel, &cq, &cq_ctx) == 0) {
         ibv_ack_cq_events(cq, 1);
+        self->woken_waiting++;
         int err = ibv_req_notify_cq(self->cq, 0);
         if (err)
             return verbs_error("re-arming the completion queue", err);
@@ -1340,6 +1523,21 @@ static int ep_set_deferring(Endpoint *s, PyObject *v, void *c)
     s->deferring = on;
     return 0;
 }
+static PyObject *ep_get_on_owed(Endpoint *s, void *c) { return Py_NewRef(s->on_owed ? s->on_owed : Py_None); }
+static int ep_set_on_owed(Endpoint *s, PyObject *v, void *c)
+{
+    if (v && v != Py_None && !PyCallable_Check(v)) {
+        PyErr_SetString(PyExc_TypeError, "on_owed is a callable or None");
+        return -1;
+    }
+    Py_XSETREF(s->on_owed, v && v != Py_None ? Py_NewRef(v) : NULL);
+    return 0;
+}
+static PyObject *ep_get_wakeups(Endpoint *s, void *c)
+{
+    return Py_BuildValue("{sKsK}", "wait_event", (unsigned long long)s->woken_waiting,
+                         "slept", (unsigned long long)s->woken_waiter);
+}
 static PyObject *ep_get_halted(Endpoint *s, void *c) { return PyBool_FromLong(s->halted); }
 static int ep_set_halted(Endpoint *s, PyObject *v, void *c)
 {
@@ -1366,6 +1564,10 @@ static PyGetSetDef ep_getset[] = {
     {"owed", (getter)ep_get_owed, NULL, "immediates owed: they lead the next chain posted", NULL},
     {"deferring", (getter)ep_get_deferring, (setter)ep_set_deferring,
      "while set, owe() takes immediates; clear it, then post_owed(), and none stays owed", NULL},
+    {"wakeups", (getter)ep_get_wakeups, NULL,
+     "{'wait_event': CQ events taken by wait_event(), 'slept': waits that ended asleep on the channel}", NULL},
+    {"on_owed", (getter)ep_get_on_owed, (setter)ep_set_on_owed,
+     "None, or called once (then None again) when owe() next takes an immediate", NULL},
     {"halted", (getter)ep_get_halted, (setter)ep_set_halted,
      "while set, prepared writes post nothing (they return 0: take the checked path)", NULL},
     {"memory_regions", (getter)ep_get_memory_regions, NULL, "regions registered and not deregistered", NULL},

@@ -46,6 +46,11 @@ SEND_DEPTH = 256
 SPIN_SECONDS = float(os.environ.get("RDMATENSOR_VERBS_SPIN_US", "") or 2000) / 1e6
 DEFER_SECONDS = 0.005      # after a waiter's last poll, the background thread takes no events this long,
                            # and credits are owed: it looks this often, and posts them
+# After its spin, a compiled waiter sleeps on the completion channel itself up to this long, so the
+# completion it waits for wakes it alone (RDMATENSOR_VERBS_SLEEP_MS; 0: the background thread hands it over).
+SLEEP_SECONDS = float(os.environ.get("RDMATENSOR_VERBS_SLEEP_MS", "") or 250) / 1e3
+PARK_SECONDS = 0.1         # while a waiter polls and nothing is owed, the background thread sleeps this long
+                           # unless a credit is owed sooner (a look per write would take the NIC's CPU)
 
 
 class VerbsChannel(Channel):
@@ -103,6 +108,7 @@ class VerbsChannel(Channel):
         self._poller: threading.Thread | None = None
         self._polled_at = -math.inf       # when a waiter last polled the CQ itself (-inf: it went to sleep)
         self._waiter_slept = threading.Event()    # ends the background thread's quiet at once
+        self._owed_soon = False           # a credit was owed while the background thread parked
 
     # -- setup ------------------------------------------------------------
     def expose(self, region_id: int, arena: Arena) -> dict:
@@ -274,10 +280,14 @@ class VerbsChannel(Channel):
         """The endpoint's owe(): a credit owed while a waiter polls leads the next chain."""
         return self.ep.owe
 
+    sleeps_in_waiter = True       # a completion on this channel's own CQ is all a waiter waits for
+
     def waiter(self):
         """The endpoint's compiled spin of wait_for() (None on pyverbs): it polls under
-        this channel's poll lock and keeps _sent and _polled_at as _reap() does."""
-        return self.ep.waiter(self, self.on_imm, self._poll_lock, SPIN_SECONDS)
+        this channel's poll lock and keeps _sent and _polled_at as _reap() does, then
+        sleeps on the completion channel under the event lock. waiter()(None) polls once."""
+        return self.ep.waiter(self, self.on_imm, self._poll_lock, SPIN_SECONDS,
+                              self._event_lock if self.sleeps_in_waiter else None, SLEEP_SECONDS)
 
     def wait(self, number: int, timeout: float | None = None) -> None:
         """Until send `number` completed: reap on this thread for a short spin, then
@@ -417,14 +427,31 @@ class VerbsChannel(Channel):
                 self._fail_all(exc)
                 return
             if quiet > 0:                 # a waiter polls the CQ itself: no events, no wake-ups
-                self._waiter_slept.wait(quiet)
+                if not ep.owed:           # nothing owed: park until a credit is, or a waiter sleeps
+                    self._owed_soon = False
+                    ep.on_owed = self._credit_owed
+                    if not ep.owed:
+                        self._waiter_slept.wait(PARK_SECONDS)
+                    ep.on_owed = None
+                    if not self._owed_soon and not ep.owed:
+                        self._waiter_slept.clear()
+                        continue
+                self._waiter_slept.clear()
+                self._waiter_slept.wait(DEFER_SECONDS)    # a credit owed waits this long for a write to carry it
                 self._waiter_slept.clear()
                 continue
-            with self._event_lock:
-                self.ep.wait_event(0.1)
+            with self._event_lock:        # a waiter may have slept on the channel meanwhile: look again
+                if self._polled_at + DEFER_SECONDS <= time.monotonic():
+                    self.ep.wait_event(0.1)
+
+    def _credit_owed(self) -> None:
+        """The endpoint's on_owed: a credit is owed while the background thread parks."""
+        self._owed_soon = True
+        self._waiter_slept.set()
 
     def peer_said_bye(self) -> None:
         self._bye = True   # the poller reports it once the CQ is drained
+        self._waiter_slept.set()
 
     def close(self) -> None:
         if self._closing:

@@ -57,6 +57,8 @@ class RcEndpoint(EndpointHelpers):
         self._sends_posted = self._sends_completed = 0
         self._owed: list[int] = []       # immediates owed (credits): posted before the next send
         self.deferring = False           # while set, owe() takes immediates
+        self.on_owed = None              # None, or called once (then None again) when owe() next takes one
+        self._woken = 0                  # CQ events taken by wait_event()
         self.halted = False              # while set, prepared writes post nothing
         self._closed = False
         try:
@@ -221,7 +223,10 @@ class RcEndpoint(EndpointHelpers):
                     return False
                 self._post_owed()
             self._owed.append(imm)
-            return True
+            wake, self.on_owed = self.on_owed, None
+        if wake is not None:             # the background thread parked until a credit is owed
+            wake()
+        return True
 
     def post_owed(self) -> bool:
         """Post what is owed now; False if the send queue lacks room for it."""
@@ -230,6 +235,11 @@ class RcEndpoint(EndpointHelpers):
                 return False
             self._post_owed()
             return True
+
+    @property
+    def wakeups(self) -> dict:
+        """CQ events taken by wait_event() (no waiter sleeps on the channel here)."""
+        return {"wait_event": self._woken, "slept": 0}
 
     @property
     def owed(self) -> int:
@@ -360,6 +370,7 @@ class RcEndpoint(EndpointHelpers):
             return False
         self.channel.get_cq_event(self.cq)
         self.cq.ack_events(1)
+        self._woken += 1
         self.cq.req_notify()
         return True
 
@@ -397,7 +408,7 @@ class RcEndpoint(EndpointHelpers):
                 last = wr_id
         return len(done), last, None
 
-    def waiter(self, channel, on_imm, poll_lock, spin: float) -> None:
+    def waiter(self, channel, on_imm, poll_lock, spin: float, event_lock=None, sleep: float = 0.0) -> None:
         """None: no compiled spin here; the channel's wait_for() waits."""
         return None
 

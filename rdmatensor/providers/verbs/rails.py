@@ -44,6 +44,8 @@ LOW_BITS = (1 << 30) - 1    # an immediate's tag and slot
 class RailsChannel(VerbsChannel):
     """A verbs channel over RDMATENSOR_IB_RAILS ports to its peer."""
 
+    sleeps_in_waiter = False    # a striped value's last piece may complete on another rail's CQ
+
     @staticmethod
     def wanted(env=os.environ) -> int:
         return choose_port.rails(env)

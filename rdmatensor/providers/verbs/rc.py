@@ -27,7 +27,10 @@ The contract (both):
     reap(on_imm, spin=0.0) -> (found, last send done, None or (wr_id, status, is_receive))
                                                  (poll(), receives given back, immediates to on_imm)
     wait_event(timeout) -> bool                  status_name(status) -> str
-    waiter(channel, on_imm, poll_lock, spin) -> w(flag, limit=None) -> True or None, or None for no waiter
+    wakeups -> {'wait_event': n, 'slept': n}     (events taken by wait_event(), waits ended asleep)
+    on_owed: None, or called once when owe() next takes an immediate
+    waiter(channel, on_imm, poll_lock, spin, event_lock=None, sleep=0) -> w(flag, limit=None) -> True or None,
+        or None for no waiter; w(None) polls once
                                                  (VerbsChannel.wait_for()'s spin in one call: the native one)
     close()                                      depth, recv_depth, device
 
