@@ -383,7 +383,7 @@ def evaluate_targets(rows: list[dict], setup_rows: list[dict]) -> list[dict]:
                       f"{r['mb_per_s']:.1f} MB/s = {r['ratio_to_reference']:.2f}x")
         r = row("lat", name, 8)
         if r and r.get("ratio_to_reference"):
-            check(f"{name} 8 B half round trip <= 5x ib_write_lat", r["ratio_to_reference"] <= 5,
+            check(f"{name} 8 B half round trip <= 3x ib_write_lat", r["ratio_to_reference"] <= 3,
                   f"{r['lat_us']['median']:.1f} us = {r['ratio_to_reference']:.2f}x")
     for provider, ref_min, grpc_min in (("shm", 0.7, 15), ("tcp", 0.8, 4)):
         r = row("bw", provider, 64 << 20)
