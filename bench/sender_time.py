@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     send_cpu, recv_cpu = (cpus[0], cpus[1]) if len(cpus) == 2 else (None, None)
     peers = "127.0.0.1:47500,127.0.0.1:47501"
     ours = [sys.executable, "-m", "bench.cli", "bw", "--providers", "verbs", "--sizes", str(size),
-            "--no-references", "--peers", peers, "--seconds", "10"]
+            "--no-references", "--peers", peers, "--seconds", "16"]
     iters = max(200, int(10 * 90e6 / size))      # about as long as ours at ib_write_bw's pace here
     perf = ["ib_write_bw", "-d", found[0], "-x", str(found[1]), "-s", str(size), "-F", "--report_gbits",
             "-n", str(iters)]
