@@ -136,7 +136,6 @@ class Sender:
                               or self.ctx.channels[st.peer].write(st.region, st.offset, st.staging_bytes, imm))
             else:
                 self._write(st, st.spec, array, imm)
-            self._look(st.peer)
         except BaseException as exc:
             st.writes -= 1
             st.bytes_sent -= array.nbytes
@@ -150,6 +149,7 @@ class Sender:
                 self.live.check()
                 self.live.check(st.peer)
             raise
+        self._look(st.peer)
 
     def _look(self, peer: int) -> None:
         """After a write, take in this channel's completions and credits on this thread
