@@ -101,8 +101,23 @@ def fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+# gRPC's event engine grows its worker pool when every worker is busy (a loaded
+# machine) and reclaims an extra worker only after it idled 20 s
+# (kIdleThreadLimit in its work_stealing_thread_pool.cc): a pool that grew is
+# gRPC's to shrink, not a thread this project left behind.
+GRPC_POOL = "event_engine"
+
+
 def task_count() -> int:
-    return len(os.listdir("/proc/self/task"))
+    """This process's OS threads, gRPC's event-engine workers aside."""
+    count = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                count += f.read().strip() != GRPC_POOL
+        except OSError:                      # a thread that ended meanwhile
+            pass
+    return count
 
 
 def shm_mappings() -> list[str]:
