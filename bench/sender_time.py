@@ -51,9 +51,22 @@ def _sample(sender: subprocess.Popen, receiver: subprocess.Popen, skip: float, s
         return [sum(b[pid][t][k] - a[pid][t][k] for t in tids if t in a[pid]) for k in range(3)]
     main = delta(sender.pid, [sender.pid])
     rest = delta(sender.pid, [t for t in b[sender.pid] if t != sender.pid])
+    by_name: dict[str, float] = {}           # the sender's other threads, by name
+    for t in b[sender.pid]:
+        if t != sender.pid and t in a[sender.pid]:
+            name = _name(sender.pid, t)
+            by_name[name] = by_name.get(name, 0.0) + (b[sender.pid][t][0] - a[sender.pid][t][0]) / dt
     other = delta(receiver.pid, list(b[receiver.pid]))
     return {"run": main[0] / dt, "runnable": main[1] / dt, "asleep": max(0.0, 1 - (main[0] + main[1]) / dt),
-            "system_s": main[2], "span": dt, "sender_rest": rest[0] / dt, "receiver": other[0] / dt}
+            "system_s": main[2], "span": dt, "sender_rest": rest[0] / dt, "receiver": other[0] / dt,
+            "rest_by_name": by_name}
+
+
+def _name(pid: int, tid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/task/{tid}/comm").read().strip()
+    except OSError:
+        return "?"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,6 +122,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r} | {name} | {mbs:.1f} | {100 * s['run']:.0f}% | {100 * s['runnable']:.0f}% | "
               f"{100 * s['asleep']:.0f}% | {per_write:.0f} us | {100 * s['sender_rest']:.0f}% | "
               f"{100 * s['receiver']:.0f}% |")
+    for r, name, _, s, _ in rows:
+        busy = sorted(s["rest_by_name"].items(), key=lambda kv: -kv[1])
+        if busy:
+            print(f"round {r} {name}, the sender's other threads: "
+                  + ", ".join(f"{n} {100 * v:.1f}%" for n, v in busy if v >= 0.001))
     return 0
 
 

@@ -185,6 +185,13 @@ class Channel(ABC):
         write). None: none (the default)."""
         return None
 
+    def arrivals(self) -> int | None:
+        """How many messages from the peer have arrived so far, where the provider
+        counts them. Each one shows the peer's process alive, so the session's
+        heartbeat does not ping a peer whose count moved since its last look.
+        None: not counted (the default; the heartbeat always pings)."""
+        return None
+
     def peer_said_bye(self) -> None:
         """The peer closed in order; report it once everything it sent is in."""
         self.lost(PeerLost(f"peer {self.peer} closed the session", peer=self.peer))

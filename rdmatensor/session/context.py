@@ -16,7 +16,7 @@ from ..providers.contract import Channel
 # copies by purpose, each with its bytes: pieces gathered into staging, a whole array copied
 # into staging (memory verbs cannot write from), a value framed (dynamic shape or checksum)
 COPY_PURPOSES = ("gather", "array", "frame")
-COUNTERS = ("copies", "dynamic", "fallbacks", "grows", "waits", "corrupt", "bytes_copied",
+COUNTERS = ("copies", "dynamic", "fallbacks", "grows", "waits", "corrupt", "bytes_copied", "pings",
             *(f"copies_{p}" for p in COPY_PURPOSES))
 
 

@@ -206,7 +206,9 @@ class Session:
         dynamic (dynamic-shape sends), fallbacks, grows, waits (sends that had
         to wait for a credit), corrupt (values refused on receipt),
         control_calls (made by this rank: setup, barriers, grows; never one
-        per static tensor), and the provider's name."""
+        per static tensor), pings (heartbeats this rank sent: none to a peer
+        whose messages keep arriving, where the provider counts them), and the
+        provider's name."""
         ctx = self._ctx
         counts = {**self._credits.traffic(), **ctx.counters.snapshot()}
         counts["copies"] += sum(ch.copies for ch in ctx.channels.values())

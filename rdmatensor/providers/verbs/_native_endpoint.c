@@ -144,6 +144,7 @@ typedef struct {
     int depth, recv_depth;
     uint32_t max_inline;
     uint64_t sends_posted, sends_completed; /* numbered sends: room in the send queue */
+    uint64_t arrivals;                     /* receives completed well: each one the peer's CPU posted */
     int recv_owed;                         /* consumed receives not yet given back */
     uint32_t owed[MAX_CHAIN];              /* immediates owed (credits): they lead the next chain posted */
     int n_owed;
@@ -985,6 +986,8 @@ static int poll_completions(Endpoint *self, struct ibv_wc *wc, int max_entries, 
     for (int i = 0; i < n; i++)
         if (!(wc[i].wr_id & RECV_TAG))
             self->sends_completed++;
+        else if (wc[i].status == IBV_WC_SUCCESS)
+            self->arrivals++;
     return n;
 }
 
@@ -1514,6 +1517,7 @@ static PyObject *ep_get_in_flight(Endpoint *s, void *c)
     return PyLong_FromUnsignedLongLong(s->sends_posted - s->sends_completed);
 }
 static PyObject *ep_get_owed(Endpoint *s, void *c) { return PyLong_FromLong(s->n_owed); }
+static PyObject *ep_get_arrivals(Endpoint *s, void *c) { return PyLong_FromUnsignedLongLong(s->arrivals); }
 static PyObject *ep_get_deferring(Endpoint *s, void *c) { return PyBool_FromLong(s->deferring); }
 static int ep_set_deferring(Endpoint *s, PyObject *v, void *c)
 {
@@ -1562,6 +1566,7 @@ static PyGetSetDef ep_getset[] = {
     {"max_inline", (getter)ep_get_max_inline, NULL, "writes up to this size go inline", NULL},
     {"in_flight", (getter)ep_get_in_flight, NULL, "sends posted and not yet completed", NULL},
     {"owed", (getter)ep_get_owed, NULL, "immediates owed: they lead the next chain posted", NULL},
+    {"arrivals", (getter)ep_get_arrivals, NULL, "receives completed well so far (each one posted by the peer)", NULL},
     {"deferring", (getter)ep_get_deferring, (setter)ep_set_deferring,
      "while set, owe() takes immediates; clear it, then post_owed(), and none stays owed", NULL},
     {"wakeups", (getter)ep_get_wakeups, NULL,

@@ -449,6 +449,10 @@ class VerbsChannel(Channel):
         self._owed_soon = True
         self._waiter_slept.set()
 
+    def arrivals(self) -> int:
+        """Receives completed: immediates (writes' and credits') the peer posted."""
+        return self.ep.arrivals
+
     def peer_said_bye(self) -> None:
         self._bye = True   # the poller reports it once the CQ is drained
         self._waiter_slept.set()

@@ -55,6 +55,7 @@ class RcEndpoint(EndpointHelpers):
         self._sources: list[tuple[int, int, MR]] = []     # local-only regions: (start, end, mr)
         self._post_lock = threading.Lock()               # posts mutate the shared work requests
         self._sends_posted = self._sends_completed = 0
+        self.arrivals = 0                 # receives completed well: each one posted by the peer
         self._owed: list[int] = []       # immediates owed (credits): posted before the next send
         self.deferring = False           # while set, owe() takes immediates
         self.on_owed = None              # None, or called once (then None again) when owe() next takes one
@@ -390,6 +391,8 @@ class RcEndpoint(EndpointHelpers):
             is_recv = wr_id >= RECV_TAG
             if not is_recv:
                 self._sends_completed += 1
+            elif wc.status == 0:
+                self.arrivals += 1
             out.append((wr_id & ~RECV_TAG, wc.status, is_recv, wc.imm_data, wc.byte_len))
         return out
 

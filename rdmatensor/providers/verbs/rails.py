@@ -177,6 +177,9 @@ class RailsChannel(VerbsChannel):
         found = any([rail.progress() for rail in self.rails])
         return super().progress(0.0 if found else block_for) or found
 
+    def arrivals(self) -> int:
+        return super().arrivals() + sum(rail.arrivals() for rail in self.rails)
+
     def peer_said_bye(self) -> None:
         super().peer_said_bye()
         for rail in self.rails:

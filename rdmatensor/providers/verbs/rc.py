@@ -28,6 +28,7 @@ The contract (both):
                                                  (poll(), receives given back, immediates to on_imm)
     wait_event(timeout) -> bool                  status_name(status) -> str
     wakeups -> {'wait_event': n, 'slept': n}     (events taken by wait_event(), waits ended asleep)
+    arrivals -> n                                (receives completed well: each one the peer posted)
     on_owed: None, or called once when owe() next takes an immediate
     waiter(channel, on_imm, poll_lock, spin, event_lock=None, sleep=0) -> w(flag, limit=None) -> True or None,
         or None for no waiter; w(None) polls once
