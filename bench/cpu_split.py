@@ -18,6 +18,7 @@ import sys
 import time
 
 from bench.cli import _device, parse_sizes
+from bench.perftest import parse_write_bw
 
 
 def _timed(command: list[str], after: float = 0.0) -> subprocess.Popen:
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     peers = "127.0.0.1:47500,127.0.0.1:47501"
     bench = [sys.executable, "-m", "bench.cli", "bw", "--providers", "verbs", "--sizes", str(size),
              "--no-references", "--peers", peers]
-    perf = ["ib_write_bw", "-d", device, "-x", gid, "-s", str(size), "-F", "--report_gbits"]
+    perf = ["ib_write_bw", "-d", device, "-x", gid, "-s", str(size), "-F"]
     t0 = time.monotonic()
 
     def ours(seconds: float) -> tuple[int, float, list[float]]:
@@ -71,15 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     server = _timed([*perf, "-n", str(iters)])
     client = _timed([*perf, "-n", str(iters), "127.0.0.1"], after=1.0)
     (cu, cs, out), (pu, ps, _) = _finish(client, 600), _finish(server, 600)
-    gbits = re.findall(rf"^\s*{size}\s+\d+\s+\S+\s+([\d.]+)", out, re.M)[-1]
+    perf_rate = parse_write_bw(out).mb_per_s
     perf_write = [c / iters * 1e6 for c in (cu, cs, pu, ps)]
     print(f"{size} B writes; CPU microseconds per write, each side's process (rdmatensor: a {a.seconds:g} s run "
           f"less a 0.5 s one, {extra} writes apart; ib_write_bw: -n {iters}); {time.monotonic() - t0:.0f} s")
     print("| run | MB/s | us per write | sender user | sender system | sender busy | receiver user | "
           "receiver system |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, rate, cpu in (("rdmatensor verbs", long[1], per_write), ("ib_write_bw", float(gbits) * 1e3 / 8,
-                                                                         perf_write)):
+    for name, rate, cpu in (("rdmatensor verbs", long[1], per_write), ("ib_write_bw", perf_rate, perf_write)):
         interval = size / rate                   # microseconds between writes, at MB/s
         print(f"| {name} | {rate:.1f} | {interval:.0f} | {cpu[0]:.0f} | {cpu[1]:.0f} | "
               f"{100 * (cpu[0] + cpu[1]) / interval:.0f}% | {cpu[2]:.0f} | {cpu[3]:.0f} |")

@@ -14,17 +14,20 @@ from rdmatensor.errors import RdmaTensorError
 _NUM = r"([\d.]+)"
 
 
+MIB = 1 << 20         # perftest's "MB/sec" is MiB/s: 84.48 of them at 0.001352 Mpps of 64 KiB
+
+
 @dataclass
 class BwResult:
     size: int
     iterations: int
-    peak_gbps: float
-    avg_gbps: float
+    peak_mib_s: float
+    avg_mib_s: float
     msg_rate_mpps: float
 
     @property
     def mb_per_s(self) -> float:
-        return self.avg_gbps * 1e9 / 8 / 1e6
+        return self.avg_mib_s * MIB / 1e6
 
 
 @dataclass
@@ -44,7 +47,9 @@ def _rows(output: str, ncols: int) -> list[list[str]]:
 
 
 def parse_write_bw(output: str) -> BwResult:
-    """The result row of `ib_write_bw --report_gbits` (bytes, iterations, peak, average, rate)."""
+    """The result row of `ib_write_bw` (bytes, iterations, peak and average MiB/s, Mpps).
+    Its MiB/s have two decimals; --report_gbits would round the rate to about 1%
+    (0.71 or 0.72 Gb/s here), more than the differences the bench reports."""
     rows = _rows(output, 3)
     if not rows:
         raise RdmaTensorError(f"no result row in ib_write_bw output:\n{output[-2000:]}")
@@ -114,7 +119,7 @@ def run_write_bw(device: str, gid_index: int, size: int, iterations: int = 200,
     """ib_write_bw server and client on this host, over one device (loopback)."""
     return parse_write_bw(_run_pair("ib_write_bw", [
         "-d", device, "-x", str(gid_index), "-s", str(size), "-n", str(iterations),
-        "-p", str(port), "-F", "--report_gbits"], timeout, cpus))
+        "-p", str(port), "-F"], timeout, cpus))
 
 
 def run_write_lat(device: str, gid_index: int, size: int, iterations: int = 1000,

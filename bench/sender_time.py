@@ -21,7 +21,7 @@ import sys
 import time
 
 from bench.cli import _device, parse_sizes
-from bench.perftest import _on
+from bench.perftest import _on, parse_write_bw
 
 CLK = os.sysconf("SC_CLK_TCK")
 
@@ -86,8 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     ours = [sys.executable, "-m", "bench.cli", "bw", "--providers", "verbs", "--sizes", str(size),
             "--no-references", "--peers", peers, "--seconds", "16"]
     iters = max(200, int(10 * 90e6 / size))      # about as long as ours at ib_write_bw's pace here
-    perf = ["ib_write_bw", "-d", found[0], "-x", str(found[1]), "-s", str(size), "-F", "--report_gbits",
-            "-n", str(iters)]
+    perf = ["ib_write_bw", "-d", found[0], "-x", str(found[1]), "-s", str(size), "-F", "-n", str(iters)]
     rows = []
     for r in range(a.rounds):
         for name in ("rdmatensor", "ib_write_bw"):
@@ -109,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             if name == "rdmatensor":
                 mbs = float(re.findall(r"^bw\s+verbs\s+\S+\s+\d+\s+([\d.]+)", out, re.M)[-1])
             else:
-                mbs = float(re.findall(rf"^\s*{size}\s+\d+\s+\S+\s+([\d.]+)", out, re.M)[-1]) * 1e3 / 8
+                mbs = parse_write_bw(out).mb_per_s
             writes = mbs * 1e6 * s["span"] / size
             rows.append((r + 1, name, mbs, s, s["system_s"] / writes * 1e6))
             print(f"round {r + 1} {name}: {mbs:.1f} MB/s", file=sys.stderr, flush=True)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.perftest import parse_write_bw
 from bench.cli import _cpus, build_parser, evaluate_targets, parse_size, parse_step, points_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -218,3 +219,13 @@ def test_graph_boundary_times_every_way_with_the_flat_result_checked():
     bad = subprocess.run([sys.executable, "-m", "bench.graph_boundary", "--models", "alexnet"], capture_output=True,
                          text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and "unknown model 'alexnet'" in bad.stderr
+
+
+def test_perftest_bandwidth_is_read_in_mib_to_four_digits():
+    """ib_write_bw's own output (SoftRoCE VM, 64 KiB): its "MB/sec" are MiB/s, as
+    its message rate in the same row shows; read to 0.01, not Gb/s to 0.01."""
+    out = (" #bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]   MsgRate[Mpps]\n"
+           " 65536      3000             85.46              84.48  \t\t   0.001352\n")
+    r = parse_write_bw(out)
+    assert r.iterations == 3000 and r.avg_mib_s == 84.48
+    assert r.mb_per_s == pytest.approx(r.msg_rate_mpps * 1e6 * 65536 / 1e6, rel=1e-3)
