@@ -115,8 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="step and bw modes: send a step's tensors (bw: a window's) with one send_many() "
                         "call (verbs: up to 32 writes per doorbell); `both` measures each point with and without")
     p.add_argument("--rounds", type=int, default=1, metavar="N",
-                   help="measure each point N times, each time followed by its reference (interleaved, as the "
-                        "machine's load changes); the table shows medians, and the ratio's range over the rounds")
+                   help="measure each point N times, each time next to its reference (after it in odd rounds, "
+                        "before it in even ones: interleaved, as the machine's load changes); the table shows "
+                        "medians, and the ratio's range over the rounds")
     p.add_argument("--bind", choices=("core", "none"), default="core",
                    help="both ranks on this host: rank 0 and the reference's client on one CPU, rank 1 and its "
                         "server on another, as rdmatensor-run binds ranks (default core; none: unbound)")
@@ -292,13 +293,18 @@ def _measure(a, argv, points, setups, providers, skipped) -> int:
                    file=sys.stderr, delay=2, dynamic_ncols=True)
         for i, point in enumerate(points):
             bar.set_postfix_str(f"{point.mode} {point.label} {report.human(point.size)}")
+            # one reference for every endpoint's row; with rounds, one per round, run after the
+            # point in odd rounds and before it in even ones, so that neither always goes first
+            key = point.provider, point.mode, point.size, (i if a.rounds > 1 else 0)
+            wants = not a.no_references and point.mode in ("lat", "bw")
+            order = "after"
+            if wants and a.rounds > 1 and i % a.rounds % 2 == 1 and key not in references:
+                references[key], order = reference(point.provider, point.mode, point.size, device, cpus), "before"
             row = asdict(run_point(0, _peers(a, i), point))
-            if not a.no_references and point.mode in ("lat", "bw"):
-                # one reference for every endpoint's row; with rounds, one after each round
-                key = point.provider, point.mode, point.size, (i if a.rounds > 1 else 0)
+            if wants:
                 if key not in references:
                     references[key] = reference(point.provider, point.mode, point.size, device, cpus)
-                row["reference"] = references[key]
+                row["reference"], row["reference_ran"] = references[key], order
             rows.append(row)
             bar.update()
         for j, (provider, count) in enumerate(setups):

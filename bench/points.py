@@ -3,7 +3,8 @@
 Both ranks run the same function. Rank 0 measures; rank 1 serves. For
 bandwidth and steps, rank 0 times a warm-up, picks the iteration count that
 fills the time budget and tells rank 1 through a small `ctl` tensor, so both
-sides agree without any out-of-band channel. A latency point instead runs
+sides agree without any out-of-band channel. A bandwidth point warms up as
+long as a latency point (below), in two parts told the same way. A latency point instead runs
 until its time budget (at least MIN_LAT_SECONDS) and MIN_LAT_ITERS round
 trips are done, after a warm-up of its own (MIN_WARM_SECONDS, or a fifth of
 the budget): its first round trips are the slowest (first touches, an
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -174,6 +175,8 @@ def _bw(s, rank: int, p: Point) -> Result | None:
     if rank == 1:
         for i in range(warm):
             s.recv(names[i % window]).release()
+        for i in range(_hear(s)):             # the rest of the warm-up
+            s.recv(names[i % window]).release()
         iters = _hear(s)
         for i in range(iters):
             s.recv(names[i % window]).release()
@@ -187,7 +190,15 @@ def _bw(s, rank: int, p: Point) -> Result | None:
     t0 = time.perf_counter()
     for i in range(warm):
         s.send(names[i % window], bufs[i % window])
-    iters = _iterations(p, time.perf_counter() - t0, warm)
+    # Warm up as long as a latency point does: the first writes are the slowest (an emulator's
+    # first translations, threads settling), and a count from them alone was 0.9x of the next ones.
+    warm_for = max(MIN_WARM_SECONDS, p.seconds / 5)
+    more = _iterations(replace(p, seconds=warm_for), time.perf_counter() - t0, warm)
+    _tell(s, more)
+    t1 = time.perf_counter()
+    for i in range(more):
+        s.send(names[i % window], bufs[i % window])
+    iters = _iterations(p, time.perf_counter() - t1, more)
     _tell(s, iters)
     copies0, waits0 = s.stats()["copies"], s.stats()["waits"]
     t0 = time.perf_counter()

@@ -70,6 +70,7 @@ def test_rounds_interleave_each_point_with_its_reference_and_report_medians(tmp_
     assert row["ratio_to_reference"] == ratios[1] and row["ratio_range"] == [ratios[0], ratios[2]]
     assert row["mb_per_s"] == sorted(r["mb_per_s"] for r in row["per_round"])[1]
     assert len({r["reference"]["mb_per_s"] for r in row["per_round"]}) == 3      # a reference measured per round
+    assert [r["reference_ran"] for r in row["per_round"]] == ["after", "before", "after"]   # neither always first
     assert f"({ratios[0]:.2f}-{ratios[2]:.2f})" in res.stdout
     assert bench("bw", "--providers", "tcp", "--rounds", "0").returncode == 2
 

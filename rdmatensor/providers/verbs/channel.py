@@ -49,7 +49,7 @@ DEFER_SECONDS = 0.005      # after a waiter's last poll, the background thread t
 # After its spin, a compiled waiter sleeps on the completion channel itself up to this long, so the
 # completion it waits for wakes it alone (RDMATENSOR_VERBS_SLEEP_MS; 0: the background thread hands it over).
 SLEEP_SECONDS = float(os.environ.get("RDMATENSOR_VERBS_SLEEP_MS", "") or 250) / 1e3
-PARK_SECONDS = 0.1         # while a waiter polls and nothing is owed, the background thread sleeps this long
+PARK_SECONDS = 1.0         # while a waiter polls and nothing is owed, the background thread sleeps this long
                            # unless a credit is owed sooner (a look per write would take the NIC's CPU)
 
 
@@ -414,12 +414,12 @@ class VerbsChannel(Channel):
         look every DEFER_SECONDS, posting the credits owed."""
         ep = self.ep
         while not self._stop.is_set() and not self._lost:
-            if self._reap():
+            quiet = self._polled_at + DEFER_SECONDS - time.monotonic()
+            if quiet <= 0 and self._reap():       # else the waiter that polls takes in what completes
                 continue
             if self._bye and not ep.in_flight:
                 self.lost(PeerLost(f"peer {self.peer} closed the session", peer=self.peer))
                 return
-            quiet = self._polled_at + DEFER_SECONDS - time.monotonic()
             ep.deferring = quiet > 0
             try:
                 ep.post_owed()            # no room: the completions that make some wake this thread
