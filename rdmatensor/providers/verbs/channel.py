@@ -20,9 +20,10 @@ channel (no CPU while idle) and reaps everything else. While a waiter has
 polled the CQ within the last DEFER_SECONDS, the background thread does not
 arm the completion channel: every completion would otherwise wake it and make
 it contend for the interpreter lock with the waiter that already reaped it
-(perftest's polling mode likewise takes no events). It looks every
-DEFER_SECONDS meanwhile: it posts the credits owed (so none waits longer),
-and once nobody polls, it stops owing them and takes events again.
+(perftest's polling mode likewise takes no events), nor reap: it parks
+until a credit is owed (posted within DEFER_SECONDS), a waiter sleeps or the
+peer says goodbye, and once nobody polls, it stops owing credits and takes
+events again.
 """
 from __future__ import annotations
 
@@ -49,8 +50,9 @@ DEFER_SECONDS = 0.005      # after a waiter's last poll, the background thread t
 # After its spin, a compiled waiter sleeps on the completion channel itself up to this long, so the
 # completion it waits for wakes it alone (RDMATENSOR_VERBS_SLEEP_MS; 0: the background thread hands it over).
 SLEEP_SECONDS = float(os.environ.get("RDMATENSOR_VERBS_SLEEP_MS", "") or 250) / 1e3
-PARK_SECONDS = 1.0         # while a waiter polls and nothing is owed, the background thread sleeps this long
-                           # unless a credit is owed sooner (a look per write would take the NIC's CPU)
+PARK_SECONDS = 1.0         # while a waiter polls and nothing is owed, the background thread sleeps this long,
+                           # woken sooner when a credit is owed, a waiter sleeps, the peer says goodbye or the
+                           # channel closes: each wake takes the GIL from a streaming sender (the NIC's CPU)
 
 
 class VerbsChannel(Channel):
