@@ -3,11 +3,11 @@
 Both ranks run the same function. Rank 0 measures; rank 1 serves. For
 bandwidth and steps, rank 0 times a warm-up, picks the iteration count that
 fills the time budget and tells rank 1 through a small `ctl` tensor, so both
-sides agree without any out-of-band channel. A bandwidth point warms up as
-long as a latency point (below), in two parts told the same way. A latency point instead runs
-until its time budget (at least MIN_LAT_SECONDS) and MIN_LAT_ITERS round
-trips are done, after a warm-up of its own (MIN_WARM_SECONDS, or a fifth of
-the budget): its first round trips are the slowest (first touches, an
+sides agree without any out-of-band channel; a bandwidth point's warm-up
+lasts as long as a latency point's, its length told the same way. A latency
+point instead runs until its time budget (at least MIN_LAT_SECONDS) and
+MIN_LAT_ITERS round trips are done, after a warm-up of its own
+(MIN_WARM_SECONDS, or a fifth of the budget): its first round trips are the slowest (first touches, an
 emulator's first translations), and an estimate from them alone measured
 far too few. The last ping says it is the last.
 """
@@ -191,7 +191,7 @@ def _bw(s, rank: int, p: Point) -> Result | None:
     for i in range(warm):
         s.send(names[i % window], bufs[i % window])
     # Warm up as long as a latency point does: the first writes are the slowest (an emulator's
-    # first translations, threads settling), and a count from them alone was 0.9x of the next ones.
+    # first translations, threads settling), so the timed ones start from a steady state.
     warm_for = max(MIN_WARM_SECONDS, p.seconds / 5)
     more = _iterations(replace(p, seconds=warm_for), time.perf_counter() - t0, warm)
     _tell(s, more)
