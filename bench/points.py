@@ -7,9 +7,9 @@ sides agree without any out-of-band channel; a bandwidth point's warm-up
 lasts as long as a latency point's, its length told the same way. A latency
 point instead runs until its time budget (at least MIN_LAT_SECONDS) and
 MIN_LAT_ITERS round trips are done, after a warm-up of its own
-(MIN_WARM_SECONDS, or a fifth of the budget): its first round trips are the slowest (first touches, an
-emulator's first translations), and an estimate from them alone measured
-far too few. The last ping says it is the last.
+(MIN_WARM_SECONDS, or a fifth of the budget): its first round trips are
+the slowest (first touches, an emulator's first translations), and an
+estimate from them alone measured far too few. The last ping says it is the last.
 """
 from __future__ import annotations
 
