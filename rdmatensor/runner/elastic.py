@@ -28,12 +28,12 @@ horovodrun), or when every worker failed.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 from collections import Counter
 from typing import Sequence
 
+from .addresses import address_for, host_port, named_address
 from .placement import LaunchError, Placement, is_local
 from .processes import TIMEOUT_STATUS, Job, describe, die_with_parent, stop_on_signals
 from .rendezvous_server import Rounds, Server
@@ -98,7 +98,9 @@ class ElasticJob(Job):
         return [p.rank for p, proc in self.started if proc.returncode is None and proc.poll() is None]
 
     def _rendezvous_address(self, p: Placement) -> str:
-        return f"127.0.0.1:{self.server.port}" if p.local else f"{socket.gethostname()}:{self.server.port}"
+        """This launcher's server as worker `p` reaches it (addresses.py)."""
+        here = "127.0.0.1" if p.local else address_for(p.host, self.network_interfaces)
+        return host_port(here, self.server.port)
 
     def start_worker(self, host: str) -> None:
         wid, self.next_id = self.next_id, self.next_id + 1
@@ -114,7 +116,8 @@ class ElasticJob(Job):
             argv, penv = list(self.command), {k: v for k, v in os.environ.items() if k != "TF_CONFIG"} | env
         else:
             env.update({k: os.environ[k] for k in self.forward if k in os.environ})
-            argv, penv = ssh_command(host, env, self.command, os.getcwd(), self.ssh_port, self.grace), None
+            argv, penv = ssh_command(host, env, self.command, os.getcwd(), self.ssh_port, self.grace,
+                                            self.ssh_identity_file), None
         proc = subprocess.Popen(argv, env=penv, stdin=subprocess.DEVNULL if local else subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                                 preexec_fn=die_with_parent)
@@ -260,9 +263,14 @@ class ElasticJob(Job):
 
 def launch_elastic(command: Sequence[str], script: str, min_np: int, max_np: int, np: int | None = None,
                    provider: str | None = None, timeout: float | None = None, elastic_timeout: float = 600.0,
-                   discovery_interval: float = 1.0, reset_limit: int | None = None, **kwargs) -> int:
-    """Run `command` as an elastic job; its exit status."""
+                   discovery_interval: float = 1.0, reset_limit: int | None = None,
+                   ssh_identity_file: str | None = None, network_interfaces: Sequence[str] | None = None,
+                   **kwargs) -> int:
+    """Run `command` as an elastic job; its exit status. kwargs: Job's (grace, forward, ssh_port, ...)."""
+    if network_interfaces:
+        named_address(network_interfaces)       # a bad name is refused before any worker starts
     job = ElasticJob(command, script, min_np, max_np, np, elastic_timeout, discovery_interval, reset_limit,
-                     provider=provider, **kwargs)
+                     provider=provider, ssh_identity_file=ssh_identity_file,
+                     network_interfaces=network_interfaces, **kwargs)
     with stop_on_signals(job):
         return job.run(timeout)

@@ -55,9 +55,13 @@ def is_local(host: str) -> bool:
     return host in LOCAL_NAMES or host == socket.gethostname()
 
 
-def place(np: int, hosts: Sequence[tuple[str, int]], ps: int = 0, ports: Sequence[int] | None = None
-          ) -> list[Placement]:
-    """Ranks 0..np-1 (workers) then np..np+ps-1 (parameter servers), filling the hosts in order."""
+def place(np: int, hosts: Sequence[tuple[str, int]], ps: int = 0, ports: Sequence[int] | None = None,
+          network_interfaces: Sequence[str] | None = None) -> list[Placement]:
+    """Ranks 0..np-1 (workers) then np..np+ps-1 (parameter servers), filling the hosts in order.
+    This host's ranks are named by the address of the first of `network_interfaces` that has
+    one when given; else, when some hosts are remote, by the address the first remote host
+    reaches it at (addresses.py); else by 127.0.0.1."""
+    from .addresses import host_port, named_address, route_source   # it imports LaunchError from here
     if np < 1 or ps < 0:
         raise LaunchError(f"-np {np} / --ps {ps}: need at least one worker")
     total = np + ps
@@ -67,16 +71,18 @@ def place(np: int, hosts: Sequence[tuple[str, int]], ps: int = 0, ports: Sequenc
                           f"have {slots} slot(s): " + ",".join(f"{h}:{s}" for h, s in hosts))
     where = [h for h, s in hosts for _ in range(s)][:total]
     kinds = ["worker"] * np + ["ps"] * ps
-    everything_local = all(is_local(h) for h in where)
+    remote = [h for h in where if not is_local(h)]
+    here = (named_address(network_interfaces) if network_interfaces else
+            route_source(remote[0]) if remote else "127.0.0.1")
     ports = list(ports) if ports is not None else _ports(total)
     out = []
     for rank, (host, kind) in enumerate(zip(where, kinds, strict=True)):
         local = is_local(host)
-        addr_host = "127.0.0.1" if local and everything_local else (socket.gethostname() if local else host)
+        addr_host = here if local else host
         # local rank and size count this host's tasks of the same type: among workers, Horovod's meaning
         same = [r for r, (h, k) in enumerate(zip(where, kinds, strict=True)) if h == host and k == kind]
         out.append(Placement(rank, kind, rank if kind == "worker" else rank - np, host,
-                             f"{addr_host}:{ports[rank]}", same.index(rank), len(same), local))
+                             host_port(addr_host, ports[rank]), same.index(rank), len(same), local))
     return out
 
 

@@ -75,7 +75,10 @@ class Job:
     def __init__(self, placements: Sequence[Placement], command: Sequence[str], provider: str | None = None,
                  grace: float = 5.0, stdout: BinaryIO | None = None, stderr: BinaryIO | None = None,
                  forward: Sequence[str] = (), ssh_port: int | None = None, token: str | None = None,
-                 failure_wait: float = FAILURE_WAIT, bind_to: str = "core", output_dir: str | None = None):
+                 failure_wait: float = FAILURE_WAIT, bind_to: str = "core", output_dir: str | None = None,
+                 ssh_identity_file: str | None = None, network_interfaces: Sequence[str] | None = None):
+        self.ssh_identity_file = ssh_identity_file              # ssh -i
+        self.network_interfaces = list(network_interfaces or ())  # whose address the remote ranks reach us at
         self.placements, self.command, self.grace = list(placements), list(command), grace
         self.output_dir = output_dir            # horovodrun's --output-filename: DIR/rank.N/stdout, stderr
         self.bind_to = bind_to
@@ -113,7 +116,8 @@ class Job:
         if p.local:
             return list(self.command), dict(os.environ, **env)
         env.update({k: os.environ[k] for k in self.forward if k in os.environ})
-        return ssh_command(p.host, env, self.command, os.getcwd(), self.ssh_port, self.grace), None
+        return ssh_command(p.host, env, self.command, os.getcwd(), self.ssh_port, self.grace,
+                           self.ssh_identity_file), None
 
     def start(self) -> bool:
         """Start every rank; False (the ones started are stopped) when one cannot start."""
@@ -236,12 +240,15 @@ def launch(command: Sequence[str], np: int, hosts: Sequence[tuple[str, int]] | N
            provider: str | None = None, timeout: float | None = None, grace: float = 5.0,
            stdout: BinaryIO | None = None, stderr: BinaryIO | None = None, forward: Sequence[str] = (),
            ssh_port: int | None = None, failure_wait: float = FAILURE_WAIT, bind_to: str = "core",
-           output_dir: str | None = None, verbose: bool = False) -> int:
+           output_dir: str | None = None, verbose: bool = False, ssh_identity_file: str | None = None,
+           network_interfaces: Sequence[str] | None = None) -> int:
     """Run `command` on np workers (+ ps parameter servers); the job's exit status.
-    SIGINT and SIGTERM stop every rank (when called from the main thread)."""
-    placements = place(np, hosts or [("localhost", np + ps)], ps)
+    SIGINT and SIGTERM stop every rank (when called from the main thread). LaunchError
+    when the job cannot be placed (too few slots, a host or interface that does not resolve)."""
+    placements = place(np, hosts or [("localhost", np + ps)], ps, network_interfaces=network_interfaces)
     job = Job(placements, command, provider, grace, stdout, stderr, forward, ssh_port, failure_wait=failure_wait,
-              bind_to=bind_to, output_dir=output_dir)
+              bind_to=bind_to, output_dir=output_dir, ssh_identity_file=ssh_identity_file,
+              network_interfaces=network_interfaces)
     if verbose:
         for p in placements:
             job.say(f"{p.label}: {'here' if p.local else 'over ssh'}, local rank {p.local_rank} of {p.local_size}")

@@ -28,7 +28,8 @@ def remote_script(env: dict[str, str], command: Sequence[str], cwd: str, grace: 
 
 
 def ssh_command(host: str, env: dict[str, str], command: Sequence[str], cwd: str,
-                ssh_port: int | None = None, grace: float = 5.0) -> list[str]:
+                ssh_port: int | None = None, grace: float = 5.0, identity_file: str | None = None) -> list[str]:
     """The ssh command line that runs `command` on `host` with `env`, in `cwd` (see remote_script)."""
-    return ["ssh", "-o", "BatchMode=yes", *(["-p", str(ssh_port)] if ssh_port else []), host,
+    return ["ssh", "-o", "BatchMode=yes", *(["-p", str(ssh_port)] if ssh_port else []),
+            *(["-i", identity_file] if identity_file else []), host,
             "sh -c " + shlex.quote(remote_script(env, command, cwd, grace))]

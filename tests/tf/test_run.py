@@ -316,30 +316,29 @@ def test_eight_ranks_that_end_cleanly_print_only_what_the_script_prints(tmp_path
 
 def test_hosts_fill_in_order_with_local_ranks_and_ssh_for_remote_hosts():
     with pytest.raises(placement.LaunchError, match="4 ranks, but the hosts have 3 slot"):
-        placement.place(3, placement.parse_hosts("localhost:1,node1:2"), ps=1, ports=[0] * 4)
-    placements = placement.place(3, placement.parse_hosts("localhost:1,node1:2,node2"), ps=1,
+        placement.place(3, placement.parse_hosts("localhost:1,127.0.0.2:2"), ps=1, ports=[0] * 4)
+    placements = placement.place(3, placement.parse_hosts("localhost:1,127.0.0.2:2,127.0.0.3"), ps=1,
                                  ports=[7000, 7001, 7002, 7003])
     assert [(p.rank, p.task_type, p.index, p.host, p.local_rank, p.local_size, p.local) for p in placements] == [
-        (0, "worker", 0, "localhost", 0, 1, True), (1, "worker", 1, "node1", 0, 2, False),
-        (2, "worker", 2, "node1", 1, 2, False), (3, "ps", 0, "node2", 0, 1, False)]
-    shared = placement.place(3, placement.parse_hosts("node1:2,node2:2"), ps=1, ports=[0] * 4)
+        (0, "worker", 0, "localhost", 0, 1, True), (1, "worker", 1, "127.0.0.2", 0, 2, False),
+        (2, "worker", 2, "127.0.0.2", 1, 2, False), (3, "ps", 0, "127.0.0.3", 0, 1, False)]
+    shared = placement.place(3, placement.parse_hosts("127.0.0.2:2,127.0.0.3:2"), ps=1, ports=[0] * 4)
     assert [(p.host, p.task_type, p.local_rank, p.local_size) for p in shared] == [
-        ("node1", "worker", 0, 2), ("node1", "worker", 1, 2), ("node2", "worker", 0, 1), ("node2", "ps", 0, 1)]
-    # a remote peer cannot reach 127.0.0.1: the local rank is named by this machine's host name
-    import socket
-    assert [p.address for p in placements] == [f"{socket.gethostname()}:7000", "node1:7001", "node1:7002",
-                                               "node2:7003"]
+        ("127.0.0.2", "worker", 0, 2), ("127.0.0.2", "worker", 1, 2), ("127.0.0.3", "worker", 0, 1), ("127.0.0.3", "ps", 0, 1)]
+    # the local rank is named by the address this host's route to the first remote host leaves from
+    assert [p.address for p in placements] == ["127.0.0.1:7000", "127.0.0.2:7001", "127.0.0.2:7002",
+                                               "127.0.0.3:7003"]
     env = placement.rank_env(placements, placements[2], "tok", "verbs")
-    assert json.loads(env["TF_CONFIG"]) == {"cluster": {"worker": [placements[0].address, "node1:7001",
-                                                                   "node1:7002"], "ps": ["node2:7003"]},
+    assert json.loads(env["TF_CONFIG"]) == {"cluster": {"worker": [placements[0].address, "127.0.0.2:7001",
+                                                                   "127.0.0.2:7002"], "ps": ["127.0.0.3:7003"]},
                                             "task": {"type": "worker", "index": 2}}
     assert (env["RDMATENSOR_LOCAL_RANK"], env["HOROVOD_LOCAL_RANK"], env["HOROVOD_SIZE"]) == ("1", "1", "3")
-    assert (env["RDMATENSOR_BIND_TO"], env["RDMATENSOR_HOST_SLOT"]) == ("core", "1/2")     # node1's second task
+    assert (env["RDMATENSOR_BIND_TO"], env["RDMATENSOR_HOST_SLOT"]) == ("core", "1/2")     # 127.0.0.2's second task
     ps_env = placement.rank_env(shared, shared[3], "tok", None, bind_to="none")
-    assert (ps_env["RDMATENSOR_BIND_TO"], ps_env["RDMATENSOR_HOST_SLOT"]) == ("none", "1/2")   # node2: worker, ps
-    cmd = ssh.ssh_command("node1", {"A": "x y", "B": "it's"}, ["python", "train.py", "--lr", "0.1"], "/data/my job",
+    assert (ps_env["RDMATENSOR_BIND_TO"], ps_env["RDMATENSOR_HOST_SLOT"]) == ("none", "1/2")   # 127.0.0.3: worker, ps
+    cmd = ssh.ssh_command("127.0.0.2", {"A": "x y", "B": "it's"}, ["python", "train.py", "--lr", "0.1"], "/data/my job",
                           ssh_port=2222)
-    assert cmd[:6] == ["ssh", "-o", "BatchMode=yes", "-p", "2222", "node1"] and len(cmd) == 7
+    assert cmd[:6] == ["ssh", "-o", "BatchMode=yes", "-p", "2222", "127.0.0.2"] and len(cmd) == 7
     script_text = ssh.remote_script({"A": "x y", "B": "it's"}, ["python", "train.py", "--lr", "0.1"], "/data/my job")
     assert cmd[6] == "sh -c " + shlex.quote(script_text)
     assert script_text.startswith("cd '/data/my job' || exit 127\n")
@@ -352,7 +351,7 @@ def test_hosts_fill_in_order_with_local_ranks_and_ssh_for_remote_hosts():
         argv, env_local = job.argv_of(placements[1])
     finally:
         del os.environ["FORWARDED_VAR"]
-    assert argv[:4] == ["ssh", "-o", "BatchMode=yes", "node1"] and env_local is None
+    assert argv[:4] == ["ssh", "-o", "BatchMode=yes", "127.0.0.2"] and env_local is None
     assert "FORWARDED_VAR=1" in argv[4] and "RDMATENSOR_TOKEN=tok" in argv[4] and "PYTHONUNBUFFERED=1" in argv[4]
     argv, env_local = job.argv_of(placements[0])
     assert argv == ["python", "train.py"] and env_local["RDMATENSOR_PROVIDER"] == "tcp"
