@@ -324,7 +324,8 @@ def test_hosts_fill_in_order_with_local_ranks_and_ssh_for_remote_hosts():
         (2, "worker", 2, "127.0.0.2", 1, 2, False), (3, "ps", 0, "127.0.0.3", 0, 1, False)]
     shared = placement.place(3, placement.parse_hosts("127.0.0.2:2,127.0.0.3:2"), ps=1, ports=[0] * 4)
     assert [(p.host, p.task_type, p.local_rank, p.local_size) for p in shared] == [
-        ("127.0.0.2", "worker", 0, 2), ("127.0.0.2", "worker", 1, 2), ("127.0.0.3", "worker", 0, 1), ("127.0.0.3", "ps", 0, 1)]
+        ("127.0.0.2", "worker", 0, 2), ("127.0.0.2", "worker", 1, 2), ("127.0.0.3", "worker", 0, 1),
+        ("127.0.0.3", "ps", 0, 1)]
     # the local rank is named by the address this host's route to the first remote host leaves from
     assert [p.address for p in placements] == ["127.0.0.1:7000", "127.0.0.2:7001", "127.0.0.2:7002",
                                                "127.0.0.3:7003"]
