@@ -17,8 +17,8 @@ import subprocess
 import sys
 import time
 
-from bench.cli import _device, parse_sizes
-from bench.perftest import parse_write_bw
+from .cli import _device, parse_sizes
+from .perftest import parse_write_bw
 
 
 def _timed(command: list[str], after: float = 0.0) -> subprocess.Popen:
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("bench.cpu_split: no ACTIVE RDMA port here (run it inside `rdmatensor softroce vm`)")
     device, gid = found[0], str(found[1])
     peers = "127.0.0.1:47500,127.0.0.1:47501"
-    bench = [sys.executable, "-m", "bench.cli", "bw", "--providers", "verbs", "--sizes", str(size),
+    bench = [sys.executable, "-m", f"{__package__}.cli", "bw", "--providers", "verbs", "--sizes", str(size),
              "--no-references", "--peers", peers]
     perf = ["ib_write_bw", "-d", device, "-x", gid, "-s", str(size), "-F"]
     t0 = time.monotonic()

@@ -30,7 +30,7 @@ import time
 def _buckets(model: str):
     import numpy as np
 
-    from bench import model_grads
+    from . import model_grads
     from tf_plugin.core.layout import VarInfo, buckets_of
     infos = [VarInfo(str(j), tuple(t["shape"]), np.dtype(t["dtype"]), False, {})
              for j, t in enumerate(model_grads.gradient_set(model))]
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.calls < 1:
         parser.error("--rounds and --calls must be at least 1")
-    from bench import model_grads
+    from . import model_grads
     unknown = [m for m in args.models.split(",") if m not in model_grads.names()]
     if unknown:
         parser.error(f"unknown model {unknown[0]!r}: choose from {', '.join(model_grads.names())}")

@@ -87,7 +87,7 @@ def local(hosts: int, per_host: int, provider: str, argv: list[str]) -> int:
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", RDMATENSOR_TOKEN=token, RDMATENSOR_PROVIDER=provider,
                    TF_NUM_INTRAOP_THREADS="1",
                    TF_CONFIG=json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": r}}))
-        procs.append(subprocess.Popen([sys.executable, "-m", "bench.hierarchical", "job", *argv], env=env))
+        procs.append(subprocess.Popen([sys.executable, "-m", f"{__package__}.hierarchical", "job", *argv], env=env))
     return max(p.wait() for p in procs)
 
 

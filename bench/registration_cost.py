@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from bench.cli import parse_sizes
+from .cli import parse_sizes
 
 
 def _mean_us(work, n: int) -> float:

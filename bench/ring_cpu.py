@@ -81,7 +81,7 @@ def _traffic(buckets, mine: dict, theirs: dict):
 def _inputs(model: str, rank: int):
     import numpy as np
 
-    from bench import model_grads
+    from . import model_grads
     from tf_plugin.core.layout import VarInfo
     infos = [VarInfo(t["name"], tuple(t["shape"]), np.dtype(t["dtype"]), False, {})
              for t in model_grads.gradient_set(model)]
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.rounds < 1 or a.calls < 1:
         p.error("--rounds and --calls must be at least 1")
-    from bench import model_grads
+    from . import model_grads
     from rdmatensor.providers import REGISTRY
     for what, given, known in (("model", a.models, model_grads.names()), ("provider", a.providers, REGISTRY)):
         unknown = [x for x in given.split(",") if x not in known]

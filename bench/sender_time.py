@@ -20,8 +20,8 @@ import subprocess
 import sys
 import time
 
-from bench.cli import _device, parse_sizes
-from bench.perftest import _on, parse_write_bw
+from .cli import _device, parse_sizes
+from .perftest import _on, parse_write_bw
 
 CLK = os.sysconf("SC_CLK_TCK")
 
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     cpus = sorted(os.sched_getaffinity(0))[:2] if a.bind == "core" else []
     send_cpu, recv_cpu = (cpus[0], cpus[1]) if len(cpus) == 2 else (None, None)
     peers = "127.0.0.1:47500,127.0.0.1:47501"
-    ours = [sys.executable, "-m", "bench.cli", "bw", "--providers", "verbs", "--sizes", str(size),
+    ours = [sys.executable, "-m", f"{__package__}.cli", "bw", "--providers", "verbs", "--sizes", str(size),
             "--no-references", "--peers", peers, "--seconds", "16"]
     iters = max(200, int(10 * 90e6 / size))      # about as long as ours at ib_write_bw's pace here
     perf = ["ib_write_bw", "-d", found[0], "-x", str(found[1]), "-s", str(size), "-F", "-n", str(iters)]
