@@ -35,9 +35,8 @@ from typing import Sequence
 
 from .addresses import address_for, host_port, named_address
 from .placement import LaunchError, Placement, is_local
-from .processes import TIMEOUT_STATUS, Job, describe, die_with_parent, stop_on_signals
+from .processes import TIMEOUT_STATUS, Job, describe, local_env, stop_on_signals
 from .rendezvous_server import Rounds, Server
-from .ssh import ssh_command
 
 DISCOVERY_TIMEOUT = 30.0
 
@@ -113,14 +112,11 @@ class ElasticJob(Job):
         if self.provider:
             env["RDMATENSOR_PROVIDER"] = self.provider
         if local:
-            argv, penv = list(self.command), {k: v for k, v in os.environ.items() if k != "TF_CONFIG"} | env
+            argv, penv = list(self.command), {k: v for k, v in local_env(env).items() if k != "TF_CONFIG"}
         else:
             env.update({k: os.environ[k] for k in self.forward if k in os.environ})
-            argv, penv = ssh_command(host, env, self.command, os.getcwd(), self.ssh_port, self.grace,
-                                            self.ssh_identity_file), None
-        proc = subprocess.Popen(argv, env=penv, stdin=subprocess.DEVNULL if local else subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                preexec_fn=die_with_parent)
+            argv, penv = self.remote_argv(host, env), None
+        proc = self.spawn(argv, penv, local)
         self.started.append((p, proc))
         readers = self.readers_of(wid, proc)
         for r in readers:

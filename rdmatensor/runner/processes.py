@@ -15,7 +15,7 @@ import time
 from typing import BinaryIO, Sequence
 
 from .placement import Placement, place, rank_env
-from .ssh import ssh_command
+from .ssh import TOKEN, send_token, ssh_command, virtualenv
 
 TIMEOUT_STATUS = 124
 START_FAILED = 127                 # as a shell says when it cannot run a command
@@ -111,13 +111,28 @@ class Job:
         return out
 
     def argv_of(self, p: Placement) -> tuple[list[str], dict[str, str] | None]:
-        """The command line and environment that start rank `p`."""
+        """The command line and environment that start rank `p` (a remote rank's
+        token goes on its connection's standard input, see spawn)."""
         env = rank_env(self.placements, p, self.token, self.provider, self.job, self.bind_to)
         if p.local:
-            return list(self.command), dict(os.environ, **env)
+            return list(self.command), local_env(env)
         env.update({k: os.environ[k] for k in self.forward if k in os.environ})
-        return ssh_command(p.host, env, self.command, os.getcwd(), self.ssh_port, self.grace,
-                           self.ssh_identity_file), None
+        return self.remote_argv(p.host, env), None
+
+    def remote_argv(self, host: str, env: dict[str, str]) -> list[str]:
+        env = {k: v for k, v in env.items() if k != TOKEN}
+        return ssh_command(host, env, self.command, os.getcwd(), self.ssh_port, self.grace, self.ssh_identity_file)
+
+    def spawn(self, argv: list[str], env: dict[str, str] | None, local: bool) -> subprocess.Popen:
+        """Start one rank: a local one with `env`; a remote one (env None) through
+        ssh, which lives as long as its standard input stays open (ssh.py), the
+        job's token its first line."""
+        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL if local else subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True, preexec_fn=die_with_parent)
+        if not local:
+            send_token(proc.stdin, self.token)
+        return proc
 
     def start(self) -> bool:
         """Start every rank; False (the ones started are stopped) when one cannot start."""
@@ -126,11 +141,7 @@ class Job:
         for p in self.placements:
             argv, env = self.argv_of(p)
             try:
-                # a remote rank lives as long as its ssh's standard input stays open (remote_script)
-                stdin = subprocess.DEVNULL if p.local else subprocess.PIPE
-                self.started.append((p, subprocess.Popen(argv, env=env, stdin=stdin,
-                                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                                         start_new_session=True, preexec_fn=die_with_parent)))
+                self.started.append((p, self.spawn(argv, env, p.local)))
             except OSError as exc:
                 self.stop(f"cannot start {p.label}: {exc}")
                 self.cleanup()
@@ -209,6 +220,20 @@ class Job:
                 proc.stdin.close()
         for r in self.readers:
             r.join(timeout=2.0)
+
+
+def local_env(env: dict[str, str]) -> dict[str, str]:
+    """A local rank's environment: the launcher's, `env` on top, and the launcher's
+    interpreter first on PATH, as an activated virtualenv would put it (the
+    symlink a virtualenv's python is, not what it points to), so that `python`
+    in the command is the launcher's own."""
+    out = dict(os.environ, **env)
+    folder = os.path.dirname(sys.executable)
+    path = out.get("PATH", os.defpath)
+    out["PATH"] = folder + os.pathsep + path if path else folder
+    if virtualenv():
+        out["VIRTUAL_ENV"] = virtualenv()
+    return out
 
 
 def _signal_group(pid: int, sig: int) -> None:

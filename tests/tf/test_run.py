@@ -4,6 +4,7 @@ The ranks here are small plain Python scripts (no TensorFlow): the launcher is
 what is tested, with real processes, signals and process groups."""
 import json
 import os
+import secrets
 import shlex
 import signal
 import subprocess
@@ -337,34 +338,52 @@ def test_hosts_fill_in_order_with_local_ranks_and_ssh_for_remote_hosts():
     assert (env["RDMATENSOR_BIND_TO"], env["RDMATENSOR_HOST_SLOT"]) == ("core", "1/2")     # 127.0.0.2's second task
     ps_env = placement.rank_env(shared, shared[3], "tok", None, bind_to="none")
     assert (ps_env["RDMATENSOR_BIND_TO"], ps_env["RDMATENSOR_HOST_SLOT"]) == ("none", "1/2")   # 127.0.0.3: worker, ps
-    cmd = ssh.ssh_command("127.0.0.2", {"A": "x y", "B": "it's"}, ["python", "train.py", "--lr", "0.1"], "/data/my job",
-                          ssh_port=2222)
-    assert cmd[:6] == ["ssh", "-o", "BatchMode=yes", "-p", "2222", "127.0.0.2"] and len(cmd) == 7
+    cmd = ssh.ssh_command("127.0.0.2", {"A": "x y", "B": "it's"}, ["python", "train.py", "--lr", "0.1"],
+                          "/data/my job", ssh_port=2222, identity_file="/keys/id job")
+    assert cmd[:8] == ["ssh", "-o", "BatchMode=yes", "-p", "2222", "-i", "/keys/id job", "127.0.0.2"]
+    assert len(cmd) == 9
     script_text = ssh.remote_script({"A": "x y", "B": "it's"}, ["python", "train.py", "--lr", "0.1"], "/data/my job")
-    assert cmd[6] == "sh -c " + shlex.quote(script_text)
-    assert script_text.startswith("cd '/data/my job' || exit 127\n")
-    setsid, sh, dash_c, rank_command = shlex.split(script_text.splitlines()[2])[:4]
+    assert cmd[8] == "sh -c " + shlex.quote(script_text)
+    assert "\ncd '/data/my job' || exit 127\n" in script_text
+    setsid, sh, dash_c, rank_command = shlex.split(next(line for line in script_text.splitlines()
+                                                        if line.startswith("setsid")))[:4]
     assert (setsid, sh, dash_c) == ("setsid", "sh", "-c")
     assert shlex.split(rank_command) == ["exec", "env", "A=x y", "B=it's", "python", "train.py", "--lr", "0.1"]
-    job = processes.Job(placements, ["python", "train.py"], provider="tcp", forward=["FORWARDED_VAR"], token="tok")
+    token = secrets.token_hex(16)
+    job = processes.Job(placements, ["python", "train.py"], provider="tcp", forward=["FORWARDED_VAR"], token=token)
     os.environ["FORWARDED_VAR"] = "1"
     try:
         argv, env_local = job.argv_of(placements[1])
     finally:
         del os.environ["FORWARDED_VAR"]
     assert argv[:4] == ["ssh", "-o", "BatchMode=yes", "127.0.0.2"] and env_local is None
-    assert "FORWARDED_VAR=1" in argv[4] and "RDMATENSOR_TOKEN=tok" in argv[4] and "PYTHONUNBUFFERED=1" in argv[4]
+    assert "FORWARDED_VAR=1" in argv[4] and "PYTHONUNBUFFERED=1" in argv[4]
+    assert token not in argv[4] and "RDMATENSOR_TOKEN=" not in argv[4]         # on ssh's stdin instead
+    with pytest.raises(ValueError, match="RDMATENSOR_TOKEN would be on the remote command line"):
+        ssh.remote_script({"RDMATENSOR_TOKEN": "tok"}, ["true"], "/")
     argv, env_local = job.argv_of(placements[0])
     assert argv == ["python", "train.py"] and env_local["RDMATENSOR_PROVIDER"] == "tcp"
+    assert env_local["RDMATENSOR_TOKEN"] == token
 
 
-def remote_rank(tmp_path, body: str, env=None):
+def remote_rank(tmp_path, body: str, env=None, token="a" * 32, command=None, interpreter=None, path=None):
     """A rank started the way a remote host starts it (the ssh remote script, run by sh
-    here instead of sshd), its standard input standing for the ssh connection."""
-    text = ssh.remote_script(env or {"RANK_VAR": "r1"}, [sys.executable, script(tmp_path, "remote.py", body)],
-                             str(tmp_path), grace=1)
-    return subprocess.Popen(["sh", "-c", text], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    here instead of sshd), its standard input standing for the ssh connection, the
+    job's token its first line as the launcher sends it."""
+    command = command or [sys.executable, script(tmp_path, "remote.py", body)]
+    text = ssh.remote_script(env or {"RANK_VAR": "r1"}, command, str(tmp_path), grace=1, interpreter=interpreter)
+    proc = subprocess.Popen(["sh", "-c", text], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=dict(os.environ, PATH=path or os.environ["PATH"]))
+    ssh.send_token(proc.stdin, token)
+    return proc
+
+
+def finished(proc) -> tuple[str, str]:
+    """A remote rank's output once it ended by itself, its connection still open (closing it stops the rank)."""
+    out, err = proc.stdout.read().decode(), proc.stderr.read().decode()
+    proc.wait(timeout=30)
+    proc.stdin.close()
+    return out, err
 
 
 def test_remote_script_runs_the_rank_in_its_directory_with_its_variables_and_status(tmp_path):
@@ -373,7 +392,7 @@ def test_remote_script_runs_the_rank_in_its_directory_with_its_variables_and_sta
         print(os.getcwd(), os.environ["RANK_VAR"])
         sys.exit(3)
     """)
-    out, _ = proc.communicate(timeout=30)
+    out, _ = finished(proc)
     assert proc.returncode == 3 and out.split() == [str(tmp_path), "r1"]
 
 
@@ -397,6 +416,86 @@ def test_remote_rank_stops_when_its_connection_ends(tmp_path):
     assert time.monotonic() - t0 < 5 and proc.returncode == 128 + signal.SIGTERM
     for pid in map(int, pids.read_text().split()):
         assert gone(pid), f"process {pid} outlived its connection"
+
+
+def command_lines() -> dict[int, bytes]:
+    """Every process's command line, as any user of this host reads it."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    out[int(entry)] = f.read()
+            except OSError:
+                pass                # ended meanwhile
+    return out
+
+
+def test_the_token_reaches_a_remote_rank_on_no_command_line(tmp_path):
+    """The token, sent as the first line of the connection, is in the rank's
+    environment and on no command line while the rank runs (not ssh's, not the
+    remote shell's, not the rank's); the rest of the connection still stops it."""
+    token = secrets.token_hex(16)
+    seen = tmp_path / "seen"
+    proc = remote_rank(tmp_path, f"""
+        import os, subprocess, time
+        child = subprocess.Popen(["sleep", "60"])
+        open({str(seen)!r}, "w").write(os.environ["RDMATENSOR_TOKEN"] + " " + str(os.getpid()))
+        time.sleep(60)
+    """, token=token)
+    deadline = time.monotonic() + 20
+    while not seen.exists() or len(seen.read_text().split()) < 2:
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
+        time.sleep(0.05)
+    got, pid = seen.read_text().split()
+    assert got == token
+    samples = []
+    for _ in range(20):
+        lines = command_lines()
+        samples.append(len(lines))
+        assert int(pid) in lines and proc.pid in lines          # the rank and its remote shell were read
+        leaks = {p: c for p, c in lines.items() if token.encode() in c}
+        assert not leaks, leaks
+        time.sleep(0.02)
+    proc.stdin.close()
+    proc.wait(timeout=20)
+    assert proc.returncode == 128 + signal.SIGTERM and gone(int(pid))
+
+
+def test_a_remote_script_without_its_token_line_starts_nothing(tmp_path):
+    marker = tmp_path / "ran"
+    text = ssh.remote_script({}, ["touch", str(marker)], str(tmp_path))
+    proc = subprocess.run(["sh", "-c", text], stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 1 and "no job token on standard input" in proc.stderr and not marker.exists()
+
+
+PROBE = "import os, sys; print(sys.executable, os.environ.get('VIRTUAL_ENV'))"
+DEBIAN_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+
+def test_python_in_a_local_ranks_command_is_the_launchers_interpreter(tmp_path):
+    """With Debian's default PATH, `python` is the launcher's (a virtualenv's python
+    is a symlink, not resolved), as in an activated virtualenv."""
+    proc, _ = launcher("-np", "2", "python", "-c", PROBE, env=dict(os.environ, PATH=DEBIAN_PATH))
+    assert proc.returncode == 0, proc.stderr
+    venv = sys.prefix if sys.prefix != sys.base_prefix else "None"
+    for r in (0, 1):
+        assert lines_of(proc.stdout, r) == [f"{sys.executable} {venv}"], proc.stdout
+
+
+def test_python_in_a_remote_ranks_command_is_the_launchers_where_that_host_has_it(tmp_path):
+    """The remote script puts the launcher's interpreter first on PATH where the same
+    path exists on that host; where it does not, PATH is left alone, said in one line."""
+    proc = remote_rank(tmp_path, "", command=["python", "-c", PROBE], path=DEBIAN_PATH)
+    out, err = finished(proc)
+    venv = sys.prefix if sys.prefix != sys.base_prefix else "None"
+    assert proc.returncode == 0 and out.split() == [sys.executable, venv] and not err, err
+    missing = str(tmp_path / "no-venv" / "bin" / "python")
+    proc = remote_rank(tmp_path, "", command=["sh", "-c", "echo $PATH"], interpreter=missing, path=DEBIAN_PATH)
+    out, err = finished(proc)
+    assert proc.returncode == 0 and out.strip() == DEBIAN_PATH
+    assert err.splitlines() == [f"rdmatensor-run: {missing} is not on this host ({os.uname().nodename}): "
+                                         "PATH left as it is"]
 
 
 @pytest.mark.vm
