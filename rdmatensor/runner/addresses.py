@@ -41,7 +41,7 @@ def named_address(interfaces: Sequence[str]) -> str:
         if address is not None:
             return address
     raise LaunchError(f"--network-interfaces {','.join(names)}: "
-                      + ("it has" if len(names) == 1 else "none of them has") + " an IPv4 address")
+                      + ("it has no" if len(names) == 1 else "none of them has an") + " IPv4 address")
 
 
 def route_source(peer: str) -> str:

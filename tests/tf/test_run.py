@@ -7,6 +7,7 @@ import os
 import secrets
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -14,7 +15,7 @@ import time
 
 import pytest
 
-from rdmatensor.runner import placement, processes, ssh
+from rdmatensor.runner import addresses, elastic, placement, processes, ssh
 
 from .processes import gone, lines_of
 
@@ -281,7 +282,8 @@ def test_every_rank_succeeding_exits_zero_and_a_missing_command_is_named(tmp_pat
     (["-np", "2"], "give the command every rank runs"),
     (["-np", "2", "--timeout", "0", "true"], "--timeout 0: must be positive"),
     (["-np", "2", "--provider", "carrier-pigeon", "true"], "invalid choice: 'carrier-pigeon'"),
-    (["-np", "2", "-H", "elsewhere:2", "--softroce-vm", "true"], "-H must name only this host"),
+    (["-np", "2", "-H", "127.0.0.2:2", "--softroce-vm", "true"], "-H must name only this host"),
+    (["-np", "2", "-H", "elsewhere.invalid:2", "true"], "host 'elsewhere.invalid': cannot resolve it on this host"),
     (["true"], "-np is required (or --host-discovery-script"),
     (["--min-np", "2", "true"], "--min-np/--max-np need --host-discovery-script"),
     (["--min-np", "3", "--max-np", "2", "--host-discovery-script", "/bin/true", "true"],
@@ -364,6 +366,45 @@ def test_hosts_fill_in_order_with_local_ranks_and_ssh_for_remote_hosts():
     argv, env_local = job.argv_of(placements[0])
     assert argv == ["python", "train.py"] and env_local["RDMATENSOR_PROVIDER"] == "tcp"
     assert env_local["RDMATENSOR_TOKEN"] == token
+
+
+def test_remote_ranks_reach_this_host_at_its_routes_source_or_at_a_named_interface():
+    """Not this host's name (without DNS the peers cannot resolve it; Debian maps it to
+    127.0.1.1) but the address its route to the first remote host leaves from, or that
+    of the first named interface with an IPv4 address; a bad name is refused naming it."""
+    names = [n for _, n in socket.if_nameindex()]
+    own = {n: addresses.interface_address(n) for n in names}
+    assert own["lo"] == "127.0.0.1"
+    for name, address in own.items():
+        if address and name != "lo":       # the route to one's own address leaves from it
+            assert addresses.route_source(address) == address
+            job = placement.place(2, [("localhost", 1), (address, 1)], ports=[7000, 7001])
+            assert [p.address for p in job] == [f"{address}:7000", f"{address}:7001"] and not job[1].local
+            named = placement.place(2, [("localhost", 1), (address, 1)], ports=[7000, 7001],
+                                    network_interfaces=["lo", name])
+            assert named[0].address == "127.0.0.1:7000"
+    assert placement.place(2, [("localhost", 1), ("127.0.0.2", 1)], ports=[1, 2])[0].address == "127.0.0.1:1"
+    assert placement.place(1, [("localhost", 1)], ports=[1])[0].address == "127.0.0.1:1"
+    with pytest.raises(placement.LaunchError, match="network interface 'nosuch0' does not exist on this host"):
+        placement.place(1, [("localhost", 1)], ports=[1], network_interfaces=["nosuch0", "lo"])
+    for name in [n for n, a in own.items() if a is None][:1]:          # an interface without IPv4 (if any)
+        with pytest.raises(placement.LaunchError, match=f"--network-interfaces {name}: it has no IPv4 address"):
+            placement.place(1, [("localhost", 1)], ports=[1], network_interfaces=[name])
+        assert addresses.named_address([name, "lo"]) == "127.0.0.1"
+    with pytest.raises(placement.LaunchError, match="host 'nosuch.invalid': cannot resolve it on this host"):
+        placement.place(1, [("nosuch.invalid", 1)], ports=[1])
+    # an elastic job's remote workers reach its rendezvous server the same way
+    job = elastic.ElasticJob(["true"], "/bin/true", 1, 1)
+    try:
+        remote = placement.Placement(0, "worker", 0, "127.0.0.2", "", 0, 1, False)
+        assert job._rendezvous_address(remote) == f"127.0.0.1:{job.server.port}"
+        job.network_interfaces = ["nosuch0"]
+        with pytest.raises(placement.LaunchError, match="'nosuch0' does not exist"):
+            job._rendezvous_address(remote)
+    finally:
+        job.server.close()
+    with pytest.raises(placement.LaunchError, match="'nosuch0' does not exist"):
+        elastic.launch_elastic(["true"], "/bin/true", 1, 1, network_interfaces=["nosuch0"])
 
 
 def remote_rank(tmp_path, body: str, env=None, token="a" * 32, command=None, interpreter=None, path=None):
