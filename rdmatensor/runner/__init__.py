@@ -5,6 +5,7 @@ framework is imported here (TensorFlow's face, tf_plugin, reads it).
     placement.py    hosts and slots, where each rank runs, the environment it starts with
     processes.py    the job's processes: started, output prefixed, watched, stopped together
     ssh.py          a rank on another host, stopped when its connection ends
+    addresses.py    this host's address as a remote peer reaches it
     elastic.py      elastic jobs: the discovery script, workers added and lost
     rendezvous_server.py, rendezvous_client.py
                     the rounds an elastic job's workers join (or, under another
