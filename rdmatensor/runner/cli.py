@@ -44,6 +44,7 @@ import os
 import shlex
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from .. import __version__
@@ -93,8 +94,10 @@ def parser() -> argparse.ArgumentParser:
     elastic = p.add_argument_group("elastic jobs (as horovodrun's; see rdmatensor.runner.elastic)")
     elastic.add_argument("--host-discovery-script", metavar="SCRIPT",
                          help="prints the hosts that may run workers now, one host:slots per line")
-    elastic.add_argument("--min-np", type=int, help="fewest workers the job trains with")
-    elastic.add_argument("--max-np", type=int, help="most workers the job trains with")
+    elastic.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int,
+                         help="fewest workers the job trains with")
+    elastic.add_argument("--max-np", "--max-num-proc", dest="max_np", type=int,
+                         help="most workers the job trains with")
     elastic.add_argument("--elastic-timeout", type=float, default=600.0,
                          help="seconds the job waits for --min-np workers before it fails (default 600)")
     elastic.add_argument("--discovery-interval", type=float, default=1.0,
@@ -127,16 +130,22 @@ def parsed_without_defaults(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = parser()
+@dataclass
+class Plan:
+    """What a command line asks main() to do, decided before anything starts."""
+    kind: str                   # print (text), vm (re-run in a VM), static (processes.launch), elastic
+    text: str = ""
+    env: dict[str, str] = field(default_factory=dict)       # the flags' variables, for every rank
+    kwargs: dict = field(default_factory=dict)              # the launch function's arguments
+
+
+def plan(p: argparse.ArgumentParser, argv: list[str]) -> Plan:
+    """The Plan for `argv`; a command line that cannot run is p.error() (exit 2, saying why)."""
     args = p.parse_args(argv)
     if args.version:
-        print(f"rdmatensor-run {__version__}")
-        return 0
+        return Plan("print", f"rdmatensor-run {__version__}")
     if args.check_build:
-        print(check_build())
-        return 0
+        return Plan("print", check_build())
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     try:
         if args.config_file:
@@ -147,19 +156,37 @@ def main(argv=None) -> int:
             if args.hosts:
                 raise LaunchError("give the hosts once: -H or --hostfile")
             args.hosts = horovodrun_flags.read_hostfile(args.hostfile)
+        if args.slots_per_host is not None:
+            if args.host_discovery_script:
+                raise LaunchError("--slots-per-host gives slots to -H/--hostfile hosts written without :N; in an "
+                                  "elastic job the discovery script writes each host's as host:N")
+            if args.hosts:
+                args.hosts = horovodrun_flags.with_slots(args.hosts, args.slots_per_host)
         env = horovodrun_flags.environment(args)
     except LaunchError as exc:
         p.error(str(exc))
-    os.environ.update(env)                    # local ranks inherit it, remote ones get it forwarded
-    args.forward += [k for k in env if k not in args.forward]
+    if args.tcp:
+        if args.provider not in (None, "tcp"):
+            p.error(f"--tcp means --provider tcp, not --provider {args.provider}")
+        args.provider = "tcp"
+    if args.ssh_identity_file and not os.access(args.ssh_identity_file, os.R_OK):
+        p.error(f"--ssh-identity-file {args.ssh_identity_file}: not a readable file")
     if not command:
         p.error("give the command every rank runs, e.g. rdmatensor-run -np 2 python train.py")
     if args.timeout is not None and args.timeout <= 0:
         p.error(f"--timeout {args.timeout:g}: must be positive")
     if args.failure_wait < 0:
         p.error(f"--failure-wait {args.failure_wait:g}: must be 0 or more")
+    # the launch's own arguments, with the variables the flags set forwarded to remote ranks
+    common = dict(command=command, provider=args.provider, timeout=args.timeout, grace=args.grace,
+                  forward=args.forward + [k for k in env if k not in args.forward], ssh_port=args.ssh_port,
+                  output_dir=args.output_filename, ssh_identity_file=args.ssh_identity_file,
+                  network_interfaces=args.network_interfaces)
+    if args.prefix_output_with_timestamp:
+        common.update(stdout=horovodrun_flags.TimestampedLines(sys.stdout.buffer),
+                      stderr=horovodrun_flags.TimestampedLines(sys.stderr.buffer))
     if args.host_discovery_script or args.min_np is not None or args.max_np is not None:
-        return main_elastic(p, args, command)
+        return Plan("elastic", env=env, kwargs=elastic_arguments(p, args, common))
     if args.np is None:
         p.error("-np is required (or --host-discovery-script with --min-np/--max-np for an elastic job)")
     try:
@@ -171,14 +198,14 @@ def main(argv=None) -> int:
     except LaunchError as exc:
         p.error(str(exc))
     if args.softroce_vm and not os.environ.get(IN_VM):
-        return run_in_vm(argv, args.timeout)
-    return launch(command, args.np, hosts, args.ps, args.provider, args.timeout, args.grace,
-                  forward=args.forward, ssh_port=args.ssh_port, failure_wait=args.failure_wait,
-                  bind_to=args.bind_to, output_dir=args.output_filename, verbose=args.verbose)
+        return Plan("vm", env=env, kwargs={"timeout": args.timeout})
+    return Plan("static", env=env, kwargs=dict(common, np=args.np, hosts=hosts, ps=args.ps,
+                                               failure_wait=args.failure_wait, bind_to=args.bind_to,
+                                               verbose=args.verbose))
 
 
-def main_elastic(p: argparse.ArgumentParser, args, command: list[str]) -> int:
-    from .elastic import launch_elastic
+def elastic_arguments(p: argparse.ArgumentParser, args, common: dict) -> dict:
+    """launch_elastic's arguments (elastic.py), checked."""
     if not args.host_discovery_script:
         p.error("--min-np/--max-np need --host-discovery-script (which hosts may run workers)")
     if args.ps or args.hosts or args.softroce_vm:
@@ -193,10 +220,28 @@ def main_elastic(p: argparse.ArgumentParser, args, command: list[str]) -> int:
         p.error(f"--reset-limit {args.reset_limit}: must be 0 or more")
     if not os.access(args.host_discovery_script, os.X_OK):
         p.error(f"--host-discovery-script {args.host_discovery_script}: not an executable file")
-    return launch_elastic(command, os.path.abspath(args.host_discovery_script), min_np, max_np, args.np,
-                          args.provider, args.timeout, args.elastic_timeout, args.discovery_interval,
-                          args.reset_limit, grace=args.grace, forward=args.forward, ssh_port=args.ssh_port,
-                          output_dir=args.output_filename)
+    return dict(common, script=os.path.abspath(args.host_discovery_script), min_np=min_np, max_np=max_np,
+                np=args.np, elastic_timeout=args.elastic_timeout, discovery_interval=args.discovery_interval,
+                reset_limit=args.reset_limit)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = parser()
+    todo = plan(p, argv)
+    if todo.kind == "print":
+        print(todo.text)
+        return 0
+    os.environ.update(todo.env)               # local ranks inherit it, remote ones get it forwarded
+    if todo.kind == "vm":
+        return run_in_vm(argv, todo.kwargs["timeout"])
+    try:
+        if todo.kind == "elastic":
+            from .elastic import launch_elastic
+            return launch_elastic(**todo.kwargs)
+        return launch(**todo.kwargs)
+    except LaunchError as exc:               # an interface or host that does not resolve, before any rank starts
+        p.error(str(exc))
 
 
 if __name__ == "__main__":

@@ -84,15 +84,6 @@ def test_settings_read_either_name_and_say_what_is_wrong():
     settings.apply_log_level({})
 
 
-def test_refused_flags_say_why_and_help_lists_both():
-    help_text = parser().format_help()
-    assert "--fusion-threshold-mb" in help_text and "do not apply here" in help_text
-    for flag, why in horovodrun_flags.REFUSED.items():
-        proc = run(["-np", "2", flag, "1", "true"], timeout=60)
-        assert proc.returncode == 2 and f"{flag} (horovodrun's) does not apply here: {why}" in proc.stderr, flag
-        assert flag in help_text
-
-
 def test_flags_map_to_the_ranks_environment():
     args = parser().parse_args(["-np", "1", "--fusion-threshold-mb", "32", "--no-hierarchical-allreduce",
                                 "--log-level", "debug", "--stall-check-warning-time-seconds", "5", "x"])
