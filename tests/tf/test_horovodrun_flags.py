@@ -222,6 +222,9 @@ def test_the_flags_values_are_checked(files, capsys):
     got = plan_of(["-np", "2", "--network-interface", "eth1", "--network-interfaces", "eth0,eth1", "true"])
     assert got.kwargs["network_interfaces"] == ["eth1", "eth0"]
     assert "an empty interface name" in refusal(["-np", "2", "--network-interfaces", "eth0,", "true"], capsys)
+    with pytest.raises(SystemExit) as exit_:           # checked as the launch places the ranks, before any starts
+        cli.main(["-np", "1", "--network-interfaces", "nope0", "true"])
+    assert exit_.value.code == 2 and "'nope0'" in capsys.readouterr().err.splitlines()[-1]
 
 
 def test_the_config_files_library_options_and_a_flag_that_wins(files, capsys):
