@@ -735,18 +735,22 @@ def _hostile_replies(provider: str, tmp_path):
             ("NUL in host", pb.ExchangeReply(channel=ch(host="a\0b", port=9, key=good_key)), "PeerLost"),
             ("unreachable port", pb.ExchangeReply(channel=ch(host="127.0.0.1", port=1, key=good_key)), "PeerLost"),
         ]
-    # shm: the regions locate segments (name:pid:fd) for rank 0 to map.
+    # shm: the regions locate segments (name:pid:hand-over socket:nonce) for rank 0 to map.
     import os
     from rdmatensor.memory import Arena
     planted = tmp_path / "victim-file"
     planted.write_bytes(b"precious" * 512)
-    os.mkfifo(tmp_path / "fifo", 0o600)
     unsealed = os.memfd_create("rdmatensor-" + "1" * 24)
     os.ftruncate(unsealed, 4096)
-    opened = [os.open(planted, os.O_RDWR), os.open(tmp_path / "fifo", os.O_RDWR | os.O_NONBLOCK), unsealed]
+    opened = [os.open(planted, os.O_RDWR), unsealed]
     real = Arena(4096, shared=True)
     me = os.getpid()
-    name = lambda fd: f"rdmatensor-{'0' * 24}:{me}:{fd}"  # noqa: E731
+    nonce = "0" * 32
+    handing = {what: _FakeHandover(fd, parked) for what, fd, parked in [
+        ("file", opened[0], False), ("parked file", opened[0], True), ("unsealed", unsealed, True),
+        ("nothing", None, False)]}
+    at = lambda what, name="rdmatensor-" + "1" * 24, pid=me: f"{name}:{pid}:{handing[what].address}:{nonce}"  # noqa: E731
+    real_name, _, real_address, real_nonce = real.name.split(":")
     ch = pb.ChannelParams(provider="shm", path=b"\0nobody".hex(), host_id=host_id(), key=good_key)
     region = lambda name, size=4096: pb.Region(region_id=0, size=size, key=1, shm_name=name)  # noqa: E731
     cases = [
@@ -757,18 +761,66 @@ def _hostile_replies(provider: str, tmp_path):
          "TransportError"),
         ("path not hex", pb.ExchangeReply(channel=pb.ChannelParams(provider="shm", path="xyz", host_id=host_id(),
                                                                    key=good_key)), "TransportError"),
-        ("no such process", pb.ExchangeReply(channel=ch, regions=[region(f"rdmatensor-{'0' * 24}:4000000000:3")]),
-         "ForeignSegment"),
+        ("no such process", pb.ExchangeReply(channel=ch, regions=[region(
+            f"rdmatensor-{'0' * 24}:4000000000:{'0' * 24}:{nonce}")]), "ForeignSegment"),
         ("path escape", pb.ExchangeReply(channel=ch, regions=[region("../../etc/passwd")]), "ForeignSegment"),
-        ("fd of a file", pb.ExchangeReply(channel=ch, regions=[region(name(opened[0]))]), "ForeignSegment"),
-        ("fd of a fifo", pb.ExchangeReply(channel=ch, regions=[region(name(opened[1]))]), "ForeignSegment"),
-        ("unsealed memfd", pb.ExchangeReply(channel=ch, regions=[region(f"rdmatensor-{'1' * 24}:{me}:{unsealed}")]),
+        ("a /proc/<pid>/fd locator (no nonce)", pb.ExchangeReply(channel=ch, regions=[region(
+            f"{real_name}:{me}:{opened[0]}")]), "ForeignSegment"),
+        ("a socket that is not the named process's", pb.ExchangeReply(channel=ch, regions=[region(
+            at("file", pid=1))]), "ForeignSegment"),
+        ("hands over a file", pb.ExchangeReply(channel=ch, regions=[region(at("file"))]), "ForeignSegment"),
+        ("hands over a file, parked", pb.ExchangeReply(channel=ch, regions=[region(at("parked file"))]),
          "ForeignSegment"),
-        ("another segment's name", pb.ExchangeReply(channel=ch, regions=[region(name(real.name.split(":")[2]))]),
+        ("hands over an unsealed memfd", pb.ExchangeReply(channel=ch, regions=[region(at("unsealed"))]),
          "ForeignSegment"),
+        ("hands over nothing", pb.ExchangeReply(channel=ch, regions=[region(at("nothing"))]), "ForeignSegment"),
+        ("a real segment, a wrong nonce", pb.ExchangeReply(channel=ch, regions=[region(
+            f"{real_name}:{me}:{real_address}:{nonce}")]), "ForeignSegment"),
         ("size 0", pb.ExchangeReply(channel=ch, regions=[region(real.name, 0)]), "ForeignSegment"),
+        ("another segment's name", pb.ExchangeReply(channel=ch, regions=[region(
+            f"rdmatensor-{'2' * 24}:{me}:{real_address}:{real_nonce}")]), "ForeignSegment"),
     ]
-    return cases, (opened, real), planted
+    return cases, (opened, [real, *handing.values()]), planted
+
+
+class _FakeHandover:
+    """A hostile owner's hand-over socket, in this process: to each caller it
+    sends `fd` (inside a parked socket if `parked`), or nothing if None."""
+
+    def __init__(self, fd: int | None, parked: bool):
+        import secrets
+        self.fd, self.parked = fd, parked
+        self.address = secrets.token_hex(12)
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(f"\0rdmatensor-arenas-{self.address}")
+        self.listener.listen()
+        self.listener.settimeout(0.1)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except socket.timeout:
+                continue
+            with conn:
+                conn.settimeout(5)
+                if len(conn.recv(16, socket.MSG_WAITALL)) < 16 or self.fd is None:
+                    continue                    # the caller went (a wrong pid), or nothing to give
+                if not self.parked:
+                    socket.send_fds(conn, [b"\1"], [self.fd])
+                    continue
+                held, sender = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+                with held, sender:
+                    socket.send_fds(sender, [b"\1"], [self.fd])
+                    socket.send_fds(conn, [b"\1"], [held.fileno()])
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.listener.close()
 
 
 @pytest.mark.parametrize("provider", ["tcp", "shm"])
@@ -812,6 +864,7 @@ def test_hostile_exchange_replies_give_typed_errors_and_leave_nothing(provider, 
             import os
             for fd in extra[0]:
                 os.close(fd)
-            extra[1].close()
+            for closable in extra[1]:
+                closable.close()
     end = settle(base)
     assert all(end[k] <= base[k] for k in base), (base, end)

@@ -41,8 +41,9 @@ class ShmChannel(StreamChannel):
 
     @classmethod
     def viable(cls) -> tuple[bool, str]:
-        if not hasattr(os, "memfd_create") or not os.access("/proc/self/fd", os.R_OK):
-            return False, "shared arenas need memfd_create and /proc"
+        if (not hasattr(os, "memfd_create") or not hasattr(socket, "send_fds")
+                or not os.access("/proc/self/fd", os.R_OK)):
+            return False, "shared arenas need memfd_create, descriptor passing and /proc"
         if not ORDERED_CPU:
             return False, "the shm completion ring relies on x86-64's store order"
         return True, "peers on this host map each other's arenas"
@@ -71,9 +72,9 @@ class ShmChannel(StreamChannel):
         if theirs != host_id():
             if theirs.split(":", 1)[0] == host_id().split(":", 1)[0]:          # same boot: same host
                 raise TransportError(f"peer {self.peer} runs on this host but in another PID namespace (another "
-                                     f"container): shm opens the peer's memory through /proc/<pid>, so both need one "
-                                     f"PID namespace (docker run --pid=host, shareProcessNamespace in a Kubernetes "
-                                     f"pod), or set RDMATENSOR_PROVIDER=tcp")
+                                     f"container): shm takes the peer's memory only from the process whose pid "
+                                     f"the peer announced, so both need one PID namespace (docker run --pid=host, "
+                                     f"shareProcessNamespace in a Kubernetes pod), or set RDMATENSOR_PROVIDER=tcp")
             raise TransportError(f"peer {self.peer} is on another host: shm needs both on one host")
 
     def _dial(self, params: dict, timeout: float) -> socket.socket:
@@ -290,8 +291,8 @@ _HOST_ID = None
 
 
 def host_id() -> str:
-    """Identifies this host and PID namespace (a peer's arenas are opened
-    through its /proc/<pid>), so shm is not tried across them."""
+    """Identifies this host and PID namespace (a peer's arenas are taken only
+    from the pid its locators name), so shm is not tried across them."""
     global _HOST_ID
     if _HOST_ID is None:
         try:
