@@ -18,7 +18,7 @@ PACKAGES = ("rdmatensor", "tf_plugin", "bench")
 # A part is named by its dotted prefix, the longest that matches wins.
 LAYERS = [
     {"rdmatensor.errors", "rdmatensor.native", "rdmatensor.streaming", "rdmatensor.plan", "rdmatensor.memory",
-     "rdmatensor.devices"},
+     "rdmatensor.devices", "rdmatensor.environment"},
     {"rdmatensor.control"},
     {"rdmatensor.providers"},
     {"rdmatensor.session"},

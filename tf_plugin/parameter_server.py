@@ -24,7 +24,6 @@ shape may vary only in its first dimension.
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -53,7 +52,7 @@ def run(model, loss: Callable, optimizer, dataset: Iterable | None, steps: int, 
     cluster: default from TF_CONFIG (or Slurm); provider: default RDMATENSOR_PROVIDER, else auto;
     token: default RDMATENSOR_TOKEN. input_signature: (x spec, y spec), default from the first batch.
     """
-    from rdmatensor import connect
+    from rdmatensor import connect, environment
 
     from .graph.analyzer import analyze
     from rdmatensor.runner.cluster import Cluster
@@ -79,10 +78,10 @@ def run(model, loss: Callable, optimizer, dataset: Iterable | None, steps: int, 
         input_signature = input_signature or [_spec(t) for t in first]
     step = Step.for_model(model, loss, input_signature, sparse="dedupe")
     analysis = analyze(step, "ps", cluster.num_workers, cluster.num_ps)
-    provider = provider or os.environ.get("RDMATENSOR_PROVIDER", "auto")
+    provider = provider or environment.get("RDMATENSOR_PROVIDER", "auto")
     result = Result(cluster.rank, cluster.task_type)
     with connect(cluster.rank, cluster.peers(), analysis.plan, provider=provider,
-                 token=token or os.environ.get("RDMATENSOR_TOKEN"), timeout=timeout) as session:
+                 token=token or environment.get("RDMATENSOR_TOKEN"), timeout=timeout) as session:
         JobFailure(cluster.rank).watch(session)     # a lost rank fails every call of this one
         t0 = time.perf_counter()
         if cluster.is_worker:

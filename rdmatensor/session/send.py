@@ -17,10 +17,10 @@ write completed.
 """
 from __future__ import annotations
 
-import os
 
 import numpy as np
 
+from .. import environment
 from ..errors import PeerLost, RdmaTensorError, SendTimeout, TensorMismatch, UnknownTensor, UsageError
 from ..plan import TensorSpec
 from ..providers.contract import INDEX_BITS, MAX_TAG, HeldPieces, Pieces
@@ -35,7 +35,7 @@ BATCH = 32      # send_many() posts its queue once it holds this many writes (on
 # A piece of a gather write at least this large is registered for its write
 # (on verbs) instead of copied into staging: registering and deregistering it
 # cost less than copying it in the SoftRoCE VM from 64 KiB up (bench/registration_cost.py).
-REGISTER_MIN = int(os.environ.get("RDMATENSOR_VERBS_REGISTER_MIN", "") or 256 << 10)
+REGISTER_MIN = int(environment.get("RDMATENSOR_VERBS_REGISTER_MIN", str(256 << 10)))
 
 
 def tag_bits(tag: int) -> int:

@@ -5,7 +5,9 @@ behaves as the user asked. Where both are set, the RDMATENSOR_* one wins.
 Horovod variables that mean nothing here (there is no coordinator cycle, no
 GPU, no autotuner) are listed in IGNORED; one a user set is named in one
 warning at init(). Those that launchers set for their own use (horovodrun's
-HOROVOD_GLOO_*, HOROVOD_CONTROLLER, ...) are not worth a warning (SET_BY_LAUNCHERS).
+HOROVOD_GLOO_*, HOROVOD_CONTROLLER, ...) are not worth a warning (SET_BY_LAUNCHERS),
+nor are those that ask for what is always so here (NEEDLESS).
+A variable set to "" is unset (rdmatensor.environment).
 docs/environment.md lists every variable the project reads.
 """
 from __future__ import annotations
@@ -13,6 +15,9 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+
+from rdmatensor import UsageError
+from rdmatensor import environment
 
 log = logging.getLogger("rdmatensor")
 
@@ -27,8 +32,9 @@ class Setting:
     def raw(self, env=os.environ) -> tuple[str, str]:
         """(value, the variable it came from); the default's name is 'default'."""
         for var in (self.name, self.horovod):
-            if var and env.get(var, "") != "":
-                return env[var], var
+            value = environment.get(var, None, env) if var else None
+            if value is not None:
+                return value, var
         return self.default, "default"
 
 
@@ -55,8 +61,15 @@ STALL_SHUTDOWN_TIME = Setting(
     "seconds after which a stalled collective fails with an error naming them (0: it waits until the timeout)")
 STALL_CHECK_DISABLE = Setting(
     "RDMATENSOR_STALL_CHECK_DISABLE", "HOROVOD_STALL_CHECK_DISABLE", "0", "1: no stall warning")
+TIMEOUT = Setting(
+    "RDMATENSOR_TIMEOUT", "HOROVOD_GLOO_TIMEOUT_SECONDS", "120",
+    "seconds a rank waits for the others at init() and in a collective before it raises (Horovod's gloo "
+    "timeout, whose default is 30)")
+ELASTIC_TIMEOUT = Setting(
+    "RDMATENSOR_ELASTIC_TIMEOUT", "HOROVOD_ELASTIC_TIMEOUT", "600",
+    "seconds an elastic job waits for enough workers; a worker waits this long, and 60 more, to join a round")
 SETTINGS = (FUSION_THRESHOLD, TIMELINE, HIERARCHICAL_ALLREDUCE, LOG_LEVEL, STALL_CHECK_TIME, STALL_SHUTDOWN_TIME,
-            STALL_CHECK_DISABLE)
+            STALL_CHECK_DISABLE, TIMEOUT, ELASTIC_TIMEOUT)
 
 IGNORED = {
     "HOROVOD_CYCLE_TIME": "there is no coordinator cycle: a collective starts when every rank calls it",
@@ -75,20 +88,25 @@ IGNORED = {
     "HOROVOD_ENABLE_ASYNC_COMPLETION": "no GPU",
     "HOROVOD_ENABLE_XLA_OPS": "no XLA ops",
     "HOROVOD_LOG_HIDE_TIME": "the 'rdmatensor' logger's format is the application's",
+    "HOROVOD_START_TIMEOUT": "horovodrun's own bound on starting the processes; ranks have RDMATENSOR_TIMEOUT to "
+                             "find each other",
+}
+# Asks for what is always so here: accepted silently
+NEEDLESS = {
+    "HOROVOD_DYNAMIC_PROCESS_SETS": "process sets may be added and removed after init() without it",
 }
 SET_BY_LAUNCHERS = {
     "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK",
     "HOROVOD_CROSS_SIZE", "HOROVOD_HOSTNAME", "HOROVOD_CONTROLLER", "HOROVOD_CPU_OPERATIONS",
     "HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT", "HOROVOD_GLOO_IFACE",
-    "HOROVOD_GLOO_TIMEOUT_SECONDS",
-    "HOROVOD_ELASTIC", "HOROVOD_ELASTIC_TIMEOUT", "HOROVOD_SECRET_KEY", "HOROVOD_START_TIMEOUT", "HOROVOD_MPI",
+    "HOROVOD_ELASTIC", "HOROVOD_SECRET_KEY", "HOROVOD_MPI",
 }
 
 LOG_LEVELS = {"trace": logging.DEBUG - 5, "debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
               "error": logging.ERROR, "fatal": logging.CRITICAL}
 
 
-class SettingError(ValueError):
+class SettingError(UsageError, ValueError):
     """An environment variable whose value cannot be used."""
 
 
@@ -148,10 +166,10 @@ def apply_log_level(env=os.environ) -> int:
 
 def ignored_in(env=os.environ) -> dict[str, str]:
     """The HOROVOD_* variables set here that mean nothing to this project, and why."""
-    known = {s.horovod for s in SETTINGS} | SET_BY_LAUNCHERS
+    known = {s.horovod for s in SETTINGS} | SET_BY_LAUNCHERS | set(NEEDLESS)
     out = {}
     for var in sorted(env):
-        if not var.startswith("HOROVOD_") or var in known or env[var] == "":
+        if not var.startswith("HOROVOD_") or var in known or environment.get(var, None, env) is None:
             continue
         out[var] = IGNORED.get(var, "not a setting of this project")
     return out

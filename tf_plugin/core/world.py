@@ -9,11 +9,13 @@ Where the job comes from:
 - RDMATENSOR_TOKEN: the job's shared secret (required with more than one rank);
 - RDMATENSOR_LOCAL_RANK / RDMATENSOR_LOCAL_SIZE: set by the launcher; without
   them, the workers of TF_CONFIG on this worker's host are counted;
-- RDMATENSOR_PROVIDER (default auto), RDMATENSOR_TIMEOUT (seconds, default 120),
-  RDMATENSOR_CHECK_FINITE (1: allreduce raises NonFiniteValue on a NaN or Inf,
-  see checked_collectives.py);
-- the settings Horovod has too (fusion threshold, time line, hierarchical
-  all-reduce, log level, stall check), under either name: settings.py.
+- RDMATENSOR_PROVIDER (default auto), RDMATENSOR_CHECK_FINITE (1: allreduce
+  raises NonFiniteValue on a NaN or Inf, see checked_collectives.py);
+- the settings Horovod has too (timeout, elastic timeout, fusion threshold,
+  time line, hierarchical all-reduce, log level, stall check), under either
+  name: settings.py.
+
+A variable set to "" is unset (rdmatensor.environment).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import threading
 from dataclasses import dataclass, field
 
 from rdmatensor import UsageError
+from rdmatensor import environment
 
 from .bootstrap import Bootstrap, PortReservation
 from .checked_collectives import CheckedCollectives, finite_check_from_env
@@ -82,7 +85,7 @@ def _host(address: str) -> str:
 
 def local_of(cluster: Cluster) -> tuple[int, int]:
     """(local rank, local size): the launcher's environment, else this host's workers in TF_CONFIG."""
-    env_rank, env_size = os.environ.get("RDMATENSOR_LOCAL_RANK"), os.environ.get("RDMATENSOR_LOCAL_SIZE")
+    env_rank, env_size = environment.get("RDMATENSOR_LOCAL_RANK"), environment.get("RDMATENSOR_LOCAL_SIZE")
     if env_rank is not None and env_size is not None:
         try:
             local_rank, local_size = int(env_rank), int(env_size)
@@ -114,7 +117,7 @@ def init(provider: str | None = None, cluster: Cluster | None = None, token: str
         reservation, joined, found = None, None, None
         if cluster is None and rendezvous.configured():
             reservation, cluster, joined = _join_round()
-        elif cluster is None and os.environ.get("TF_CONFIG"):
+        elif cluster is None and environment.get("TF_CONFIG"):
             cluster = Cluster.from_tf_config()
         elif cluster is None and (found := rendezvous.LauncherEnv.detect()) is not None and found.size > 1:
             reservation, cluster, joined = _join_launcher(found, token, timeout)
@@ -123,11 +126,11 @@ def init(provider: str | None = None, cluster: Cluster | None = None, token: str
             raise UsageError(f"task {cluster.task_type}:{cluster.task_index} is not a worker: only workers "
                              f"join the collectives (parameter servers run tf_plugin.graph.ps_step)")
         size, rank = cluster.num_workers, cluster.rank
-        token = token or os.environ.get("RDMATENSOR_TOKEN")
+        token = token or environment.get("RDMATENSOR_TOKEN")
         if size > 1 and not token:
             raise UsageError("RDMATENSOR_TOKEN is not set: every worker of the job needs its shared token")
-        provider = provider or os.environ.get("RDMATENSOR_PROVIDER", "auto")
-        timeout = float(timeout or os.environ.get("RDMATENSOR_TIMEOUT", 120.0))
+        provider = provider or environment.get("RDMATENSOR_PROVIDER", "auto")
+        timeout = float(timeout or settings.seconds(settings.TIMEOUT))
         peers = {r: a for r, a in enumerate(cluster.workers)}
         if reservation is not None:
             reservation.close()            # the bootstrap session's control server binds it now
@@ -159,8 +162,8 @@ def init(provider: str | None = None, cluster: Cluster | None = None, token: str
 def _join_round():
     """An elastic job's worker: a port for its control server, then its place in
     the next round (rank, peers) from the launcher's rendezvous."""
-    host = os.environ.get("RDMATENSOR_HOST", "127.0.0.1")
-    timeout = float(os.environ.get("RDMATENSOR_ELASTIC_TIMEOUT", 600.0)) + 60.0   # the launcher's, then ours
+    host = environment.get("RDMATENSOR_HOST", "127.0.0.1")
+    timeout = settings.seconds(settings.ELASTIC_TIMEOUT) + 60.0   # the launcher's, then ours
     reservation = PortReservation(host)
     try:
         joined = rendezvous.join(host, reservation.port, _last_round, timeout)
@@ -173,16 +176,17 @@ def _join_round():
 def _join_launcher(found: rendezvous.LauncherEnv, token: str | None, timeout: float | None):
     """Started by torchrun, mpirun, srun or horovodrun: a port of its own, then every rank's
     address through rank 0's rendezvous (rank, size and local rank are the launcher's)."""
-    token = token or os.environ.get("RDMATENSOR_TOKEN")
+    token = token or environment.get("RDMATENSOR_TOKEN")
     if not token:
         raise UsageError(f"RDMATENSOR_TOKEN is not set: started by {found.launcher}, every rank needs the job's "
                          f"shared token (e.g. export RDMATENSOR_TOKEN=$(openssl rand -hex 16) and pass it on, "
                          f"mpirun -x RDMATENSOR_TOKEN)")
-    os.environ.setdefault("RDMATENSOR_TOKEN", token)
+    if environment.get("RDMATENSOR_TOKEN") is None:
+        os.environ["RDMATENSOR_TOKEN"] = token          # the rendezvous client reads it there
     reservation = PortReservation(rendezvous.route_to(found.route))
     try:
         joined, server = rendezvous.join_launcher(found, reservation.port,
-                                                  float(timeout or os.environ.get("RDMATENSOR_TIMEOUT", 120.0)))
+                                                  float(timeout or settings.seconds(settings.TIMEOUT)))
     except BaseException:
         reservation.close()
         raise

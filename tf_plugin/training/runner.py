@@ -277,6 +277,7 @@ def main(argv=None) -> int:
     import logging
     from pathlib import Path
 
+    from rdmatensor import environment
     from rdmatensor.runner.cluster import Cluster
     parser = argparse.ArgumentParser(description="one rank of a tf_plugin training job")
     parser.add_argument("--config", required=True, help="the JobConfig as JSON")
@@ -284,7 +285,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     config = JobConfig.from_dict(json.loads(args.config))
-    if os.environ.get("TF_CONFIG") or "HOROVOD_RANK" not in os.environ:
+    if environment.get("TF_CONFIG") or environment.get("HOROVOD_RANK") is None:
         cluster = Cluster.from_tf_config()
     else:                                   # started by horovodrun (the horovod baseline): no addresses needed
         cluster = Cluster(("-",) * int(os.environ["HOROVOD_SIZE"]), task_index=int(os.environ["HOROVOD_RANK"]))

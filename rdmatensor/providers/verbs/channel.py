@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
-import os
 import threading
 import time
 
 import numpy as np
 
+from ... import environment
 from ...errors import PeerLost, ProviderUnavailable, RdmaTensorError, TransportError
 from ...memory import Arena
 from ..contract import Capabilities, Channel, Pieces
@@ -44,12 +44,12 @@ from .rc import MAX_CHAIN, READ_ONLY, RECV_BATCH, REMOTE_WRITE, RcParams, Remote
 
 SEND_DEPTH = 256
 # A waiter polls the CQ itself this long before it sleeps (RDMATENSOR_VERBS_SPIN_US: 0 sleeps at once).
-SPIN_SECONDS = float(os.environ.get("RDMATENSOR_VERBS_SPIN_US", "") or 2000) / 1e6
+SPIN_SECONDS = float(environment.get("RDMATENSOR_VERBS_SPIN_US", "2000")) / 1e6
 DEFER_SECONDS = 0.005      # after a waiter's last poll, the background thread takes no events this long,
                            # and credits are owed: it looks this often, and posts them
 # After its spin, a compiled waiter sleeps on the completion channel itself up to this long, so the
 # completion it waits for wakes it alone (RDMATENSOR_VERBS_SLEEP_MS; 0: the background thread hands it over).
-SLEEP_SECONDS = float(os.environ.get("RDMATENSOR_VERBS_SLEEP_MS", "") or 250) / 1e3
+SLEEP_SECONDS = float(environment.get("RDMATENSOR_VERBS_SLEEP_MS", "250")) / 1e3
 PARK_SECONDS = 1.0         # while a waiter polls and nothing is owed, the background thread sleeps this long,
                            # woken sooner when a credit is owed, a waiter sleeps, the peer says goodbye or the
                            # channel closes: each wake takes the GIL from a streaming sender (the NIC's CPU)

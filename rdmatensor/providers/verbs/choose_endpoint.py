@@ -2,8 +2,7 @@
 else pyverbs; `RDMATENSOR_VERBS_ENDPOINT=native|pyverbs` forces one."""
 from __future__ import annotations
 
-import os
-
+from ... import environment
 from ...errors import ProviderUnavailable
 from . import native_endpoint
 
@@ -13,7 +12,7 @@ ENDPOINTS = ("native", "pyverbs")
 
 def endpoint_kind(asked: str | None = None) -> str:
     """The endpoint to open: `asked`, else the environment's, else native when built."""
-    asked = asked or os.environ.get(ENDPOINT_ENV, "")
+    asked = asked or environment.get(ENDPOINT_ENV, "")
     if asked and asked not in ENDPOINTS:
         raise ProviderUnavailable(f"{ENDPOINT_ENV}={asked!r}: choose {' or '.join(ENDPOINTS)}")
     if asked:

@@ -142,7 +142,7 @@ def rails(env=os.environ) -> int:
 def choose_rails(count: int, env=os.environ) -> list[tuple[str, int, int]]:
     """(device, port, GID index) of each rail: the first `count` ports RDMATENSOR_IB_HCA
     leaves, in its order; DeviceError when there are fewer."""
-    spec = env.get(HCA_ENV, "").strip()
+    spec = hca(env)
     left = allowed(_candidates(), spec)
     if len(left) < count:
         raise DeviceError(f"{RAILS_ENV}={count} but only {len(left)} ACTIVE port(s) "
@@ -153,16 +153,29 @@ def choose_rails(count: int, env=os.environ) -> list[tuple[str, int, int]]:
 
 def choose(env=os.environ) -> tuple[str, int, int]:
     """(device, port, GID index) for this rank."""
-    pick = select(_candidates(), env.get(HCA_ENV, "").strip(), local_rank(env), _my_numa_nodes())
+    pick = select(_candidates(), hca(env), local_rank(env), _my_numa_nodes())
     return _with_gid(pick, env)
 
 
-def _with_gid(pick: Candidate, env) -> tuple[str, int, int]:
+def hca(env=os.environ) -> str:
+    """RDMATENSOR_IB_HCA, stripped ("": every ACTIVE port)."""
+    return env.get(HCA_ENV, "").strip()
+
+
+def gid_index(env=os.environ) -> int | None:
+    """RDMATENSOR_IB_GID_INDEX, or None where unset (the port's RoCE v2 GID then)."""
     raw = env.get(GID_ENV, "").strip()
-    if raw:
-        if not raw.isdigit():
-            raise DeviceError(f"{GID_ENV}={raw!r}: expected a GID index (a whole number)")
-        return pick.device, pick.port, int(raw)
+    if not raw:
+        return None
+    if not raw.isdigit():
+        raise DeviceError(f"{GID_ENV}={raw!r}: expected a GID index (a whole number)")
+    return int(raw)
+
+
+def _with_gid(pick: Candidate, env) -> tuple[str, int, int]:
+    index = gid_index(env)
+    if index is not None:
+        return pick.device, pick.port, index
     found = active_port(pick.device, pick.port)
     gid = found[1].roce_v2_gid() if found else None
     return pick.device, pick.port, gid.index if gid else 0
