@@ -41,14 +41,18 @@ SEND WITH IMM ahead of the next post, in its chain, numbered before it; a
 post counts them when it checks for room. A write's immediate carries the
 last one owed instead where the two pair (base.pair_imm: one work request,
 not two). Writes and sends go only from memory
-registered LOCAL_ONLY (staging); a write outside the remote region is a
-TransportError and is not posted.
+registered without REMOTE_WRITE (both endpoints check it): staging and what
+register_source() is given are registered READ_ONLY, access 0, the least
+there is (the HCA only reads it, locally). A write outside the remote region
+is a TransportError and is not posted.
 """
 from __future__ import annotations
 
+import resource
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
+from ...errors import VerbsError
 from . import choose_port
 
 
@@ -105,6 +109,49 @@ def find_port(device: str | None, port: int, gid_index: int | None) -> tuple[str
         return device, port, gid_index or 0
     device, port, chosen_gid = choose_port.choose()
     return device, port, chosen_gid if gid_index is None else gid_index
+
+
+CAP_IPC_LOCK = 14          # capability(7): lock memory past RLIMIT_MEMLOCK
+
+
+def _status(field: str) -> str | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB"
+
+
+def check_locked_memory(array) -> None:
+    """Before registering `array`: VerbsError in one line naming the limit, the
+    size needed and the fix, where the kernel would refuse it. Registration
+    pins the pages it spans, counted against RLIMIT_MEMLOCK with those pinned
+    already (`VmPin`) unless the process has CAP_IPC_LOCK (root has it, and so
+    never sees this); past the limit, ibv_reg_mr fails with a bare ENOMEM."""
+    limit = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    if limit == resource.RLIM_INFINITY:
+        return
+    caps = _status("CapEff")
+    if caps is not None and int(caps, 16) >> CAP_IPC_LOCK & 1:
+        return
+    page = resource.getpagesize()
+    nbytes = memoryview(array).nbytes
+    start = array.ctypes.data if hasattr(array, "ctypes") else 0
+    pages = (start % page + nbytes + page - 1) // page
+    pinned = int((_status("VmPin") or "0 kB").split()[0]) * 1024 // page
+    if pages and pinned + pages > limit // page:
+        raise VerbsError(
+            f"registering {_mib(nbytes)} for RDMA needs {_mib((pinned + pages) * page)} of locked memory, above "
+            f"this process's limit of {_mib(limit)} (RLIMIT_MEMLOCK, no CAP_IPC_LOCK): raise it with "
+            f"`ulimit -l unlimited`, a memlock line in /etc/security/limits.conf (`* - memlock unlimited`), "
+            f"or `docker run --ulimit memlock=-1`")
 
 
 class EndpointHelpers:
