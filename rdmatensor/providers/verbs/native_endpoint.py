@@ -12,7 +12,7 @@ import random
 from ...devices import CONTEXT_LOCK, MTU_BYTES, MTU_ENUM
 from ...errors import TransportError
 from .addressing import Fabric, port_identity, route
-from .rc import EndpointHelpers, RcParams, find_port, gid_bytes, gid_str
+from .rc import REMOTE_WRITE, EndpointHelpers, RcParams, check_locked_memory, find_port, gid_bytes, gid_str
 
 try:
     from . import _native_endpoint
@@ -36,6 +36,10 @@ if _native_endpoint is not None:
             with CONTEXT_LOCK:     # the pyverbs endpoint tells its completion channel's fd apart by it
                 super().__init__(device, port, gid_index, depth, recv_depth or depth, random.getrandbits(24),
                                  self.fabric.pkey_index)
+
+        def register(self, array, access: int = REMOTE_WRITE):
+            check_locked_memory(array)
+            return super().register(array, access)
 
         def params(self) -> RcParams:
             qpn, psn, gid, mtu = self.local()

@@ -24,7 +24,7 @@ from ...errors import DeviceError, TransportError, UsageError, VerbsError
 from ..contract import pair_imm
 from .addressing import Fabric, port_identity, route
 from .rc import (LOCAL_ONLY, MAX_CHAIN, MAX_REGION, RECV_BATCH, REMOTE_WRITE, EndpointHelpers, RcParams,
-                 RemoteRegion, find_port)
+                 RemoteRegion, check_locked_memory, find_port)
 
 try:
     import pyverbs.enums as ev
@@ -109,6 +109,7 @@ class RcEndpoint(EndpointHelpers):
                              else "only C-contiguous memory can be registered")
         if array.nbytes == 0 or array.nbytes > MAX_REGION:
             raise UsageError(f"a region must hold 1 byte to 4 GiB, not {array.nbytes}")
+        check_locked_memory(array)
         try:
             mr = MR(self.pd, array.nbytes, access, address=array.ctypes.data)
         except (PyverbsError, PyverbsRDMAError) as exc:

@@ -125,8 +125,8 @@ def _status(field: str) -> str | None:
     return None
 
 
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / (1 << 20):.1f} MiB"
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes % (1 << 20) == 0 else f"{-(-nbytes // 1024)} KiB"
 
 
 def check_locked_memory(array) -> None:
@@ -148,8 +148,8 @@ def check_locked_memory(array) -> None:
     pinned = int((_status("VmPin") or "0 kB").split()[0]) * 1024 // page
     if pages and pinned + pages > limit // page:
         raise VerbsError(
-            f"registering {_mib(nbytes)} for RDMA needs {_mib((pinned + pages) * page)} of locked memory, above "
-            f"this process's limit of {_mib(limit)} (RLIMIT_MEMLOCK, no CAP_IPC_LOCK): raise it with "
+            f"registering {_size(nbytes)} for RDMA needs {_size((pinned + pages) * page)} of locked memory, above "
+            f"this process's limit of {_size(limit)} (RLIMIT_MEMLOCK, no CAP_IPC_LOCK): raise it with "
             f"`ulimit -l unlimited`, a memlock line in /etc/security/limits.conf (`* - memlock unlimited`), "
             f"or `docker run --ulimit memlock=-1`")
 
