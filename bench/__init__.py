@@ -1,1 +1,19 @@
-"""The rdmatensor micro-benchmark CLI."""
+"""The benchmarks: rdmatensor-bench and what the make targets measure (installed
+as rdmatensor_bench; run each as `python -m bench.<module>` in the checkout).
+
+    cli.py                the rdmatensor-bench command: latency and bandwidth of every provider
+    points.py             one measurement point: a fresh two-rank session, one mode, one size
+    references.py         the physical reference each provider is compared with, in the same run
+    perftest.py           perftest (ib_write_bw, ib_write_lat) as verbs' reference, run and parsed
+    report.py             the table, JSON and PNG plot
+    setup_cost.py         what setup costs against the number of tensors
+    registration_cost.py  registering a write's memory against copying it into staging (verbs)
+    cpu_split.py          where a verbs bandwidth run spends its CPU, sender and receiver apart
+    sender_time.py        where a verbs bandwidth run's sending thread spends its time
+    ring_cpu.py           the ring all-reduce's CPU on real models' gradient sets
+    model_grads.py        real models' gradient sets (kept in model_grads.json: no TensorFlow needed)
+    graph_boundary.py     what handing gradients out of and into a tf.function costs
+    hierarchical.py       the flat ring against the hierarchical all-reduce (make bench-hierarchical)
+    soak.py               many steps of a training job, its ranks' resources sampled (make soak)
+    models_table.py       the README's table of real models, from make bench-models' JSON
+"""

@@ -12,6 +12,13 @@ means its folder, one entry here, and its channel parameters in control.proto.
 with a peer elsewhere where an ACTIVE RDMA port exists, else tcp. Each
 side decides the same way (a peer is on this host when its address can be
 bound here), and the Exchange checks that they agree.
+
+    contract.py   the Channel every provider implements, and the Pieces of a gather write
+    verbs/        real one-sided RDMA WRITE over an RC queue pair
+    shm/          a peer on the same host: shared-memory arenas
+    tcp/          the contract emulated over a TCP stream
+    emulated/     what shm and tcp share
+    baselines/    gRPC messages and RPC over verbs, measured against
 """
 from __future__ import annotations
 

@@ -2,6 +2,8 @@
 framework is imported here (TensorFlow's face, tf_plugin, reads it).
 
     cli.py          rdmatensor-run's command line
+    horovodrun_flags.py
+                    horovodrun's flags and config file, with horovodrun's meanings
     placement.py    hosts and slots, where each rank runs, the environment it starts with
     processes.py    the job's processes: started, output prefixed, watched, stopped together
     ssh.py          a rank on another host, stopped when its connection ends

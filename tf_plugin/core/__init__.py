@@ -2,7 +2,8 @@
 horovod/common): every face of tf_plugin stands on it, and it never imports
 TensorFlow (tests/test_layout.py checks what a fresh process loads).
 
-    world               init, rank, size, objects between ranks (process_sets: the sets)
+    world               init, rank, size, objects between ranks
+    process_sets        process sets: collectives among some of the ranks
     elastic             State, ObjectState, run: a job that survives a lost rank
     checked_collectives the engine's front door: every call checked, errors naming the tensor and rank
     collectives         the plan grown from the tensor sets the job calls; numbered, tagged calls and resets
@@ -14,4 +15,5 @@ TensorFlow (tests/test_layout.py checks what a fresh process loads).
     scaling, adasum     Horovod's pre/postscale, and its Adasum reduction
     failure             a lost rank fails every collective of this rank, naming the rank lost first
     meter, timeline     time in communication and copies; RDMATENSOR_TIMELINE (Chrome trace)
+    settings            the job's settings from the environment, under this project's names and Horovod's
 """

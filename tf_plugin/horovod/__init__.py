@@ -6,4 +6,5 @@
     elastic          hvd.elastic: run, State, ObjectState, TensorFlowState, TensorFlowKerasState
     sync_batch_norm  SyncBatchNormalization for Keras 3
     util             horovod.tensorflow.util's helpers scripts call
+    tf1_optimizer    a TF1 optimizer whose gradients are combined over the ranks (hvd.DistributedOptimizer)
 """

@@ -8,6 +8,12 @@
 
 The module functions are tf_plugin's (init, rank, size, ...); allreduce,
 allgather and broadcast take Keras' argument order (the name second).
+
+    optimizer.py      DistributedOptimizer for Keras 3 (and PartialDistributedOptimizer)
+    any_optimizer.py  horovod.tensorflow's DistributedOptimizer: a TF1 or a Keras optimizer
+    callbacks.py      the callbacks, for Keras 3's fit
+    elastic.py        hvd.elastic for Keras: fit that survives a lost rank
+    saving.py         hvd.load_model
 """
 from __future__ import annotations
 

@@ -4,6 +4,7 @@
     job          what to run (JobConfig), what each rank measured, the summary, the backends
     runner       one rank (run_rank), or all ranks as threads (run_threads)
     tf_baseline  TensorFlow's MultiWorkerMirroredStrategy on the same model, for comparison
+    horovod_baseline  real Horovod (horovodrun) on the same model and data
     cli          the rdmatensor-train command (python -m tf_plugin.training.cli)
     explain      a demo model's plan, printed (python -m tf_plugin.training.explain)
 """
