@@ -8,6 +8,9 @@ import re
 import subprocess
 import sys
 
+import pytest
+
+from rdmatensor import UsageError
 from tf_plugin.core import settings
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -122,3 +125,18 @@ def test_every_default_the_page_states_is_the_codes():
     assert checked >= 20
     # in words on the page: under srun, the step's first node and port 29500 + SLURM_JOB_ID % 1000 (7 here)
     assert "29500 + `SLURM_JOB_ID` % 1000" in DOC and unset["RDMATENSOR_RENDEZVOUS_ADDR"] == "node1:29507"
+
+
+def test_horovods_timeouts_are_honoured_or_named():
+    """horovodrun's gloo and elastic timeouts are the twins of ours (ours win); its start
+    timeout is horovodrun's own and is named as meaning nothing to a rank; asking for
+    dynamic process sets, always there here, draws no word."""
+    horovod = snapshot({"HOROVOD_GLOO_TIMEOUT_SECONDS": "45", "HOROVOD_ELASTIC_TIMEOUT": "30",
+                        "HOROVOD_START_TIMEOUT": "90", "HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
+    assert horovod["RDMATENSOR_TIMEOUT"] == 45 and horovod["RDMATENSOR_ELASTIC_TIMEOUT"] == 30
+    assert horovod["warned"] == {"HOROVOD_START_TIMEOUT": settings.IGNORED["HOROVOD_START_TIMEOUT"]}
+    both = snapshot({"HOROVOD_GLOO_TIMEOUT_SECONDS": "45", "RDMATENSOR_TIMEOUT": "50"})
+    assert both["RDMATENSOR_TIMEOUT"] == 50
+    with pytest.raises(settings.SettingError, match="HOROVOD_GLOO_TIMEOUT_SECONDS='soon': expected seconds"):
+        settings.seconds(settings.TIMEOUT, {"HOROVOD_GLOO_TIMEOUT_SECONDS": "soon"})
+    assert issubclass(settings.SettingError, UsageError)
