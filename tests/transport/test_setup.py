@@ -144,9 +144,10 @@ except Exception as e:
 
 
 def test_a_peer_on_this_host_in_another_pid_namespace_is_refused_at_once_saying_what_to_do():
-    """Two containers sharing the host's network: auto picks shm, whose segments open
-    through /proc/<pid>, which the other namespace cannot see. Both ranks fail at the
-    Exchange, naming the cause and the way out, before any segment is opened."""
+    """Two containers sharing the host's network: auto picks shm, whose segments are
+    taken only from the pid the peer announced, which the other namespace numbers
+    differently. Both ranks fail at the Exchange, naming the cause and the way out,
+    before any segment is opened."""
     import sys
     import time
 
