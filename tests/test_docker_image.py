@@ -207,7 +207,9 @@ def _build_twin():
         def image(path: str) -> str:      # the image's /opt/... under the twin's root
             return re.sub(rf"(?<![\w./-]){re.escape(IMAGE_ROOT)}", str(root) + IMAGE_ROOT, path)
 
-        env = {"PATH": os.environ["PATH"], "HOME": str(tmp), "LANG": "C.UTF-8"}
+        env = {k: v for k, v in os.environ.items()          # this host's network settings, not its Python's
+               if not k.startswith(("PYTHON", "VIRTUAL_ENV", "PIP_REQUIRE"))}
+        env["HOME"] = str(tmp)
         workdir = root
         entry, cmd = [], []
         for word, args in steps:
