@@ -26,6 +26,7 @@ nonce, none, or of another user gets nothing, and is counted
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import logging
@@ -43,7 +44,7 @@ import time
 
 import numpy as np
 
-from .errors import ForeignSegment, UsageError
+from .errors import ForeignSegment, TransportError, UsageError
 from .plan import MAX_ARENA_BYTES
 
 PAGE = mmap.PAGESIZE
@@ -278,8 +279,12 @@ def _create_shared(name: str, size: int) -> tuple[mmap.mmap, socket.socket]:
             try:
                 with sender:
                     socket.send_fds(sender, [b"\1"], [fd])
-            except BaseException:
+            except BaseException as exc:
                 parked.close()
+                if isinstance(exc, OSError) and exc.errno == errno.ETOOMANYREFS:
+                    raise TransportError(f"cannot park shared segment {name}: this user's descriptors in flight "
+                                         f"(arenas waiting for their peers) exceed its open-file limit: raise "
+                                         f"`ulimit -n`") from exc
                 raise
         except BaseException:
             mapping.close()
