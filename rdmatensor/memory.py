@@ -155,8 +155,11 @@ class _Offers:
         try:
             sel.register(listener, selectors.EVENT_READ)
             while True:
-                with self.lock:
-                    if not self.waiting or self.listener is not listener:
+                with self.lock:               # stop and let go of the socket in one step: an offer
+                    if self.listener is not listener:     # made after this starts a new one
+                        return
+                    if not self.waiting:
+                        self.listener, self.address = None, ""
                         return
                 now = time.monotonic()
                 for conn in [c for c, st in pending.items() if st[2] <= now]:
@@ -190,7 +193,7 @@ class _Offers:
             log.exception("the shared-memory hand-over thread failed")
         finally:
             with self.lock:
-                if self.listener is listener:     # the next offer starts a new one
+                if self.listener is listener:     # it failed: the next offer starts a new one
                     self.listener, self.address = None, ""
             for conn in list(pending):
                 drop(conn)
