@@ -15,6 +15,7 @@ the entries of .venv's site-packages, less the project itself and pip's own
 tooling, so pip finds `.[tf]`'s requirements satisfied and installs only the
 project (its build requirements still come from the index, as in the image).
 """
+import fnmatch
 import json
 import os
 import re
@@ -96,17 +97,59 @@ def _git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
 
 
+def _has_git() -> bool:
+    return shutil.which("git") is not None and (ROOT / ".git").exists()
+
+
+def _prune(top: Path, excluded, remove: bool) -> list[str]:
+    """The files under `top` that `excluded` keeps (excluded folders not entered); with `remove`, the rest deleted."""
+    kept = []
+    for folder, dirs, files in os.walk(top):
+        rel = Path(folder).relative_to(top)
+        for name in [d for d in dirs if excluded((rel / d).as_posix())]:
+            dirs.remove(name)
+            if remove:
+                shutil.rmtree(Path(folder) / name)
+        for name in files:
+            if not excluded((rel / name).as_posix()):
+                kept.append((rel / name).as_posix())
+            elif remove:
+                (Path(folder) / name).unlink()
+    return kept
+
+
 def context(into: Path) -> Path:
-    """The build context of a clean checkout of HEAD, less what its .dockerignore excludes."""
+    """The build context of a clean checkout of HEAD, less what its .dockerignore excludes. With no git
+    here (a copy of the sources, not a clone), the working tree less .dockerignore's, as `docker build` sends it."""
+    if not _has_git():
+        for name in _prune(ROOT, _excluded(), remove=False):
+            (into / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, into / name, follow_symlinks=False)
+        return into
     archive = subprocess.run(["git", "archive", "--format=tar", "HEAD"], cwd=ROOT, capture_output=True, check=True)
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
     ignore = into / ".dockerignore"
     assert ignore.is_file(), ".dockerignore is not committed: a build from a working tree would copy its outputs"
-    excluded = dockerignore(ignore.read_text())
-    for path in sorted(into.rglob("*"), reverse=True):
-        if excluded(path.relative_to(into).as_posix()):
-            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    _prune(into, dockerignore(ignore.read_text()), remove=True)
     return into
+
+
+def _ignored_here() -> list[str]:
+    """What .gitignore keeps out of git in this tree: its build outputs, caches and virtualenvs."""
+    if _has_git():
+        out = _git("ls-files", "--others", "--ignored", "--exclude-standard", "--directory").split("\n")
+        return [p.rstrip("/") for p in out if p]
+    patterns = [line.strip().rstrip("/") for line in (ROOT / ".gitignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    found = []
+    for folder, dirs, files in os.walk(ROOT):
+        rel = Path(folder).relative_to(ROOT)
+        for name in dirs + files:
+            if any(fnmatch.fnmatch((rel / name).as_posix() if "/" in p else name, p) for p in patterns):
+                found.append((rel / name).as_posix())
+                if name in dirs:
+                    dirs.remove(name)
+    return found
 
 
 def declared_extensions(tree: Path = ROOT) -> list[str]:
@@ -123,8 +166,7 @@ def declared_extensions(tree: Path = ROOT) -> list[str]:
 def test_dockerignore_keeps_build_outputs_out():
     """Everything git ignores here (virtualenvs, in-place .so files, caches, build/) stays out of the context."""
     excluded = _excluded()
-    ignored = _git("ls-files", "--others", "--ignored", "--exclude-standard", "--directory").split("\n")
-    ignored = [p.rstrip("/") for p in ignored if p]
+    ignored = _ignored_here()
     for probe in (".venv", ".venv-horovod", "build", "test-results", "rdmatensor.egg-info",
                   "rdmatensor/session/_slots.cpython-311-x86_64-linux-gnu.so", "tf_plugin/__pycache__"):
         ignored.append(probe)
