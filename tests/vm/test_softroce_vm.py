@@ -42,13 +42,19 @@ def test_vm_lists_rxe_runs_project_venv_in_same_directory_and_a_hung_one_is_kill
 
 
 def test_two_hosts_over_ssh_pick_shm_or_verbs_per_pair_and_name_a_killed_remote_rank(vm_ready):
-    """rdmatensor-run in host0 starts two ranks in each VM over real ssh (sshd
-    in each, keys made for this boot, host keys checked). With auto, every
-    rank uses shm with the rank on its host and verbs with the two on the
-    other, and every tensor arrives intact. Then rank 3, on host1, is killed:
-    the launcher names it and how, and rank 0, which it then stops, leaves
-    no process behind. First, the raw verbs example writes 8 MiB from host1
-    into host0's memory, its client started over ssh."""
+    """rdmatensor-run in host0 starts two ranks in the other VM over real ssh
+    (sshd in each, keys made for this boot, host keys checked) and two there, the
+    command's `python` being the launcher's interpreter on both (the VMs' PATH
+    is Debian's). With auto, every rank uses shm with the rank on its host and
+    verbs with the two on the other, and every tensor arrives intact: the
+    remote ranks reached host0's at the address its route to them leaves from
+    (this host's name resolves nowhere). Meanwhile every process's command line
+    on both VMs is read over and over: the job's token is on none of them. Then
+    rank 1, on host1, is killed: the launcher names it and how, and stops rank 0
+    (which waits to be stopped) by ending its ssh client; no rank is left on
+    either host.
+    First, the raw verbs example writes 8 MiB from host1 into host0's memory,
+    its client started over ssh."""
     py, size = sys.executable, str(8 << 20)
     # each side's report into a file of its own, shown once both ended: written at once to the one
     # console, the two lines were once interleaved mid-line
@@ -56,13 +62,20 @@ def test_two_hosts_over_ssh_pick_shm_or_verbs_per_pair_and_name_a_killed_remote_
              + shlex.join(["ssh", "192.0.2.2", shlex.join(["cd", str(ROOT)]) + " && " + shlex.join(
                  [py, "examples/rdma_write.py", "client", "192.0.2.1", "--size", size, "--seed", "42"])])
              + " > /tmp/rw-client; wait; cat /tmp/rw-server /tmp/rw-client; ")
-    job = [sys.executable, "-m", "rdmatensor.runner.cli", "-np", "4", "-H", "192.0.2.1:2,192.0.2.2:2",
-           "--failure-wait", "1", "--grace", "1", sys.executable, "examples/all_pairs.py", "--die", "3"]
+    watch = shlex.join([py, str(ROOT / "tests" / "vm" / "cmdline_watch.py"), "/tmp/watch-stop", "/tmp/watch-ready"])
+    watching = (f"{watch} > /tmp/watch-0 & ssh 192.0.2.2 {shlex.quote(watch)} > /tmp/watch-1 & "
+                "until [ -e /tmp/watch-ready ] && ssh 192.0.2.2 test -e /tmp/watch-ready; do sleep 0.2; done; ")
+    watched = ("touch /tmp/watch-stop; ssh 192.0.2.2 touch /tmp/watch-stop; wait; "
+               "sed 's/^/watch: /' /tmp/watch-0 /tmp/watch-1; ")
+    job = [sys.executable, "-m", "rdmatensor.runner.cli", "-np", "4", "-H", "192.0.2.2:2,localhost:2",
+           "--failure-wait", "1", "--grace", "1", "python", "examples/all_pairs.py", "--die", "1"]
     # the remote side notices the closed connection and stops the rank: give it 10 s
     # (only the ranks' own command lines: the shells around them name the script too)
-    ranks = "'^[^ ]*python[^ ]* examples/all_pairs[.]py'"
-    script = (write + shlex.join(job) + "; echo status=$?; for i in $(seq 50); do "
-              f"n=$(pgrep -f {ranks} | wc -l); [ $n = 0 ] && break; sleep 0.2; done; echo left: $n after $i; exit 7")
+    ranks = shlex.quote("^[^ ]*python[^ ]* examples/all_pairs[.]py")
+    script = (write + watching + shlex.join(job) + "; echo status=$?; for i in $(seq 50); do "
+              f"n=$(pgrep -f {ranks} | wc -l); m=$(ssh 192.0.2.2 pgrep -f {shlex.quote(ranks)} | wc -l); "
+              "[ $n$m = 00 ] && break; sleep 0.2; done; echo left: $n $m after $i; " + watched + "exit 7")
+    t0 = time.monotonic()
     res = softroce_vm("--hosts", "2", "--ssh", "--", "sh", "-c", script)
     out, err = res.stdout, res.stderr
     assert res.returncode == 7, out + err          # the command's own status comes back
@@ -77,7 +90,17 @@ def test_two_hosts_over_ssh_pick_shm_or_verbs_per_pair_and_name_a_killed_remote_
         assert rep["ok"], rep
         assert rep["providers"] == {str(p): "shm" if p == same_host[rank] else "verbs"
                                     for p in range(4) if p != rank}, rep
-    assert ("rank 3 (worker 3 on 192.0.2.2) was killed by signal 9 (SIGKILL) on its host: "
+    assert ("rank 1 (worker 1 on 192.0.2.2) was killed by signal 9 (SIGKILL) on its host: "
             "the first rank to fail") in err, err
-    assert "status=137" in out and "left: 0" in out, out + err
-    print(f"two VMs: raw verbs write, 8 MiB: {client['MB_per_s']:.1f} MB/s")
+    assert "status=137" in out and "left: 0 0" in out, out + err
+    watches = [json.loads(w) for w in re.findall(r"^\[host0\] watch: (\{.*\})$", out, re.M)]
+    assert len(watches) == 2, out + err
+    for w in watches:
+        assert not w["leaks"], w["leaks"]
+        assert any("examples/all_pairs.py" in c for c in w["cmdlines"]), w      # read while the ranks ran
+    host0, host1 = watches
+    assert len(host0["tokens"]) == 1 and host0["tokens"] == host1["tokens"], watches
+    assert any(c.startswith("ssh ") and "192.0.2.2" in c for c in host0["cmdlines"])   # the ranks' ssh clients
+    assert any("read -r RDMATENSOR_TOKEN" in c for c in host1["cmdlines"])             # their remote scripts
+    print(f"two VMs: raw verbs write, 8 MiB: {client['MB_per_s']:.1f} MB/s; "
+          f"command lines read {host0['rounds']} and {host1['rounds']} times; {time.monotonic() - t0:.0f} s")
