@@ -510,6 +510,31 @@ def test_a_remote_script_without_its_token_line_starts_nothing(tmp_path):
     assert proc.returncode == 1 and "no job token on standard input" in proc.stderr and not marker.exists()
 
 
+
+def test_an_elastic_workers_ssh_carries_the_token_on_stdin_not_its_command_line(tmp_path):
+    """A remote elastic worker starts the same way: its ssh client (real, connected to a
+    listener that never answers, so it stays up to be read) has the remote script on
+    its command line, and no token."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.2", 0))
+        listener.listen()
+        job = elastic.ElasticJob(["python", "train.py"], "/bin/true", 1, 1, ssh_port=listener.getsockname()[1],
+                                 ssh_identity_file=str(tmp_path / "id"), stderr=open(os.devnull, "wb"))
+        try:
+            job.start_worker("127.0.0.2")
+            (p, proc), = job.started
+            conn, _ = listener.accept()          # the ssh client is up and connected
+            with conn:
+                cmdline = command_lines()[proc.pid]
+                argv = cmdline.rstrip(b"\0").split(b"\0")
+                assert argv[0] == b"ssh" and b"-i" in argv and argv[-2] == b"127.0.0.2"
+                assert b"read -r RDMATENSOR_TOKEN" in argv[-1] and b"RDMATENSOR_WORKER_ID=0" in argv[-1]
+                assert job.token.encode() not in cmdline and b"RDMATENSOR_TOKEN=" not in cmdline
+        finally:
+            job.stop("test over")
+            job.cleanup()
+            job.server.close()
+
 PROBE = "import os, sys; print(sys.executable, os.environ.get('VIRTUAL_ENV'))"
 DEBIAN_PATH = "/usr/local/bin:/usr/bin:/bin"
 
