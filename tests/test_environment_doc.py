@@ -8,8 +8,8 @@ name says env (`env[...] = `); the keywords of dict(os.environ, ...) and
 a module constant holding a name used in any of those (`ENDPOINT_ENV`); in any
 string, f-strings included, a `NAME=` assignment, an `export` or an `-x`, and
 every name with a prefix only environment variables carry here; and in the
-shell (scripts/, the SoftRoCE VM's init, docker/slurm.sbatch, the Makefile's
-recipes) every `$NAME` read and `NAME=` set."""
+shell (scripts/, the SoftRoCE VM's init, docker/, the Makefile's recipes)
+every `$NAME` read and `NAME=` set, and the `name:` of a Kubernetes env entry."""
 import ast
 import pathlib
 import re
@@ -24,6 +24,7 @@ NAME = re.compile(r"[A-Z][A-Z0-9_]*")
 PREFIXED = re.compile(r"(?<![\w$])((?:RDMATENSOR|HOROVOD|TF_PLUGIN|TF|SLURM|OMPI_COMM_WORLD|RDT|XDG)_\w*[A-Z0-9])\b")
 ASSIGNED = re.compile(r"(?:^|[\s;'\"(])(?:export\s+|-x\s+)?([A-Z][A-Z0-9_]*)=")
 READ = re.compile(r"\$\{?([A-Z][A-Z0-9_]*)(?![\w(])")
+KUBERNETES_ENV = re.compile(r"\bname:\s*([A-Z][A-Z0-9_]*)\b")
 SHELL_OWN = {"PWD", "IFS"}          # the shell's own, no setting
 
 
@@ -109,7 +110,7 @@ def names_in_python() -> dict[str, set[str]]:
 def names_in_shell() -> dict[str, set[str]]:
     found: dict[str, set[str]] = {}
     files = [*sorted((REPO / "scripts").glob("*.sh")), *sorted((REPO / "rdmatensor").rglob("*.sh")),
-             REPO / "docker" / "slurm.sbatch", REPO / "Makefile"]
+             *sorted(p for p in (REPO / "docker").iterdir() if p.is_file()), REPO / "Makefile"]
     for path in files:
         for line in path.read_text().splitlines():
             if path.name == "Makefile":
@@ -118,7 +119,10 @@ def names_in_shell() -> dict[str, set[str]]:
                 line = line.replace("$$", "$")
             if line.lstrip().startswith("#"):
                 continue
-            for name in ASSIGNED.findall(line) + READ.findall(line) + PREFIXED.findall(line):
+            names = ASSIGNED.findall(line) + READ.findall(line) + PREFIXED.findall(line)
+            if path.suffix == ".yaml":
+                names += KUBERNETES_ENV.findall(line)
+            for name in names:
                 found.setdefault(name, set()).add(path.relative_to(REPO).as_posix())
     return found
 
