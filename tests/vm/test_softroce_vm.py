@@ -97,6 +97,7 @@ def test_two_hosts_over_ssh_pick_shm_or_verbs_per_pair_and_name_a_killed_remote_
     assert len(watches) == 2, out + err
     for w in watches:
         assert not w["leaks"], w["leaks"]
+        assert w["rounds"] >= 10, w["rounds"]
         assert any("examples/all_pairs.py" in c for c in w["cmdlines"]), w      # read while the ranks ran
     host0, host1 = watches
     assert len(host0["tokens"]) == 1 and host0["tokens"] == host1["tokens"], watches
