@@ -1,0 +1,45 @@
+// Spike: targets for XLA custom calls on the host platform, registered by our library.
+//  - rdt_xla_double: legacy API (XLA_CPU_REGISTER_CUSTOM_CALL_TARGET, the
+//    API_VERSION_STATUS_RETURNING_UNIFIED signature that TF's XlaCustomCallV2 emits);
+//  - rdt_ffi_double: typed FFI (XLA_FFI_DEFINE_HANDLER / XLA_FFI_REGISTER_HANDLER).
+// Both compute y = 2 * x over float32 and count their calls.
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+#include "xla/ffi/api/ffi.h"
+#include "xla/service/custom_call_status.h"
+#include "xla/service/custom_call_target_registry.h"
+
+namespace xla::ffi {
+const XLA_FFI_Api* GetXlaFfiApi();  // exported by libtensorflow_cc.so.2
+}
+
+static std::atomic<long> g_legacy{0}, g_ffi{0};
+extern "C" long rdt_xla_legacy_calls() { return g_legacy.load(); }
+extern "C" long rdt_xla_ffi_calls() { return g_ffi.load(); }
+
+// backend_config carries the element count: the legacy API passes no shapes.
+extern "C" void rdt_xla_double(void* out, const void** in, const char* opaque, size_t opaque_len,
+                               XlaCustomCallStatus* status) {
+  (void)status;  // XlaCustomCallStatusSetFailure is not exported by the wheel
+  std::string cfg(opaque, opaque_len);
+  long n = std::strtol(cfg.c_str(), nullptr, 10);
+  const float* x = static_cast<const float*>(in[0]);
+  float* y = static_cast<float*>(out);
+  for (long i = 0; i < n; ++i) y[i] = 2 * x[i];
+  ++g_legacy;
+}
+XLA_CPU_REGISTER_CUSTOM_CALL_TARGET_WITH_SYM("rdt_xla_double", rdt_xla_double);
+
+namespace ffi = xla::ffi;
+static ffi::Error RdtFfiDouble(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
+  size_t n = x.element_count();
+  for (size_t i = 0; i < n; ++i) y->typed_data()[i] = 2 * x.typed_data()[i];
+  ++g_ffi;
+  if (n == 0) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "rdt: empty input");
+  return ffi::Error::Success();
+}
+XLA_FFI_DEFINE_HANDLER(kRdtFfiDouble, RdtFfiDouble,
+                       ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_REGISTER_HANDLER(xla::ffi::GetXlaFfiApi(), "rdt_ffi_double", "Host", kRdtFfiDouble);
