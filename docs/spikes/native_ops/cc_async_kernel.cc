@@ -16,7 +16,8 @@
 
 using namespace tensorflow;
 
-static std::atomic<long> g_cancelled{0}, g_pending{0}, g_max_pending{0}, g_no_manager{0};
+static std::atomic<long> g_cancelled{0}, g_pending{0}, g_max_pending{0}, g_no_manager{0}, g_calls{0};
+extern "C" long rdt_cc_calls() { return g_calls.load(); }
 extern "C" long rdt_cc_cancelled() { return g_cancelled.load(); }
 extern "C" long rdt_cc_max_pending() { return g_max_pending.load(); }
 extern "C" long rdt_cc_no_manager() { return g_no_manager.load(); }
@@ -53,6 +54,7 @@ class RdtCcWaitOp : public AsyncOpKernel {
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    ++g_calls;
     long p = ++g_pending, m = g_max_pending.load();
     while (p > m && !g_max_pending.compare_exchange_weak(m, p)) {}
     auto w = std::make_shared<Waiter>();

@@ -11,7 +11,7 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 tf.config.threading.set_intra_op_parallelism_threads(1)
 mod = tf.load_op_library(lib_path)
 c = ctypes.CDLL(lib_path)
-for f in ("rdt_cc_cancelled", "rdt_cc_max_pending", "rdt_cc_no_manager"):
+for f in ("rdt_cc_cancelled", "rdt_cc_max_pending", "rdt_cc_no_manager", "rdt_cc_calls"):
     getattr(c, f).restype = ctypes.c_long
 x = tf.constant([1.0, 2.0, 3.0])
 
@@ -45,3 +45,14 @@ try:
 except tf.errors.FailedPreconditionError as e:
     print("a 5 s wait beside a failing op:", type(e).__name__, f"after {time.perf_counter() - t:.3f}s,",
           "waits ended by the cancellation manager:", c.rdt_cc_cancelled())
+
+
+# A stateless op on a constant input: does grappler fold it (run it once, at optimization)?
+for name, fn in (("stateless", mod.rdt_cc_wait), ("stateful", mod.rdt_cc_wait_stateful)):
+    @tf.function
+    def on_constant(fn=fn):
+        return fn(tf.constant([1.0, 2.0]), delay_ms=1)
+
+    before = c.rdt_cc_calls()
+    values = [on_constant().numpy().tolist() for _ in range(3)]
+    print(f"{name} op on a constant, 3 calls of the function: kernel ran {c.rdt_cc_calls() - before} times", values[-1])
