@@ -64,4 +64,10 @@ if [ -n "$other" ]; then
   echo "-- XLA: legacy and FFI targets, then our XLA kernel"
   run "$other" xla_check.py "$out/xla_custom_call.so"
   run "$other" xla_check.py "$out/xla_custom_call.so" "$out/xla_op_kernel.so"
+  echo "-- XLA: our XLA kernel rebuilt against that TensorFlow, the FFI handler still from the first build"
+  otf=$(tfinfo "$other")
+  build g++ xla_op_kernel.cc xla_op_kernel_other.so --std=c++17 -D_GLIBCXX_USE_CXX11_ABI=1 -DEIGEN_MAX_ALIGN_BYTES=64 \
+    -I"$otf/include" -I"$otf/include/external/highwayhash" -I"$otf/include/external/farmhash_archive/src" \
+    -L"$otf" -l:libtensorflow_cc.so.2 -l:libtensorflow_framework.so.2
+  run "$other" xla_check.py "$out/xla_custom_call.so" "$out/xla_op_kernel_other.so" | grep 'own XlaOpKernel'
 fi
