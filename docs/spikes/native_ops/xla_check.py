@@ -11,6 +11,8 @@ lib_path = sys.argv[1]
 c = ctypes.CDLL(lib_path, mode=ctypes.RTLD_GLOBAL)  # static initializers register the targets
 for f in ("rdt_xla_legacy_calls", "rdt_xla_ffi_calls"):
     getattr(c, f).restype = ctypes.c_long
+c.rdt_ffi_register_checked.restype = ctypes.c_char_p
+print("FFI handler registration, checked:", c.rdt_ffi_register_checked().decode() or "ok")
 # An XLA kernel must be registered before the first XLA compilation: TF copies the
 # XLA op registry into XLA_CPU_JIT's kernels once (XlaOpRegistry::RegisterCompilationKernels).
 mod = tf.load_op_library(sys.argv[2]) if len(sys.argv) > 2 else None

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "xla/ffi/api/ffi.h"
 #include "xla/service/custom_call_status.h"
@@ -43,3 +44,18 @@ static ffi::Error RdtFfiDouble(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F
 XLA_FFI_DEFINE_HANDLER(kRdtFfiDouble, RdtFfiDouble,
                        ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_REGISTER_HANDLER(xla::ffi::GetXlaFfiApi(), "rdt_ffi_double", "Host", kRdtFfiDouble);
+
+// The macro above discards the registration's error; this registers the same handler
+// under a second name and returns the error message ("" when registered).
+extern "C" const char* rdt_ffi_register_checked() {
+  static std::string message;
+  const XLA_FFI_Api* api = xla::ffi::GetXlaFfiApi();
+  XLA_FFI_Error* err = ffi::Ffi::RegisterStaticHandler(api, "rdt_ffi_double_checked", "Host", kRdtFfiDouble);
+  if (err == nullptr) return "";
+  XLA_FFI_Error_GetMessage_Args args{XLA_FFI_Error_GetMessage_Args_STRUCT_SIZE, nullptr, err, nullptr};
+  api->XLA_FFI_Error_GetMessage(&args);
+  message = args.message;
+  XLA_FFI_Error_Destroy_Args d{XLA_FFI_Error_Destroy_Args_STRUCT_SIZE, nullptr, err};
+  api->XLA_FFI_Error_Destroy(&d);
+  return message.c_str();
+}
