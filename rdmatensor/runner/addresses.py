@@ -10,16 +10,19 @@ import socket
 import struct
 from typing import Sequence
 
-from .placement import LaunchError
+
+class AddressError(ValueError):
+    """No address of this host as asked: an interface that does not exist or has
+    no IPv4 address, a peer that does not resolve or has no route."""
 
 SIOCGIFADDR = 0x8915            # Linux: an interface's (first) IPv4 address
 DISCARD_PORT = 9                # any port does: connect() on a UDP socket sends nothing
 
 
 def interface_address(name: str) -> str | None:
-    """The IPv4 address of interface `name`, None when it has none; LaunchError when there is no such interface."""
+    """The IPv4 address of interface `name`, None when it has none; AddressError when there is no such interface."""
     if name not in {n for _, n in socket.if_nameindex()}:
-        raise LaunchError(f"network interface {name!r} does not exist on this host "
+        raise AddressError(f"network interface {name!r} does not exist on this host "
                           f"(it has: {', '.join(sorted(n for _, n in socket.if_nameindex()))})")
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
@@ -35,12 +38,12 @@ def named_address(interfaces: Sequence[str]) -> str:
     """The IPv4 address of the first of `interfaces` that has one."""
     names = [n for n in interfaces if n]
     if not names:
-        raise LaunchError("--network-interfaces: no interface named")
+        raise AddressError("--network-interfaces: no interface named")
     for name in names:
         address = interface_address(name)
         if address is not None:
             return address
-    raise LaunchError(f"--network-interfaces {','.join(names)}: "
+    raise AddressError(f"--network-interfaces {','.join(names)}: "
                       + ("it has no" if len(names) == 1 else "none of them has an") + " IPv4 address")
 
 
@@ -49,7 +52,7 @@ def route_source(peer: str) -> str:
     try:
         infos = socket.getaddrinfo(peer, DISCARD_PORT, type=socket.SOCK_DGRAM)
     except socket.gaierror as exc:
-        raise LaunchError(f"host {peer!r}: cannot resolve it on this host ({exc.strerror})") from None
+        raise AddressError(f"host {peer!r}: cannot resolve it on this host ({exc.strerror})") from None
     infos.sort(key=lambda info: info[0] != socket.AF_INET)
     last: OSError | None = None
     for family, kind, proto, _, target in infos:
@@ -60,7 +63,7 @@ def route_source(peer: str) -> str:
                 last = exc
                 continue
             return s.getsockname()[0]
-    raise LaunchError(f"host {peer!r}: this host has no route to it ({last})")
+    raise AddressError(f"host {peer!r}: this host has no route to it ({last})")
 
 
 def address_for(peer: str, interfaces: Sequence[str] | None = None) -> str:

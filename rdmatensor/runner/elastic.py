@@ -33,7 +33,7 @@ import time
 from collections import Counter
 from typing import Sequence
 
-from .addresses import address_for, host_port, named_address
+from .addresses import AddressError, address_for, host_port, named_address
 from .placement import LaunchError, Placement, is_local
 from .processes import TIMEOUT_STATUS, Job, describe, local_env, stop_on_signals
 from .rendezvous_server import Rounds, Server
@@ -101,13 +101,20 @@ class ElasticJob(Job):
         here = "127.0.0.1" if p.local else address_for(p.host, self.network_interfaces)
         return host_port(here, self.server.port)
 
-    def start_worker(self, host: str) -> None:
-        wid, self.next_id = self.next_id, self.next_id + 1
-        local = is_local(host)
+    def start_worker(self, host: str) -> bool:
+        """Start a worker on `host`; False (said in one line) when this host has no address it reaches."""
+        wid, local = self.next_id, is_local(host)
         p = Placement(wid, "worker", wid, host, "", 0, 1, local)
+        try:
+            rendezvous = self._rendezvous_address(p)
+        except AddressError as exc:
+            self.say(f"no worker on {host}: {exc}; it is not tried again while the discovery script offers "
+                     "the same hosts")
+            return False
+        self.next_id += 1
         address_host = "127.0.0.1" if local else host
         env = {"RDMATENSOR_TOKEN": self.token, "RDMATENSOR_JOB": self.job, "PYTHONUNBUFFERED": "1",
-               "RDMATENSOR_RENDEZVOUS": self._rendezvous_address(p), "RDMATENSOR_WORKER_ID": str(wid),
+               "RDMATENSOR_RENDEZVOUS": rendezvous, "RDMATENSOR_WORKER_ID": str(wid),
                "RDMATENSOR_HOST": address_host, "RDMATENSOR_ELASTIC_TIMEOUT": f"{self.elastic_timeout:g}"}
         if self.provider:
             env["RDMATENSOR_PROVIDER"] = self.provider
@@ -123,6 +130,7 @@ class ElasticJob(Job):
             r.start()
         self.readers += readers
         self.rounds.changed()
+        return True
 
     def _scale(self, offered: list[tuple[str, int]]) -> None:
         """Start workers on slots the hosts offer and no live worker uses (at most max-np);
@@ -145,10 +153,13 @@ class ElasticJob(Job):
         if not self.started and self.np is not None:
             budget = min(budget, self.np)
         for host, free in slots.items():
-            n = max(0, min(free, budget))
-            for _ in range(n):
-                self.start_worker(host)
-            budget -= n
+            started = 0
+            for _ in range(max(0, min(free, budget))):
+                if not self.start_worker(host):
+                    self.barred[host] += free           # until the offered hosts change
+                    break
+                started += 1
+            budget -= started
 
     def run(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -264,7 +275,10 @@ def launch_elastic(command: Sequence[str], script: str, min_np: int, max_np: int
                    **kwargs) -> int:
     """Run `command` as an elastic job; its exit status. kwargs: Job's (grace, forward, ssh_port, ...)."""
     if network_interfaces:
-        named_address(network_interfaces)       # a bad name is refused before any worker starts
+        try:
+            named_address(network_interfaces)       # a bad name is refused before any worker starts
+        except AddressError as exc:
+            raise LaunchError(str(exc)) from None
     job = ElasticJob(command, script, min_np, max_np, np, elastic_timeout, discovery_interval, reset_limit,
                      provider=provider, ssh_identity_file=ssh_identity_file,
                      network_interfaces=network_interfaces, **kwargs)

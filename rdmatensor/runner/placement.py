@@ -6,6 +6,7 @@ import socket
 from dataclasses import dataclass
 from typing import Sequence
 
+from .addresses import AddressError, host_port, named_address, route_source
 from .cluster import Cluster, free_ports
 from .cores import BIND_TO, HOST_SLOT
 
@@ -61,7 +62,6 @@ def place(np: int, hosts: Sequence[tuple[str, int]], ps: int = 0, ports: Sequenc
     This host's ranks are named by the address of the first of `network_interfaces` that has
     one when given; else, when some hosts are remote, by the address the first remote host
     reaches it at (addresses.py); else by 127.0.0.1."""
-    from .addresses import host_port, named_address, route_source   # it imports LaunchError from here
     if np < 1 or ps < 0:
         raise LaunchError(f"-np {np} / --ps {ps}: need at least one worker")
     total = np + ps
@@ -72,8 +72,11 @@ def place(np: int, hosts: Sequence[tuple[str, int]], ps: int = 0, ports: Sequenc
     where = [h for h, s in hosts for _ in range(s)][:total]
     kinds = ["worker"] * np + ["ps"] * ps
     remote = [h for h in where if not is_local(h)]
-    here = (named_address(network_interfaces) if network_interfaces else
-            route_source(remote[0]) if remote else "127.0.0.1")
+    try:
+        here = (named_address(network_interfaces) if network_interfaces else
+                route_source(remote[0]) if remote else "127.0.0.1")
+    except AddressError as exc:
+        raise LaunchError(str(exc)) from None
     ports = list(ports) if ports is not None else _ports(total)
     out = []
     for rank, (host, kind) in enumerate(zip(where, kinds, strict=True)):

@@ -2,8 +2,10 @@
 
 The ranks here are small plain Python scripts (no TensorFlow): the launcher is
 what is tested, with real processes, signals and process groups."""
+import io
 import json
 import os
+import re
 import secrets
 import shlex
 import signal
@@ -399,8 +401,21 @@ def test_remote_ranks_reach_this_host_at_its_routes_source_or_at_a_named_interfa
         remote = placement.Placement(0, "worker", 0, "127.0.0.2", "", 0, 1, False)
         assert job._rendezvous_address(remote) == f"127.0.0.1:{job.server.port}"
         job.network_interfaces = ["nosuch0"]
-        with pytest.raises(placement.LaunchError, match="'nosuch0' does not exist"):
+        with pytest.raises(addresses.AddressError, match="'nosuch0' does not exist"):
             job._rendezvous_address(remote)
+    finally:
+        job.server.close()
+    # a discovered host this one cannot resolve gets no worker, said once, not retried
+    said = io.BytesIO()
+    job = elastic.ElasticJob(["true"], "/bin/true", 1, 2, stderr=said)
+    try:
+        job._scale([("nosuch.invalid", 2)])
+        job._scale([("nosuch.invalid", 2)])
+        lines = said.getvalue().decode().splitlines()
+        assert not job.started and len(lines) == 1, lines
+        assert re.fullmatch(r"rdmatensor-run: no worker on nosuch.invalid: host 'nosuch.invalid': cannot resolve it "
+                            r"on this host \(.+\); it is not tried again while the discovery script offers the same "
+                            r"hosts", lines[0]), lines
     finally:
         job.server.close()
     with pytest.raises(placement.LaunchError, match="'nosuch0' does not exist"):
