@@ -28,6 +28,17 @@ def test_every_bench_module_imports_under_its_installed_name(tmp_path):
     assert models >= 5
 
 
+def test_every_data_file_of_bench_is_package_data():
+    # an editable install reads the checkout, so only pyproject.toml tells what a wheel would carry
+    import fnmatch
+    import tomllib
+    patterns = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    data = [p.name for p in (REPO / "bench").iterdir() if p.is_file() and p.suffix not in (".py", ".pyc")]
+    assert "model_grads.json" in data
+    missing = [n for n in data if not any(fnmatch.fnmatch(n, pat) for pat in patterns.get("rdmatensor_bench", []))]
+    assert not missing, f"pyproject.toml's package-data leaves {missing} out of rdmatensor_bench"
+
+
 def test_no_bench_module_names_bench_absolutely():
     assert len(MODULES) >= 10
     found = []
