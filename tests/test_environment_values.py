@@ -140,3 +140,22 @@ def test_horovods_timeouts_are_honoured_or_named():
     with pytest.raises(settings.SettingError, match="HOROVOD_GLOO_TIMEOUT_SECONDS='soon': expected seconds"):
         settings.seconds(settings.TIMEOUT, {"HOROVOD_GLOO_TIMEOUT_SECONDS": "soon"})
     assert issubclass(settings.SettingError, UsageError)
+
+
+def test_what_launchers_set_is_unset_when_empty():
+    # the variables a launcher sets (not on the settings' tables): "" is unset there too
+    from rdmatensor.runner import cores
+    from rdmatensor.runner.rendezvous_client import LauncherEnv
+    empty = {"RDMATENSOR_BIND_TO": "", "RDMATENSOR_HOST_SLOT": "", "HOROVOD_LOCAL_RANK": "",
+             "HOROVOD_LOCAL_SIZE": "", "TF_NUM_INTRAOP_THREADS": "", "RDMATENSOR_LOCAL_SIZE": ""}
+    assert cores.host_slot(dict(empty)) is None
+    assert cores.bind_cores(dict(empty)) is None
+    assert cores.share_cores(dict(empty)) is None                  # alone on its host, as unset
+    env = dict(empty, RDMATENSOR_LOCAL_SIZE="2")
+    assert cores.share_cores(env) == max(1, cores.usable_cores() // 2) == int(env["TF_NUM_INTRAOP_THREADS"])
+    with pytest.raises(ValueError, match="HOROVOD_LOCAL_RANK='x'"):
+        cores.host_slot({"HOROVOD_LOCAL_RANK": "x", "HOROVOD_LOCAL_SIZE": "2"})
+    torchrun = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "", "LOCAL_WORLD_SIZE": "",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    found = LauncherEnv.detect(torchrun)
+    assert (found.rank, found.size, found.local_rank, found.local_size) == (1, 2, 0, 2)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import os
 
+from .. import environment
+
 INTRA_OP = "TF_NUM_INTRAOP_THREADS"
 BIND_TO = "RDMATENSOR_BIND_TO"          # core | none
 HOST_SLOT = "RDMATENSOR_HOST_SLOT"      # I/N: this task's place among its host's N tasks
@@ -39,10 +41,10 @@ def usable_cores() -> int:
 def share_cores(env=os.environ) -> int | None:
     """Set TF_NUM_INTRAOP_THREADS to this rank's share of the cores; the number set, or
     None when the user chose one or the rank is alone on its host."""
-    if INTRA_OP in env:
+    if environment.get(INTRA_OP, env=env) is not None:
         return None
     try:
-        local_size = int(env.get("RDMATENSOR_LOCAL_SIZE", "1"))
+        local_size = int(environment.get("RDMATENSOR_LOCAL_SIZE", "1", env))
     except ValueError:
         return None          # world.init() names the bad value
     if local_size <= 1:
@@ -54,16 +56,22 @@ def share_cores(env=os.environ) -> int | None:
 
 def host_slot(env=os.environ) -> tuple[int, int] | None:
     """(I, N): this task's place among the tasks started on its host, or None unknown."""
-    try:
-        if HOST_SLOT in env:
-            i, n = (int(x) for x in env[HOST_SLOT].split("/"))
-        elif "HOROVOD_LOCAL_RANK" in env:
-            i, n = int(env["HOROVOD_LOCAL_RANK"]), int(env["HOROVOD_LOCAL_SIZE"])
-        else:
-            return None
-    except (KeyError, ValueError):
-        raise ValueError(f"{HOST_SLOT}={env.get(HOST_SLOT)!r}: expected I/N, this task's place among "
-                         "its host's N tasks") from None
+    slot = environment.get(HOST_SLOT, env=env)
+    if slot is not None:
+        try:
+            i, n = (int(x) for x in slot.split("/"))
+        except ValueError:
+            raise ValueError(f"{HOST_SLOT}={slot!r}: expected I/N, this task's place among "
+                             "its host's N tasks") from None
+    elif environment.get("HOROVOD_LOCAL_RANK", env=env) is not None:
+        rank, size = (environment.get(name, env=env) for name in ("HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"))
+        try:
+            i, n = int(rank), int(size)
+        except (TypeError, ValueError):
+            raise ValueError(f"HOROVOD_LOCAL_RANK={rank!r}, HOROVOD_LOCAL_SIZE={size!r}: expected two integers, "
+                             "this task's place among its host's tasks") from None
+    else:
+        return None
     if not 0 <= i < n:
         raise ValueError(f"host slot {i}/{n}: expected 0 <= I < N")
     return i, n
@@ -81,7 +89,7 @@ def slot_cores(cores, i: int, n: int) -> list[int] | None:
 def bind_cores(env=os.environ) -> list[int] | None:
     """Pin every thread of this process to its slot's cores when RDMATENSOR_BIND_TO=core;
     the cores, or None when nothing was bound."""
-    how = env.get(BIND_TO, "none")
+    how = environment.get(BIND_TO, "none", env)
     if how not in BINDINGS:
         raise ValueError(f"{BIND_TO}={how!r}: choose one of {', '.join(BINDINGS)}")
     slot = host_slot(env) if how == "core" else None

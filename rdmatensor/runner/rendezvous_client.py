@@ -14,7 +14,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from rdmatensor import AuthenticationError, PeerLost, UsageError
+from rdmatensor import AuthenticationError, PeerLost, UsageError, environment
 from rdmatensor.control.proof import Signer, digest
 
 from .cluster import expand_hostlist, expand_tasks_per_node
@@ -106,18 +106,21 @@ class LauncherEnv:
         29500 + SLURM_JOB_ID % 1000); under mpirun on one host, this host and
         that port."""
         env = os.environ if env is None else env
+
+        def var(name, default=None):
+            return environment.get(name, default, env)
         found = None
         if env.get("HOROVOD_RANK") and env.get("HOROVOD_SIZE"):
-            found = ("horovodrun", env["HOROVOD_RANK"], env["HOROVOD_SIZE"], env.get("HOROVOD_LOCAL_RANK", "0"),
-                     env.get("HOROVOD_LOCAL_SIZE"))
+            found = ("horovodrun", env["HOROVOD_RANK"], env["HOROVOD_SIZE"], var("HOROVOD_LOCAL_RANK", "0"),
+                     var("HOROVOD_LOCAL_SIZE"))
         elif env.get("RANK") and env.get("WORLD_SIZE"):
-            found = ("torchrun", env["RANK"], env["WORLD_SIZE"], env.get("LOCAL_RANK", "0"),
-                     env.get("LOCAL_WORLD_SIZE"))
+            found = ("torchrun", env["RANK"], env["WORLD_SIZE"], var("LOCAL_RANK", "0"),
+                     var("LOCAL_WORLD_SIZE"))
         elif env.get("OMPI_COMM_WORLD_RANK") and env.get("OMPI_COMM_WORLD_SIZE"):
             found = ("mpirun", env["OMPI_COMM_WORLD_RANK"], env["OMPI_COMM_WORLD_SIZE"],
-                     env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"), env.get("OMPI_COMM_WORLD_LOCAL_SIZE"))
+                     var("OMPI_COMM_WORLD_LOCAL_RANK", "0"), var("OMPI_COMM_WORLD_LOCAL_SIZE"))
         elif env.get("SLURM_PROCID") and env.get("SLURM_NTASKS"):
-            found = ("srun", env["SLURM_PROCID"], env["SLURM_NTASKS"], env.get("SLURM_LOCALID", "0"),
+            found = ("srun", env["SLURM_PROCID"], env["SLURM_NTASKS"], var("SLURM_LOCALID", "0"),
                      _slurm_local_size(env))
         if found is None:
             return None
