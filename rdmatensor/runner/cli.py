@@ -25,6 +25,12 @@ first, then parameter servers; each gets a port below the ephemeral range.
 Local ranks run in their own process group; remote ones through
 `ssh -o BatchMode=yes HOST sh -c SCRIPT`, a script that runs CMD with its
 variables in CWD and stops it when the ssh connection ends (remote_script).
+The token is the first line of that connection's standard input, never on a
+command line. Remote ranks reach this host at the address of its route to
+them, or of the first --network-interfaces interface that has one. Ranks run
+with the launcher's interpreter's folder first on PATH, as an activated
+virtualenv would, so `python` is the launcher's (remote hosts where that
+interpreter exists too).
 
 Every line a rank prints (stdout or stderr) is copied whole to the same
 stream of the launcher, prefixed with `[rank] `. When a rank fails, the
@@ -47,7 +53,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from .. import __version__
+from .. import __version__, environment
 from ..providers import REGISTRY
 from . import horovodrun_flags
 from .cores import BINDINGS
@@ -98,8 +104,9 @@ def parser() -> argparse.ArgumentParser:
                          help="fewest workers the job trains with")
     elastic.add_argument("--max-np", "--max-num-proc", dest="max_np", type=int,
                          help="most workers the job trains with")
-    elastic.add_argument("--elastic-timeout", type=float, default=600.0,
-                         help="seconds the job waits for --min-np workers before it fails (default 600)")
+    elastic.add_argument("--elastic-timeout", type=float,
+                         help="seconds the job waits for --min-np workers before it fails (default "
+                              "RDMATENSOR_ELASTIC_TIMEOUT, else HOROVOD_ELASTIC_TIMEOUT, else 600, as horovodrun)")
     elastic.add_argument("--discovery-interval", type=float, default=1.0,
                          help="seconds between runs of the discovery script (default 1)")
     elastic.add_argument("--reset-limit", type=int, metavar="N",
@@ -192,7 +199,7 @@ def plan(p: argparse.ArgumentParser, argv: list[str]) -> Plan:
     try:
         hosts = parse_hosts(args.hosts) if args.hosts else None
         placements = place(args.np, hosts or [("localhost", args.np + args.ps)], args.ps,
-                           ports=[0] * (args.np + args.ps))
+                           ports=[0] * (args.np + args.ps), network_interfaces=args.network_interfaces)
         if args.softroce_vm and not all(pl.local for pl in placements):
             raise LaunchError("--softroce-vm runs every rank in one VM on this machine: -H must name only this host")
     except LaunchError as exc:
@@ -202,6 +209,18 @@ def plan(p: argparse.ArgumentParser, argv: list[str]) -> Plan:
     return Plan("static", env=env, kwargs=dict(common, np=args.np, hosts=hosts, ps=args.ps,
                                                failure_wait=args.failure_wait, bind_to=args.bind_to,
                                                verbose=args.verbose))
+
+
+def elastic_timeout_default() -> float:
+    """horovodrun's --elastic-timeout default: the environment's, ours winning over Horovod's name."""
+    for name in ("RDMATENSOR_ELASTIC_TIMEOUT", "HOROVOD_ELASTIC_TIMEOUT"):
+        value = environment.get(name)
+        if value is not None:
+            try:
+                return float(value)
+            except ValueError:
+                raise LaunchError(f"{name}={value!r}: expected seconds") from None
+    return 600.0
 
 
 def elastic_arguments(p: argparse.ArgumentParser, args, common: dict) -> dict:
@@ -214,6 +233,11 @@ def elastic_arguments(p: argparse.ArgumentParser, args, common: dict) -> dict:
     max_np = args.max_np if args.max_np is not None else max(min_np, args.np or min_np)
     if not 1 <= min_np <= max_np or (args.np is not None and not min_np <= args.np <= max_np):
         p.error(f"--min-np {min_np}, -np {args.np}, --max-np {max_np}: need 1 <= min-np <= np <= max-np")
+    if args.elastic_timeout is None:
+        try:
+            args.elastic_timeout = elastic_timeout_default()
+        except LaunchError as exc:
+            p.error(str(exc))
     if args.elastic_timeout <= 0 or args.discovery_interval <= 0:
         p.error("--elastic-timeout and --discovery-interval must be positive")
     if args.reset_limit is not None and args.reset_limit < 0:

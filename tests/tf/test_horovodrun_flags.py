@@ -95,7 +95,7 @@ EFFECTS = {
     "--version": ([], "static", lambda plan, d: plan.kind == "print" and plan.text.startswith("rdmatensor-run ")),
     "-cb": ([], "static", lambda plan, d: plan.kind == "print" and "Providers" in plan.text),
     "--check-build": ([], "static", lambda plan, d: plan.kind == "print" and "Providers" in plan.text),
-    "--network-interfaces": (["lo,eth9"], "static", {"network_interfaces": ["lo", "eth9"]}),
+    "--network-interfaces": (["lo"], "static", {"network_interfaces": ["lo"]}),
     "--network-interface": (["lo"], "static", {"network_interfaces": ["lo"]}),
     "--output-filename": (["out"], "static", {"output_dir": "out"}),
     "--verbose": ([], "static", {"verbose": True}),
@@ -219,8 +219,9 @@ def test_the_flags_values_are_checked(files, capsys):
     assert plan_of(["-np", "2", "-H", "localhost:3,127.0.0.1", "--slots-per-host", "2", "true"]).kwargs["hosts"] \
         == [("localhost", 3), ("127.0.0.1", 2)]
     # both spellings of the interfaces, in the order given, each once
-    got = plan_of(["-np", "2", "--network-interface", "eth1", "--network-interfaces", "eth0,eth1", "true"])
-    assert got.kwargs["network_interfaces"] == ["eth1", "eth0"]
+    got = cli.parser().parse_args(["-np", "2", "--network-interface", "eth1", "--network-interfaces", "eth0,eth1",
+                                   "true"])
+    assert got.network_interfaces == ["eth1", "eth0"]         # (placing checks they exist: below)
     assert "an empty interface name" in refusal(["-np", "2", "--network-interfaces", "eth0,", "true"], capsys)
     with pytest.raises(SystemExit) as exit_:           # checked as the launch places the ranks, before any starts
         cli.main(["-np", "1", "--network-interfaces", "nope0", "true"])
@@ -267,3 +268,19 @@ def test_a_job_with_horovodruns_flags(tmp_path):
     assert all(re.match(stamp, line) for line in proc.stdout.splitlines() + proc.stderr.splitlines())
     assert sorted(re.sub(stamp, "", line) for line in proc.stderr.splitlines()) == ["[0] err", "[1] err"]
 
+
+
+def test_elastic_timeout_defaults_to_the_environments_as_horovodruns(files, monkeypatch, capsys):
+    argv = [a.format(dir=files) for a in BASES["elastic"]] + ["true"]
+    for ours, horovods, want in (("", "", 600.0), ("", "45", 45.0), ("30", "45", 30.0)):
+        monkeypatch.setenv("RDMATENSOR_ELASTIC_TIMEOUT", ours)
+        monkeypatch.setenv("HOROVOD_ELASTIC_TIMEOUT", horovods)
+        assert plan_of(argv).kwargs["elastic_timeout"] == want
+        assert plan_of(argv[:-1] + ["--elastic-timeout", "7", "true"]).kwargs["elastic_timeout"] == 7.0
+    monkeypatch.setenv("HOROVOD_ELASTIC_TIMEOUT", "soon")
+    monkeypatch.delenv("RDMATENSOR_ELASTIC_TIMEOUT")
+    assert "HOROVOD_ELASTIC_TIMEOUT='soon': expected seconds" in refusal(argv, capsys)
+
+
+def test_an_interface_this_host_lacks_is_refused_before_anything_starts(capsys):
+    assert "eth9" in refusal(["-np", "2", "--network-interfaces", "eth9,lo", "true"], capsys)
