@@ -93,6 +93,9 @@ class ElasticJob(Job):
         self.reported: set[int] = set()  # workers whose end was handled (until then they hold their slot)
         self._offered: list | None = None
 
+    def most_ranks(self) -> int:
+        return self.max_np
+
     def _alive_ids(self) -> list[int]:
         return [p.rank for p, proc in self.started if proc.returncode is None and proc.poll() is None]
 

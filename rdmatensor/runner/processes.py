@@ -98,13 +98,17 @@ class Job:
             self.stderr.write(f"rdmatensor-run: {message}\n".encode())
             self.stderr.flush()
 
+    def most_ranks(self) -> int:
+        """The most ranks this job runs at once (the width of a rank's number in file names)."""
+        return len(self.placements)
+
     def readers_of(self, rank: int, proc: subprocess.Popen) -> list[Prefixer]:
         """The two threads that copy a rank's stdout and stderr, prefixed with `rank`."""
         prefix, out = f"[{rank}] ".encode(), []
         for pipe, ours, name in ((proc.stdout, self.stdout, "stdout"), (proc.stderr, self.stderr, "stderr")):
             copy = None
             if self.output_dir:
-                folder = os.path.join(self.output_dir, f"rank.{rank}")
+                folder = os.path.join(self.output_dir, f"rank.{padded_rank(rank, self.most_ranks())}")
                 os.makedirs(folder, exist_ok=True)
                 copy = open(os.path.join(folder, name), "ab")
             out.append(Prefixer(pipe, ours, prefix, self._locks[id(ours)], copy))
@@ -234,6 +238,11 @@ def local_env(env: dict[str, str]) -> dict[str, str]:
     if virtualenv():
         out["VIRTUAL_ENV"] = virtualenv()
     return out
+
+
+def padded_rank(rank: int, size: int) -> str:
+    """`rank` zero-padded to the width of the highest rank of `size`, as horovodrun names rank.N."""
+    return str(rank).zfill(len(str(max(size - 1, 0))))
 
 
 def _signal_group(pid: int, sig: int) -> None:

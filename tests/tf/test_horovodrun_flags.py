@@ -284,3 +284,17 @@ def test_elastic_timeout_defaults_to_the_environments_as_horovodruns(files, monk
 
 def test_an_interface_this_host_lacks_is_refused_before_anything_starts(capsys):
     assert "eth9" in refusal(["-np", "2", "--network-interfaces", "eth9,lo", "true"], capsys)
+
+
+def test_output_filenames_pad_the_rank_as_horovods_gloo_run():
+    # Horovod's own _pad_rank, taken from its sources, is the oracle (from size 2: it fails on 1)
+    from rdmatensor.runner.processes import padded_rank
+    tree = ast.parse((HOROVOD / "gloo_run.py").read_text())
+    pad = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_pad_rank")
+    scope: dict = {}
+    module = ast.fix_missing_locations(ast.Module([ast.Import([ast.alias("math")]), pad], []))
+    exec(compile(module, "gloo_run.py", "exec"), scope)
+    for size in (2, 9, 10, 11, 99, 100, 101, 1000, 1001):
+        for rank in {0, 1, size // 2, size - 1}:
+            assert padded_rank(rank, size) == scope["_pad_rank"](rank, size), (rank, size)
+    assert padded_rank(0, 1) == "0" and padded_rank(3, 11) == "03"
