@@ -164,9 +164,8 @@ def plan(p: argparse.ArgumentParser, argv: list[str]) -> Plan:
                 raise LaunchError("give the hosts once: -H or --hostfile")
             args.hosts = horovodrun_flags.read_hostfile(args.hostfile)
         if args.slots_per_host is not None:
-            if args.host_discovery_script:
-                raise LaunchError("--slots-per-host gives slots to -H/--hostfile hosts written without :N; in an "
-                                  "elastic job the discovery script writes each host's as host:N")
+            if args.slots_per_host < 1:
+                raise LaunchError(f"--slots-per-host {args.slots_per_host}: must be 1 or more")
             if args.hosts:
                 args.hosts = horovodrun_flags.with_slots(args.hosts, args.slots_per_host)
         env = horovodrun_flags.environment(args)
@@ -246,7 +245,7 @@ def elastic_arguments(p: argparse.ArgumentParser, args, common: dict) -> dict:
         p.error(f"--host-discovery-script {args.host_discovery_script}: not an executable file")
     return dict(common, script=os.path.abspath(args.host_discovery_script), min_np=min_np, max_np=max_np,
                 np=args.np, elastic_timeout=args.elastic_timeout, discovery_interval=args.discovery_interval,
-                reset_limit=args.reset_limit)
+                reset_limit=args.reset_limit, slots_per_host=args.slots_per_host or 1)
 
 
 def main(argv=None) -> int:

@@ -41,14 +41,15 @@ from .rendezvous_server import Rounds, Server
 DISCOVERY_TIMEOUT = 30.0
 
 
-def parse_discovery(text: str) -> list[tuple[str, int]]:
-    """`host:slots` lines (blank lines and #-comments skipped) -> [(host, slots)]."""
+def parse_discovery(text: str, default_slots: int = 1) -> list[tuple[str, int]]:
+    """`host:slots` lines (blank lines and #-comments skipped) -> [(host, slots)]; a bare
+    `host` has `default_slots` (horovodrun's --slots-per-host)."""
     hosts = []
     for line in text.splitlines():
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
-        host, _, slots = line.rpartition(":") if ":" in line else (line, "", "1")
+        host, _, slots = line.rpartition(":") if ":" in line else (line, "", str(default_slots))
         try:
             count = int(slots)
         except ValueError:
@@ -59,12 +60,12 @@ def parse_discovery(text: str) -> list[tuple[str, int]]:
     return hosts
 
 
-def discover(script: str) -> list[tuple[str, int]]:
+def discover(script: str, default_slots: int = 1) -> list[tuple[str, int]]:
     proc = subprocess.run([script], capture_output=True, text=True, timeout=DISCOVERY_TIMEOUT)
     if proc.returncode != 0:
         raise LaunchError(f"host discovery script {script} exited with status {proc.returncode}: "
                           f"{proc.stderr.strip()[-300:]}")
-    return parse_discovery(proc.stdout)
+    return parse_discovery(proc.stdout, default_slots)
 
 
 class ElasticJob(Job):
@@ -72,8 +73,9 @@ class ElasticJob(Job):
 
     def __init__(self, command: Sequence[str], script: str, min_np: int, max_np: int, np: int | None = None,
                  elastic_timeout: float = 600.0, discovery_interval: float = 1.0, reset_limit: int | None = None,
-                 **kwargs):
+                 slots_per_host: int = 1, **kwargs):
         super().__init__([], command, **kwargs)
+        self.slots_per_host = slots_per_host      # slots of a discovered host written without :N
         if not 1 <= min_np <= max_np:
             raise LaunchError(f"--min-np {min_np} --max-np {max_np}: need 1 <= min-np <= max-np")
         self.script, self.min_np, self.max_np, self.np = script, min_np, max_np, np
@@ -193,7 +195,7 @@ class ElasticJob(Job):
                 if now - last_discovery >= self.discovery_interval and not self.finishing:
                     last_discovery = now
                     try:
-                        offered = discover(self.script)
+                        offered = discover(self.script, self.slots_per_host)
                     except (LaunchError, OSError, subprocess.TimeoutExpired) as exc:
                         self.say(f"host discovery failed, keeping the workers as they are: {exc}")
                     else:
@@ -275,7 +277,7 @@ def launch_elastic(command: Sequence[str], script: str, min_np: int, max_np: int
                    provider: str | None = None, timeout: float | None = None, elastic_timeout: float = 600.0,
                    discovery_interval: float = 1.0, reset_limit: int | None = None,
                    ssh_identity_file: str | None = None, network_interfaces: Sequence[str] | None = None,
-                   **kwargs) -> int:
+                   slots_per_host: int = 1, **kwargs) -> int:
     """Run `command` as an elastic job; its exit status. kwargs: Job's (grace, forward, ssh_port, ...)."""
     if network_interfaces:
         try:
@@ -283,7 +285,7 @@ def launch_elastic(command: Sequence[str], script: str, min_np: int, max_np: int
         except AddressError as exc:
             raise LaunchError(str(exc)) from None
     job = ElasticJob(command, script, min_np, max_np, np, elastic_timeout, discovery_interval, reset_limit,
-                     provider=provider, ssh_identity_file=ssh_identity_file,
+                     slots_per_host, provider=provider, ssh_identity_file=ssh_identity_file,
                      network_interfaces=network_interfaces, **kwargs)
     with stop_on_signals(job):
         return job.run(timeout)

@@ -85,7 +85,8 @@ def add_to(parser: argparse.ArgumentParser) -> None:
     group.add_argument("-hostfile", "--hostfile", metavar="FILE",
                        help="hosts, one per line as `host slots=N` (or host:N); instead of -H")
     group.add_argument("--slots-per-host", type=int, metavar="N",
-                       help="slots of each -H/--hostfile host given without :N (default 1)")
+                       help="slots of each -H/--hostfile host, or host a discovery script names, "
+                            "given without :N (default 1)")
     group.add_argument("-i", "--ssh-identity-file", metavar="FILE",
                        help="the private key ssh reaches the remote hosts with (ssh -i FILE)")
     group.add_argument("--network-interfaces", dest="network_interfaces", action=_Interfaces, metavar="NIC[,NIC]",

@@ -211,8 +211,13 @@ def test_the_flags_values_are_checked(files, capsys):
                                                                           capsys)
     assert "--slots-per-host 0: must be 1 or more" in refusal(["-np", "1", "-H", "a", "--slots-per-host", "0",
                                                                 "true"], capsys)
-    assert "in an elastic job the discovery script writes" in refusal(
-        ["--host-discovery-script", f"{d}/discover.sh", "--slots-per-host", "2", "true"], capsys)
+    # elastic: a host the discovery script names without :N has the flag's slots
+    from rdmatensor.runner.elastic import parse_discovery
+    elastic = plan_of(["--host-discovery-script", f"{d}/discover.sh", "--slots-per-host", "2", "true"])
+    assert elastic.kwargs["slots_per_host"] == 2
+    assert parse_discovery("a\nb:3\n", elastic.kwargs["slots_per_host"]) == [("a", 2), ("b", 3)]
+    assert "--slots-per-host 0: must be 1 or more" in refusal(
+        ["--host-discovery-script", f"{d}/discover.sh", "--slots-per-host", "0", "true"], capsys)
     assert "--gloo-timeout-seconds 0: must be positive" in refusal(["-np", "2", "--gloo-timeout-seconds", "0",
                                                                     "true"], capsys)
     # -H hosts with their own :N keep it; the flag fills in the others only
