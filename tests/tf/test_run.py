@@ -20,6 +20,7 @@ import pytest
 from rdmatensor.runner import addresses, elastic, placement, processes, ssh
 
 from .processes import gone, lines_of
+from tests.vm.cmdline_watch import command_lines      # every command line, as any user reads them
 
 LAUNCHER = [sys.executable, "-m", "rdmatensor.runner.cli"]
 
@@ -472,19 +473,6 @@ def test_remote_rank_stops_when_its_connection_ends(tmp_path):
     assert time.monotonic() - t0 < 5 and proc.returncode == 128 + signal.SIGTERM
     for pid in map(int, pids.read_text().split()):
         assert gone(pid), f"process {pid} outlived its connection"
-
-
-def command_lines() -> dict[int, bytes]:
-    """Every process's command line, as any user of this host reads it."""
-    out = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    out[int(entry)] = f.read()
-            except OSError:
-                pass                # ended meanwhile
-    return out
 
 
 def test_the_token_reaches_a_remote_rank_on_no_command_line(tmp_path):

@@ -23,6 +23,7 @@ GONE_WITHIN = 10.0
 
 
 def command_lines() -> dict[int, bytes]:
+    """Every other process's command line, as any user of this host reads it."""
     out = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) != os.getpid():
