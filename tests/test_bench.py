@@ -54,7 +54,7 @@ def test_short_run_writes_table_json_and_plot(tmp_path):
         else:
             assert r["mb_per_s"] > 0 and r["msg_per_s"] > 0
     assert {s["provider"] for s in doc["setup"]} == {"shm", "tcp", "grpc"}
-    assert all(s["control_calls"] == 1 for s in doc["setup"])
+    assert all(s["control_calls"] == 2 for s in doc["setup"])       # Hello, then the Exchange
     assert png.stat().st_size > 10000
     if "verbs" in doc["skipped"]:
         assert "verbs" in res.stdout.split("skipped")[-1]

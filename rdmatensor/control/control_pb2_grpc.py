@@ -34,6 +34,11 @@ class ControlStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Hello = channel.unary_unary(
+                '/rdmatensor.control.Control/Hello',
+                request_serializer=rdmatensor_dot_control_dot_control__pb2.HelloRequest.SerializeToString,
+                response_deserializer=rdmatensor_dot_control_dot_control__pb2.HelloReply.FromString,
+                _registered_method=True)
         self.Exchange = channel.unary_unary(
                 '/rdmatensor.control.Control/Exchange',
                 request_serializer=rdmatensor_dot_control_dot_control__pb2.ExchangeRequest.SerializeToString,
@@ -63,6 +68,12 @@ class ControlStub:
 
 class ControlServicer:
     """Missing associated documentation comment in .proto file."""
+
+    def Hello(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def Exchange(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -98,6 +109,11 @@ class ControlServicer:
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Hello': grpc.unary_unary_rpc_method_handler(
+                    servicer.Hello,
+                    request_deserializer=rdmatensor_dot_control_dot_control__pb2.HelloRequest.FromString,
+                    response_serializer=rdmatensor_dot_control_dot_control__pb2.HelloReply.SerializeToString,
+            ),
             'Exchange': grpc.unary_unary_rpc_method_handler(
                     servicer.Exchange,
                     request_deserializer=rdmatensor_dot_control_dot_control__pb2.ExchangeRequest.FromString,
@@ -133,6 +149,33 @@ def add_ControlServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Control:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Hello(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rdmatensor.control.Control/Hello',
+            rdmatensor_dot_control_dot_control__pb2.HelloRequest.SerializeToString,
+            rdmatensor_dot_control_dot_control__pb2.HelloReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Exchange(request,

@@ -3,7 +3,12 @@ by the token, of its purpose (the method), the time, the sender's id and call
 number, and a digest of its body. A listener on the wire learns neither the
 token nor a call it can replay to the same receiver: each receiver refuses a
 (sender, number) it has taken, a number too far behind the sender's latest,
-and a time outside WINDOW (the hosts' clocks must agree within it)."""
+and a time outside WINDOW (the hosts' clocks must agree within it).
+
+Every reply proves the token too (`answer`): an HMAC of the call's own proof
+and the reply's digest. So whatever listens at a peer's address without the
+token (a process that took the port of a rank that died, or never started)
+cannot answer as that peer, and a reply cannot be moved to another call."""
 from __future__ import annotations
 
 import hashlib
@@ -27,6 +32,18 @@ def digest(body: bytes) -> str:
 def _mac(token: str, purpose: str, stamp: str, nonce: str, body_digest: str) -> str:
     return hmac.new(token.encode(), f"{purpose}\n{stamp}\n{nonce}\n{body_digest}".encode(),
                     hashlib.sha256).hexdigest()
+
+
+def answer(token: str, proof: str, body_digest: str) -> str:
+    """The proof a reply carries: the token's HMAC of the call's proof and the reply's digest."""
+    return hmac.new(token.encode(), f"reply\n{proof}\n{body_digest}".encode(), hashlib.sha256).hexdigest()
+
+
+def check_answer(token: str, proof: str, body_digest: str, given: str | None) -> None:
+    """AuthenticationError unless `given` is the reply's proof for the call that carried `proof`."""
+    if not given or not hmac.compare_digest(given.encode(), answer(token, proof, body_digest).encode()):
+        raise AuthenticationError("a reply that does not prove the job token: something other than the peer "
+                                  "answers at its address")
 
 
 class Signer:

@@ -1,6 +1,8 @@
-"""Control-plane server and client: every call proves it knows the job token
-without sending it (proof.py), optional TLS, a bounded share of threads for
-calls that wait; errors cross as in `status.py`."""
+"""Control-plane server and client: every call and every reply proves it knows
+the job token without sending it (proof.py), and a client's first call to a
+server is Hello, so no other request reaches a server until it has proved the
+token; optional TLS, a bounded share of threads for calls that wait; errors
+cross as in `status.py`."""
 from __future__ import annotations
 
 import collections
@@ -13,10 +15,12 @@ import grpc
 from ..errors import AuthenticationError, TransportError
 from . import control_pb2 as pb
 from . import control_pb2_grpc as pb_grpc
-from .proof import UNBOUND, Signer, Verifier, digest
+from .proof import UNBOUND, Signer, Verifier, answer, check_answer, digest
 from .status import rpc_error
 
 PROOF_KEY = "rdmatensor-proof"
+ANSWER_KEY = "rdmatensor-answer"      # a reply's proof, in its trailing metadata
+HELLO = "/rdmatensor.control.Control/Hello"
 # The grpc baseline's Push carries a whole tensor: hashing it would slow the baseline
 # being measured. Its proof binds the method and the call, not the payload.
 UNBOUND_METHODS = frozenset({"/rdmatensor.control.Baseline/Push"})
@@ -50,13 +54,17 @@ class _ProofCheck(grpc.ServerInterceptor):
     calls beyond their share of threads are refused at once."""
 
     def __init__(self, token: str, blocking_limit: int):
-        self._verifier = Verifier(token)
+        self._token, self._verifier = token, Verifier(token)
         self._blocking = threading.BoundedSemaphore(max(1, blocking_limit))
         self._wrapped: dict = {}
 
         def deny(requests, context):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing rdmatensor token")
         self._deny = grpc.stream_unary_rpc_method_handler(deny)
+        # Hello is answered here, for every servicer: its reply's proof is all it is for
+        self._hello = grpc.unary_unary_rpc_method_handler(lambda request, context: pb.HelloReply(),
+                                                          request_deserializer=pb.HelloRequest.FromString,
+                                                          response_serializer=pb.HelloReply.SerializeToString)
 
     def intercept_service(self, continuation, details):
         proofs = [v for k, v in details.invocation_metadata or () if k == PROOF_KEY and isinstance(v, str)]
@@ -68,7 +76,7 @@ class _ProofCheck(grpc.ServerInterceptor):
             return self._deny
         if bound == UNBOUND and details.method not in UNBOUND_METHODS:
             return self._deny
-        handler = continuation(details)
+        handler = self._hello if details.method == HELLO else continuation(details)
         if handler is None or not handler.unary_unary:
             return handler
         inner, parse = handler.unary_unary, handler.request_deserializer
@@ -80,8 +88,14 @@ class _ProofCheck(grpc.ServerInterceptor):
                     raise AuthenticationError("the call's body is not the one its proof was made for")
                 return parse(raw)
             parse = parse_bound
-        return grpc.unary_unary_rpc_method_handler(inner, request_deserializer=parse,
-                                                   response_serializer=handler.response_serializer)
+        serialize, token, proof = handler.response_serializer, self._token, proofs[0]
+
+        def answered(request, context, inner=inner):
+            reply = inner(request, context)
+            raw = reply if serialize is None else serialize(reply)
+            context.set_trailing_metadata(((ANSWER_KEY, answer(token, proof, digest(raw))),))
+            return raw
+        return grpc.unary_unary_rpc_method_handler(answered, request_deserializer=parse)
 
     def _bounded(self, method: str, inner):
         def call(request, context):
@@ -100,17 +114,37 @@ class _Details(collections.namedtuple("_Details", ("method", "timeout", "metadat
 
 
 class _Prove(grpc.UnaryUnaryClientInterceptor):
-    """Every call of a client carries its proof, over its body unless the method is unbound."""
+    """Every call of a client carries its proof, over its body unless the method is unbound;
+    its reply is given only once it proved the token for this call."""
 
     def __init__(self, token: str):
-        self._signer = Signer(token)
+        self._token, self._signer = token, Signer(token)
 
     def intercept_unary_unary(self, continuation, details, request):
         body = request if isinstance(request, bytes) else request.SerializeToString()    # a raw stub's bytes
         bound = UNBOUND if details.method in UNBOUND_METHODS else digest(body)
-        metadata = list(details.metadata or ()) + [(PROOF_KEY, self._signer.sign(details.method, bound))]
-        return continuation(_Details(details.method, details.timeout, metadata, details.credentials,
-                                     details.wait_for_ready, getattr(details, "compression", None)), request)
+        proof = self._signer.sign(details.method, bound)
+        metadata = list(details.metadata or ()) + [(PROOF_KEY, proof)]
+        outcome = continuation(_Details(details.method, details.timeout, metadata, details.credentials,
+                                        details.wait_for_ready, getattr(details, "compression", None)), request)
+        return _Answered(outcome, self._token, proof)
+
+
+class _Answered:
+    """A call's outcome (a grpc Call and Future) whose result() checks the reply's proof first."""
+
+    def __init__(self, outcome, token: str, proof: str):
+        self._outcome, self._token, self._proof = outcome, token, proof
+
+    def result(self, timeout=None):
+        reply = self._outcome.result(timeout)
+        raw = reply if isinstance(reply, bytes) else reply.SerializeToString()
+        given = dict(self._outcome.trailing_metadata() or ()).get(ANSWER_KEY)
+        check_answer(self._token, self._proof, digest(raw), given)
+        return reply
+
+    def __getattr__(self, name):
+        return getattr(self._outcome, name)
 
 
 _OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE),
@@ -205,12 +239,21 @@ class ControlClient:
         self.channel = proving(self.raw_channel, token)
         self.metadata = ()
         self.calls = 0
+        self._proven = False          # Hello answered: this server proved the token
         self.control = pb_grpc.ControlStub(self.channel)
         self.baseline = pb_grpc.BaselineStub(self.channel)
 
     def call(self, method, request, timeout: float, wait_for_ready: bool = False, abort=None):
         """`abort()`, if given, is called every ABORT_POLL seconds while the
-        call waits; what it raises cancels the call and is raised."""
+        call waits; what it raises cancels the call and is raised. The first
+        call is preceded by Hello: its request's body (descriptors, keys) goes
+        only to a server whose reply proved the token."""
+        if not self._proven:
+            self._call(self.control.Hello, pb.HelloRequest(), timeout, wait_for_ready, abort)
+            self._proven = True
+        return self._call(method, request, timeout, wait_for_ready, abort)
+
+    def _call(self, method, request, timeout: float, wait_for_ready: bool, abort):
         self.calls += 1
         try:
             if abort is None:
@@ -227,6 +270,9 @@ class ControlClient:
                         raise
         except grpc.RpcError as exc:
             raise rpc_error(exc, self.address, self.peer) from None
+        except AuthenticationError as exc:
+            who = f"rank {self.peer} at {self.address}" if self.peer is not None else self.address
+            raise AuthenticationError(f"{who}: {exc}", peer=self.peer) from None
 
     def close(self) -> None:
         self.raw_channel.close()

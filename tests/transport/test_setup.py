@@ -27,9 +27,9 @@ def test_control_calls_do_not_grow_with_tensors(count):
         return setup_calls, s.stats()["control_calls"]
 
     res = check(run_ranks(2, plan, "tcp", body))
-    # rank 0 initiates one Exchange; rank 1 joins rank 0's setup barrier.
-    assert res[0] == (1, 1)
-    assert res[1] == (1, 1)
+    # rank 0 initiates one Exchange; rank 1 joins rank 0's setup barrier; each first says Hello.
+    assert res[0] == (2, 2)
+    assert res[1] == (2, 2)
 
 
 def _make_tls(tmp_path, name):
