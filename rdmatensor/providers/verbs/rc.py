@@ -48,6 +48,7 @@ is a TransportError and is not posted.
 """
 from __future__ import annotations
 
+import functools
 import resource
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
@@ -114,6 +115,14 @@ def find_port(device: str | None, port: int, gid_index: int | None) -> tuple[str
 CAP_IPC_LOCK = 14          # capability(7): lock memory past RLIMIT_MEMLOCK
 
 
+@functools.cache
+def _locks_without_limit() -> bool:
+    """CAP_IPC_LOCK in this process's effective set: read once, since a gather write
+    registers its large pieces one by one on the step path."""
+    caps = _status("CapEff")
+    return caps is not None and bool(int(caps, 16) >> CAP_IPC_LOCK & 1)
+
+
 def _status(field: str) -> str | None:
     try:
         with open("/proc/self/status") as f:
@@ -136,10 +145,7 @@ def check_locked_memory(array) -> None:
     already (`VmPin`) unless the process has CAP_IPC_LOCK (root has it, and so
     never sees this); past the limit, ibv_reg_mr fails with a bare ENOMEM."""
     limit = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
-    if limit == resource.RLIM_INFINITY:
-        return
-    caps = _status("CapEff")
-    if caps is not None and int(caps, 16) >> CAP_IPC_LOCK & 1:
+    if limit == resource.RLIM_INFINITY or _locks_without_limit():
         return
     page = resource.getpagesize()
     nbytes = memoryview(array).nbytes
