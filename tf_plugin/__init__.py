@@ -14,7 +14,8 @@ import only ever runs down them (tests/test_layout.py):
     graph/      where the core meets TensorFlow: the graph analyzer, graph ops, ingest
                 of received slots, overlap with backprop, TensorFlow's error types
     horovod/    horovod.tensorflow's API over the engine: world (init, rank, size),
-                tensors (allreduce ... DistributedGradientTape), sync_batch_norm, util
+                tensors (allreduce, broadcast, ...), gradient_tape (DistributedGradientTape),
+                compression, sync_batch_norm, util
     keras/      horovod.tensorflow.keras: DistributedOptimizer, callbacks, load_model
     parameter_server.py   parameter-server training of your own Keras model
     training/   rdmatensor-train, the training benchmark: models, one rank, the job,
@@ -35,11 +36,12 @@ _WORLD = ("init", "shutdown", "is_initialized", "rank", "size", "local_rank", "l
           "ddl_built", "ccl_built", "cuda_built", "rocm_built", "is_homogeneous", "ProcessSet", "global_process_set",
           "add_process_set", "remove_process_set", "cross_rank", "cross_size", "start_timeline", "stop_timeline",
           "broadcast_object_fn")
-_HOROVOD = ("DistributedGradientTape", "PartialDistributedGradientTape", "broadcast_variables", "allreduce",
-            "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_",
-            "broadcast_global_variables", "alltoall", "reducescatter", "grouped_reducescatter", "join", "rank_op",
-            "local_rank_op", "size_op", "local_size_op", "process_set_included_op", "Compression")
-_API = {**dict.fromkeys(_WORLD, "horovod.world"), **dict.fromkeys(_HOROVOD, "horovod.tensors"),
+_TENSORS = ("broadcast_variables", "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
+            "broadcast_", "broadcast_global_variables", "alltoall", "reducescatter", "grouped_reducescatter", "join",
+            "rank_op", "local_rank_op", "size_op", "local_size_op", "process_set_included_op")
+_TAPES = ("DistributedGradientTape", "PartialDistributedGradientTape")
+_API = {**dict.fromkeys(_WORLD, "horovod.world"), **dict.fromkeys(_TENSORS, "horovod.tensors"),
+        **dict.fromkeys(_TAPES, "horovod.gradient_tape"), "Compression": "horovod.compression",
         "_executing_eagerly": "horovod.util", "SyncBatchNormalization": "horovod.sync_batch_norm",
         "DistributedOptimizer": "keras.any_optimizer"}
 __all__ = list(_API) + ["elastic", "util"]

@@ -50,7 +50,7 @@ class RingGradientTape:
     tf.function: one launch op per bucket as soon as its gradients exist, the
     rings on the communication thread while backprop goes on, one wait op per
     bucket (overlap.py). For a plan grown from the step instead, see
-    tf_plugin.horovod.tensors.DistributedGradientTape."""
+    tf_plugin.horovod.gradient_tape.DistributedGradientTape."""
 
     def __init__(self, tape: tf.GradientTape, ring: RingAllReduce):
         self._tape, self._ring = tape, ring

@@ -2,7 +2,10 @@
 
     world            this process in the job: init, rank, size, local rank, objects, process sets
     tensors          allreduce, allgather, broadcast, alltoall, reducescatter, grouped_*, join,
-                     DistributedGradientTape, broadcast_variables, Compression, their gradients
+                     broadcast_variables, their gradients
+    gradient_tape    DistributedGradientTape, PartialDistributedGradientTape, and which gradients
+                     stay local (shared with the optimizers)
+    compression      hvd.Compression: none, fp16
     elastic          hvd.elastic: run, State, ObjectState, TensorFlowState, TensorFlowKerasState
     sync_batch_norm  SyncBatchNormalization for Keras 3
     util             horovod.tensorflow.util's helpers scripts call

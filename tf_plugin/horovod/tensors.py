@@ -11,13 +11,14 @@ the plan once, later calls cost no control call.
 
 Outputs reach TensorFlow with no copy where they are 64-byte aligned (the
 ring's outputs are): see ingest.borrow.
+
+The gradient tapes built on reduce_gradients are gradient_tape.py's (it
+imports this module, never the other way); the compressors, compression.py's.
 """
 from __future__ import annotations
 
 import time
 import types
-
-import keras
 
 import numpy as np
 import tensorflow as tf
@@ -30,43 +31,11 @@ from ..core.collectives import allreduce_op
 from ..graph.tf_errors import InvalidArgument, as_horovod_errors, numpy_function
 from ..core.process_sets import Group, NotAMember, group_of, member_of
 from ..core.world import Adasum, Average, Max, Min, Product, ReduceOp, Sum, allgather_object, world
+from .compression import Compression, NoneCompressor
 
-__all__ = ["Compression", "DistributedGradientTape", "PartialDistributedGradientTape", "allreduce",
-           "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_", "broadcast_variables",
-           "broadcast_global_variables", "alltoall", "reducescatter", "grouped_reducescatter", "join", "rank_op",
-           "local_rank_op", "size_op", "local_size_op"]
-
-
-# ------------------------------------------------------------- compression
-class NoneCompressor:
-    """Tensors travel as they are."""
-
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
-
-
-class FP16Compressor:
-    """Floating-point tensors travel as float16 (half the bytes) and come back in their dtype."""
-
-    @staticmethod
-    def compress(tensor):
-        if tensor.dtype.is_floating and tensor.dtype != tf.float16:
-            return tf.cast(tensor, tf.float16), tensor.dtype
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor if ctx is None else tf.cast(tensor, ctx)
-
-
-class Compression:
-    none = NoneCompressor
-    fp16 = FP16Compressor
+__all__ = ["allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_",
+           "broadcast_variables", "broadcast_global_variables", "alltoall", "reducescatter", "grouped_reducescatter",
+           "join", "rank_op", "local_rank_op", "size_op", "local_size_op"]
 
 
 # ---------------------------------------------------------------- plumbing
@@ -189,7 +158,8 @@ def reduce_gradients(grads, sources, compression=NoneCompressor, sparse_as_dense
                      prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set=None):
     """Gradients (any nest matching `sources`, None kept) combined over the ranks (of the set):
     dense ones by one all-reduce, sparse ones (tf.IndexedSlices) by allgather unless
-    `sparse_as_dense`. Shared by DistributedGradientTape and the Keras optimizer."""
+    `sparse_as_dense`. Shared by the gradient tapes and optimizers (gradient_tape.reduce_shared) and by
+    grouped_allreduce of tf.IndexedSlices."""
     reduction = _reduction(op)
     group = _group(process_set)
     flat = tf.nest.flatten(grads)
@@ -222,35 +192,6 @@ def reduce_gradients(grads, sources, compression=NoneCompressor, sparse_as_dense
     return tf.nest.pack_sequence_as(grads, out)
 
 
-def reduce_shared(grads: list, sources: list, local: set, compression, sparse_as_dense: bool, op,
-                  predivide: float = 1.0, scale_local: bool = True, process_set=None) -> list:
-    """Gradients combined over the ranks but those of the sources whose id() is in
-    `local`, which stay this rank's (divided by the number of ranks with
-    `scale_local`), as Horovod's tape and optimizer treat local sources; on a rank
-    outside `process_set`, every gradient stays this rank's, as in Horovod. With
-    `predivide`, an average is split around the sum as Horovod does."""
-    group = group_of(process_set)
-    if not group.included:         # as Horovod's tape and optimizer: a rank outside the set keeps its gradients
-        return list(grads)
-    shared = [j for j, s in enumerate(sources) if id(s) not in local]
-    n = group.size
-    pre, post = 1.0, 1.0
-    if predivide != 1.0:
-        op, pre, post = Sum, 1.0 / predivide, predivide / n
-    reduced = reduce_gradients([grads[j] for j in shared], [sources[j] for j in shared], compression,
-                               sparse_as_dense, op, pre, post, process_set)
-    out = list(grads)
-    for j, g in zip(shared, reduced, strict=True):
-        out[j] = g
-    if scale_local:
-        for j, s in enumerate(sources):
-            if id(s) in local and out[j] is not None:
-                g = out[j]
-                out[j] = (tf.IndexedSlices(g.values / n, g.indices, g.dense_shape)
-                          if isinstance(g, tf.IndexedSlices) else g / n)
-    return out
-
-
 def plan_ahead(model) -> None:
     """Plan a built Keras model's first step now: the all-reduce of its trainable
     variables' gradients and the broadcast of all its variables from rank 0."""
@@ -278,82 +219,6 @@ def _with_gradient(forward, backward):
 
 
 # --------------------------------------------------------------- public API
-class DistributedGradientTape:
-    """A tf.GradientTape whose gradient() combines the gradients over the ranks
-    (Average: the mean, as if one process had seen every rank's batch). Sources
-    registered with register_local_source() keep their own rank's gradient
-    (divided by the number of ranks with scale_local_gradients, as Horovod)."""
-
-    def __init__(self, gradtape, device_dense: str = "", device_sparse: str = "",
-                 compression=Compression.none, sparse_as_dense: bool = False, op=Average,
-                 gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
-                 process_set=None, scale_local_gradients: bool = True):
-        op = ReduceOp(op)
-        _reduction(op)
-        if gradient_predivide_factor != 1.0 and op != Average:
-            raise ValueError("gradient_predivide_factor not supported with op != Average")
-        if groups is not None and not (isinstance(groups, list) or groups > 0):
-            raise ValueError("groups should be a non-negative integer or a list of list of tf.Variable.")
-        group_of(process_set)      # registered (ValueError); a rank outside it keeps its gradients
-        self._tape, self._compression, self._sparse_as_dense = gradtape, compression, sparse_as_dense
-        self._process_set = process_set
-        self._op, self._predivide, self._scale_local = op, gradient_predivide_factor, scale_local_gradients
-        self._local_sources: set[int] = set()
-
-    def __getattr__(self, name):
-        return getattr(self._tape, name)
-
-    def __enter__(self):
-        self._tape.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._tape.__exit__(*exc)
-
-    def register_local_source(self, source) -> None:
-        """Keep this source's gradient local: it is not combined over the ranks."""
-        self._local_sources.add(id(source))
-
-    def gradient(self, target, sources, output_gradients=None,
-                 unconnected_gradients=tf.UnconnectedGradients.NONE):
-        grads = self._tape.gradient(target, sources, output_gradients, unconnected_gradients)
-        out = reduce_shared(tf.nest.flatten(grads), tf.nest.flatten(sources), self._local_sources,
-                            self._compression, self._sparse_as_dense, self._op, self._predivide, self._scale_local,
-                            self._process_set)
-        return tf.nest.pack_sequence_as(grads, out)
-
-    def get_local_and_global_gradients(self, target, sources, output_gradients=None):
-        """([(local source, gradient)], [(shared source, gradient)])."""
-        grads = self.gradient(target, sources, output_gradients)
-        pairs = list(zip(sources, grads, strict=True))
-        return ([p for p in pairs if id(p[0]) in self._local_sources],
-                [p for p in pairs if id(p[0]) not in self._local_sources])
-
-
-def PartialDistributedGradientTape(gradtape, device_dense: str = "", device_sparse: str = "",
-                                   compression=Compression.none, sparse_as_dense: bool = False, op=Average,
-                                   gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
-                                   process_set=None, local_layers=None, scale_local_gradients: bool = True):
-    """A DistributedGradientTape whose `local_layers`' trainable variables keep
-    their local gradients (model parallel parts, per-rank heads)."""
-    tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
-                                   gradient_predivide_factor, num_groups, groups, process_set, scale_local_gradients)
-    for v in local_variables(local_layers):
-        tape.register_local_source(v)
-    return tape
-
-
-def local_variables(local_layers) -> list:
-    """The trainable variables of `local_layers` (a layer, a list of them, or None)."""
-    if local_layers is None:
-        local_layers = []
-    elif isinstance(local_layers, keras.layers.Layer):
-        local_layers = [local_layers]
-    elif not all(isinstance(layer, keras.layers.Layer) for layer in local_layers):
-        raise ValueError("All local layers must be of tf.keras.layers.Layer type.")
-    return [v for layer in local_layers for v in layer.trainable_weights]
-
-
 def allreduce(tensor, average=None, device_dense: str = "", device_sparse: str = "", compression=Compression.none,
               op=None, prescale_factor: float = 1.0, postscale_factor: float = 1.0, name: str | None = None,
               process_set=None, ignore_name_scope: bool = False):

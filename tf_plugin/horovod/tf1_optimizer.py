@@ -7,7 +7,8 @@ from __future__ import annotations
 import tensorflow as tf
 
 from ..core.process_sets import group_of
-from .tensors import Compression, reduce_shared
+from .compression import Compression
+from .gradient_tape import reduce_shared
 from ..core.world import Average
 
 

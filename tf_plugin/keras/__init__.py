@@ -18,7 +18,8 @@ allgather and broadcast take Keras' argument order (the name second).
 from __future__ import annotations
 
 from ..horovod import tensors as _tf
-from ..horovod.tensors import Compression, broadcast_variables
+from ..horovod.compression import Compression
+from ..horovod.tensors import broadcast_variables
 from ..horovod.world import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, allgather_object, broadcast_object,
                      ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init,
                      is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from ..horovod.tensors import Compression
+from ..horovod.compression import Compression
 from ..horovod.tf1_optimizer import TF1DistributedOptimizer
 from ..core.world import Adasum, Average
 from .optimizer import DistributedOptimizer as KerasDistributedOptimizer

@@ -20,7 +20,8 @@ import types
 import tensorflow as tf
 
 from ..core.process_sets import group_of
-from ..horovod.tensors import Compression, local_variables, reduce_shared
+from ..horovod.compression import Compression
+from ..horovod.gradient_tape import local_variables, reduce_shared
 from ..core.world import Average
 
 

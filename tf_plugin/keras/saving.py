@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import keras
 
-from ..horovod.tensors import Compression
+from ..horovod.compression import Compression
 from .optimizer import distributed_class
 
 
