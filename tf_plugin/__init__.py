@@ -20,7 +20,8 @@ import only ever runs down them (tests/test_layout.py):
     parameter_server.py   parameter-server training of your own Keras model
     training/   rdmatensor-train, the training benchmark: models, one rank, the job,
                 TensorFlow's own strategy as the baseline, the plan explained
-    launcher/   `python -m tf_plugin.launcher.run` and `...cluster`, forwarded to rdmatensor.runner
+    launcher/   `python -m tf_plugin.launcher.run` and `...cluster`, deprecated: forwarded to
+                rdmatensor-run and rdmatensor.runner.cluster, with a DeprecationWarning
     README.md   the plugin in depth
 """
 import importlib
