@@ -72,14 +72,16 @@ def build_parser() -> argparse.ArgumentParser:
     srs.add_parser("status", help="rdma_rxe state on the host")
     vm = srs.add_parser("vm", help="run a command on SoftRoCE inside qemu VM(s)",
                         description="Run CMD on real SoftRoCE in one VM (one rxe device shared "
-                                    "by all its processes) or two VMs linked by a virtual wire.")
-    vm.add_argument("--hosts", type=int, choices=(1, 2), default=1)
+                                    "by all its processes), two VMs linked by a virtual wire, or up to "
+                                    f"{softroce.vm.MAX_HOSTS} VMs on one virtual segment.")
+    vm.add_argument("--hosts", type=int, choices=range(1, softroce.vm.MAX_HOSTS + 1), default=1,
+                    metavar=f"1..{softroce.vm.MAX_HOSTS}")
     vm.add_argument("--rails", type=int, choices=(1, 2), default=1,
-                    help="NICs per VM, each with its own rxe device and link to the other VM (2: with --hosts 2)")
+                    help="NICs per VM, each with its own rxe device and link or segment (2: with two hosts or more)")
     vm.add_argument("--timeout", type=float, default=softroce.vm.DEFAULT_TIMEOUT,
                     help="kill the VM(s) after this many seconds (default %(default)s)")
-    vm.add_argument("--cpus", type=int, help="vCPUs per VM (default 2 for one host, 1 each for two)")
-    vm.add_argument("--memory", type=int, help="MiB per VM (default 4096 for one host, 3072 each)")
+    vm.add_argument("--cpus", type=int, help="vCPUs per VM (default 2 for one host, 1 each for several)")
+    vm.add_argument("--memory", type=int, help="MiB per VM (default 4096 for one host, 3072 each for several)")
     vm.add_argument("--mtu", type=int, default=softroce.vm.DEFAULT_MTU,
                     help="netdev MTU (default %(default)s, giving RoCE MTU 4096)")
     vm.add_argument("--share", action="append", default=[], metavar="DIR",

@@ -8,9 +8,12 @@ the same interpreter, virtualenv, pyverbs and project tree as the host.
 - hosts=1: one VM, one rxe device shared by every process in it (loopback).
 - hosts=2: two VMs whose NICs are joined by a qemu socket netdev on the
   host's loopback, one rxe device each: a two-host RDMA cluster.
-- rails=2 (with hosts=2): each VM has a second NIC, joined to the other's
-  by a second socket netdev on a subnet of its own, with its own rxe device
-  (rxe1 on eth1): two rails between the hosts. eth0 also carries the
+- hosts=3..MAX_HOSTS: every VM's NIC on one shared segment, a qemu
+  multicast socket netdev on the host's loopback (a group and port of this
+  run's own, so that two runs never share a segment): an N-host cluster.
+- rails=2 (with two hosts or more): each VM has a second NIC, on a second
+  link or segment with a subnet of its own, with its own rxe device (rxe1 on
+  eth1): two rails between the hosts. eth0 also carries the
   control traffic.
 - ssh=True: each VM also runs Debian's sshd with host keys made for this
   boot and one job key authorized; the command runs on host0 only and
@@ -43,8 +46,9 @@ from .initramfs import find_kernel, initramfs_for
 GUEST_INIT = Path(__file__).with_name("guest_init.sh")
 # TEST-NET-1 (RFC 5737): documentation addresses, only ever used on the
 # VMs' private link inside qemu.
-GUEST_ADDRS = ("192.0.2.1", "192.0.2.2")
-RAIL_ADDRS = ("198.51.100.1", "198.51.100.2")    # TEST-NET-2: the second rail's link
+MAX_HOSTS = 8
+GUEST_ADDRS = tuple(f"192.0.2.{i + 1}" for i in range(MAX_HOSTS))
+RAIL_ADDRS = tuple(f"198.51.100.{i + 1}" for i in range(MAX_HOSTS))    # TEST-NET-2: the second rail's link
 DEFAULT_TIMEOUT = 600.0
 DEFAULT_MTU = 9000
 BOOT_TIMEOUT = 180.0
@@ -74,6 +78,16 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _segment() -> str:
+    """A multicast group and port for one run's shared segment: administratively
+    scoped (RFC 2365), random, with the port free on this host."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    group = "239.255.{}.{}".format(*os.urandom(2))
+    return f"{group}:{port}"
 
 
 def _listening(port: int) -> bool:
@@ -187,19 +201,21 @@ def run(command: Sequence[str], hosts: int = 1, timeout: float = DEFAULT_TIMEOUT
         log=None, ssh: bool = False, rails: int = 1) -> VmResult:
     """Run `command` in `hosts` SoftRoCE VMs; return its exit status(es).
 
-    With two hosts the command runs on both; it learns its side from
-    RDMATENSOR_VM_INDEX (0 or 1), RDMATENSOR_VM_ROLE (server on 0, client
-    on 1), RDMATENSOR_VM_ADDR and RDMATENSOR_VM_PEER_ADDR. `shares` are host
+    With several hosts the command runs on each; it learns its side from
+    RDMATENSOR_VM_INDEX (0, 1, ...), RDMATENSOR_VM_HOSTS, RDMATENSOR_VM_ROLE
+    (server on 0, client on the others), RDMATENSOR_VM_ADDR,
+    RDMATENSOR_VM_PEER_ADDR (host1's for host0, host0's for the others) and
+    RDMATENSOR_VM_ADDRS (every host's). `shares` are host
     directories mounted writable at the same path, for results to come back.
     With `ssh`, the command runs on host0 only and reaches the VMs by ssh
     (RDMATENSOR_VM_ADDRS lists them); its status is the run's.
     """
-    if hosts not in (1, 2):
-        raise SoftRoceError(f"hosts must be 1 or 2, not {hosts!r}")
+    if not isinstance(hosts, int) or not 1 <= hosts <= MAX_HOSTS:
+        raise SoftRoceError(f"hosts must be between 1 and {MAX_HOSTS}, not {hosts!r}")
     if not command:
         raise SoftRoceError("no command given to run in the VM")
-    if rails not in (1, 2) or (rails == 2 and hosts != 2):
-        raise SoftRoceError(f"rails must be 1, or 2 with two hosts, not {rails!r} with {hosts} host(s)")
+    if rails not in (1, 2) or (rails == 2 and hosts < 2):
+        raise SoftRoceError(f"rails must be 1, or 2 with two hosts or more, not {rails!r} with {hosts} host(s)")
     if not 1280 <= mtu <= 9000:
         raise SoftRoceError(f"mtu must be between 1280 and 9000, not {mtu}")
     shares = [os.path.abspath(d) for d in shares]
@@ -233,8 +249,9 @@ def run(command: Sequence[str], hosts: int = 1, timeout: float = DEFAULT_TIMEOUT
                 (job / f"cmd-{i}.sh").write_text(f"until [ -e {q}/rc-0 ]; do sleep 0.2; done\n")
         _write_env(job / "cmd.env", cwd or os.getcwd(), env)
         ports = [_free_port() for _ in range(rails)]
+        segments = [_segment() for _ in range(rails)]
         for i in range(hosts):
-            peer = GUEST_ADDRS[1 - i] if hosts == 2 else GUEST_ADDRS[0]
+            peer = GUEST_ADDRS[1 if i == 0 and hosts > 1 else 0]
             role = "server" if i == 0 else "client"
             (job / f"vm-{i}.env").write_text(
                 f"RDT_INDEX={i}\nRDT_ADDR={GUEST_ADDRS[i]}\nRDT_MTU={mtu}\nRDT_IFNAME=eth0\n"
@@ -245,6 +262,8 @@ def run(command: Sequence[str], hosts: int = 1, timeout: float = DEFAULT_TIMEOUT
         for i in range(hosts):
             if hosts == 1:
                 netdevs = ["hubport,id=net0,hubid=0"]  # a link to nowhere: rxe loops back locally
+            elif hosts > 2:
+                netdevs = [f"socket,id=net{r},mcast={seg},localaddr=127.0.0.1" for r, seg in enumerate(segments)]
             else:
                 side = "listen" if i == 0 else "connect"
                 netdevs = [f"socket,id=net{r},{side}=127.0.0.1:{port}" for r, port in enumerate(ports)]
@@ -274,7 +293,7 @@ def run(command: Sequence[str], hosts: int = 1, timeout: float = DEFAULT_TIMEOUT
                                             + procs[0].stdout.read().decode(errors="replace"))
                     time.sleep(0.05)
         for i in range(hosts):
-            prefix = f"[host{i}] ".encode() if hosts == 2 else b""
+            prefix = f"[host{i}] ".encode() if hosts > 1 else b""
             tails += [_Tail(job / f"out-{i}", stdout, prefix), _Tail(job / f"err-{i}", stderr, prefix)]
         for t in tails:
             t.start()
