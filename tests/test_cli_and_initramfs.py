@@ -34,7 +34,12 @@ def test_vm_without_command_is_a_clear_error():
 
 
 def test_vm_rejects_bad_arguments():
-    assert rdmatensor("softroce", "vm", "--hosts", "3", "--", "true").returncode == 2
+    assert rdmatensor("softroce", "vm", "--hosts", "9", "--", "true").returncode == 2
+    assert rdmatensor("softroce", "vm", "--hosts", "0", "--", "true").returncode == 2
+    with pytest.raises(SoftRoceError, match="hosts must be between 1 and 8"):
+        softroce.run(["true"], hosts=9)
+    with pytest.raises(SoftRoceError, match="rails must be 1, or 2 with two hosts or more"):
+        softroce.run(["true"], hosts=1, rails=2)
     with pytest.raises(SoftRoceError, match="mtu"):
         softroce.run(["true"], mtu=100)
     with pytest.raises(SoftRoceError, match="cannot share"):
