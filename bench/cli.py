@@ -19,6 +19,20 @@ all (lat, bw and setup), paper (lat, bw and real models' steps for verbs,
 verbs-rpc and grpc on one SoftRoCE device, with the research paper's two
 ratios: one-sided over gRPC, one-sided over RDMA-optimized RPC). Every row carries its ratio to gRPC and to its
 reference (perftest for verbs, memcpy for shm, raw sockets for tcp).
+
+The step-time model (bench/step_model.py, docs/step-model.md): what a
+synchronous training step costs on a cluster, from constants fitted to these
+micro-benchmarks or a fabric's own figures.
+
+    rdmatensor-bench fit --json docs/step-model/constants-host.json    # alpha, beta, per-tensor cost, sum rate
+    rdmatensor-bench predict --model resnet50_224 --ranks 64 --ranks-per-host 8 --link 100gbit \\
+        --latency 2us --compute-ms 250 [--hierarchical] [--fusion-threshold 64M] [--constants FILE]
+    rdmatensor-bench predict --model vgg16_224 --ranks 16 --ranks-per-host 4 --perftest-bw bw.txt --perftest-lat lat.txt
+    rdmatensor-bench validate --json docs/step-model/validation.json   # predicted against measured, paired rounds
+
+predict prints the predicted step time, the scaling efficiency (compute / step)
+and what bounds it (latency, bandwidth, per-tensor cost, reduction or compute);
+`rdmatensor-bench predict --help` lists its flags.
 """
 from __future__ import annotations
 
@@ -216,8 +230,14 @@ def _in_vm(argv: list[str], a) -> int:
     return vm_run(command, timeout=7200, shares=shares).returncode
 
 
+STEP_MODEL_MODES = ("predict", "fit", "validate")     # the step-time model: bench/step_cli.py
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in STEP_MODEL_MODES:
+        from .step_cli import main as step_main
+        return step_main(argv)
     parser = build_parser()
     a = parser.parse_args(argv)
     if not 0 <= a.tx_depth <= 4096:

@@ -1,0 +1,198 @@
+"""The step-time model (bench/step_model.py): its formulas against hand-computed
+values, its buckets against tf_plugin's layout, its fit against known
+constants, perftest output into a link, and `rdmatensor-bench predict` end to
+end. No benchmark runs here."""
+import json
+
+import numpy as np
+import pytest
+
+from bench import step_cli, step_fit
+from bench import step_model as sm
+
+LINK = sm.Link(alpha=1e-6, beta=1e-9, per_tensor=0.5e-6)
+RED = sm.Reduce(add=1e-10, copy=2e-10)
+
+
+def test_ring_allreduce_by_hand():
+    t = sm.ring_allreduce([4000], 4, LINK, RED)
+    # 6 steps: 6 us of latency, 6 x 1000 B at 1 ns/B, 6 writes and 6 receives at 0.5 us,
+    # 3 chunks of 1000 B summed (0.1 ns/B) and 3 copied (0.2 ns/B)
+    assert t.latency == pytest.approx(6e-6)
+    assert t.bandwidth == pytest.approx(6e-6)
+    assert t.per_tensor == pytest.approx(6e-6)
+    assert t.reduction == pytest.approx(3000 * 3e-10)
+    # two buckets each alone pay two latencies; in lockstep one per step
+    assert sm.ring_allreduce([4000, 4000], 4, LINK, RED).latency == pytest.approx(12e-6)
+    assert sm.ring_allreduce([4000, 4000], 4, LINK, RED, lockstep=True).latency == pytest.approx(6e-6)
+    assert sm.ring_allreduce([4000], 1, LINK, RED).total == 0
+
+
+def test_rails_divide_bandwidth_only():
+    two = sm.Link(1e-6, 1e-9, 0.5e-6, rails=2)
+    one, both = sm.ring_allreduce([1 << 20], 8, LINK, RED), sm.ring_allreduce([1 << 20], 8, two, RED)
+    assert both.bandwidth == pytest.approx(one.bandwidth / 2)
+    assert (both.latency, both.per_tensor) == (one.latency, one.per_tensor)
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 5, 8])
+def test_ring_bytes_are_what_the_plan_writes(ranks):
+    layout = sm._layout()
+    elements = 1001                        # not a multiple of any rank count: uneven chunks
+    specs = layout.group_specs("b", elements, np.dtype(np.float32), tuple(range(ranks)), "")
+    total = sum(s.nbytes for s, _ in specs)
+    assert total == 2 * (ranks - 1) * elements * 4                       # exact over all ranks
+    assert total / ranks == pytest.approx(sm.ring_bytes_per_rank(elements * 4, ranks))
+    for r in range(ranks):                 # each rank within a few elements of 2(N-1)/N S
+        mine = sum(s.nbytes for s, _ in specs if s.src == r)
+        assert abs(mine - sm.ring_bytes_per_rank(elements * 4, ranks)) <= 2 * (ranks - 1) * 4
+
+
+def test_hierarchical_by_hand():
+    local = sm.Link(alpha=0.1e-6, beta=0.1e-9, per_tensor=0.2e-6)
+    t = sm.hierarchical_allreduce([8000], 2, 2, LINK, local, RED)
+    # local: 2 steps of 4000 B; cross: 2 steps, S/H = 4000 B through each host's NIC
+    assert t.latency == pytest.approx(2 * 0.1e-6 + 2 * 1e-6)
+    assert t.bandwidth == pytest.approx(8000 * 0.1e-9 + 8000 * 1e-9)
+    assert t.per_tensor == pytest.approx(2 * 2 * 0.2e-6 + 2 * 2 * 0.5e-6)
+    assert t.reduction == pytest.approx((4000 + 2000) * 3e-10)
+    # one host or one rank per host: the flat ring
+    assert sm.hierarchical_allreduce([8000], 1, 4, LINK, local, RED) == sm.ring_allreduce([8000], 4, local, RED)
+    assert sm.hierarchical_allreduce([8000], 4, 1, LINK, local, RED) == sm.ring_allreduce([8000], 4, LINK, RED)
+    # fewer latencies across hosts than the flat ring over all 16 ranks
+    flat = sm.ring_allreduce([8000], 16, LINK, RED)
+    assert sm.hierarchical_allreduce([8000], 4, 4, LINK, local, RED).latency < flat.latency
+
+
+def test_broadcast_and_allgather_by_hand():
+    t = sm.broadcast([1000, 3000], 4, 4, LINK, LINK)
+    assert t.bandwidth == pytest.approx(3 * 4000 * 1e-9)          # the root writes it 3 times
+    assert t.per_tensor == pytest.approx((3 * 2 + 3) * 0.5e-6)
+    g = sm.allgather([1000], 4, 2, LINK, LINK, RED)
+    # two hosts of two: each host's NIC carries 2 ranks x 2 remote peers x 1000 B
+    assert g.bandwidth == pytest.approx(4000 * 1e-9)
+    assert g.reduction == pytest.approx(4 * 1000 * 2e-10)
+
+
+@pytest.mark.parametrize("threshold", [0, 1 << 20, 4 << 20, None])
+def test_buckets_are_tf_plugins(threshold):
+    layout = sm._layout()
+    grads = sm.gradient_set("resnet50")
+    infos = sm.var_infos(grads)
+    fusion = threshold != 0
+    want = layout.buckets_of(infos, fusion, threshold if fusion else None)
+    got = sm.buckets(grads, threshold)
+    assert len(got) == len(want)
+    assert [b.bytes for b in got] == [b.size * b.dtype.itemsize for b in want]
+    assert sum(b.tensors for b in got) == len(grads)
+    assert [b.last for b in got] == sorted(b.last for b in got)      # complete in backprop order
+    if threshold == 0:
+        assert len(got) == len(grads)
+
+
+def test_overlap_hides_communication_until_it_cannot():
+    grads = sm.synthetic_set([4 << 20] * 4)
+    fast = sm.Cluster(8, 1, LINK, LINK, RED)
+    p = sm.predict(grads, fast, compute_s=1.0, threshold=0)
+    # every bucket's ring ends before the next is ready, but the last is ready only when compute ends
+    last = sm.ring_allreduce([4 << 20], 8, LINK, RED).total
+    assert p.step_s == pytest.approx(1.0 + last) and p.bound == "compute"
+    assert p.efficiency == pytest.approx(1 / (1 + last))
+    slow = sm.Cluster(8, 1, sm.Link(1e-6, 1e-6, 0.5e-6), LINK, RED)     # 1 MB/s: 4 MiB takes seconds
+    q = sm.predict(grads, slow, compute_s=1.0, threshold=0)
+    # the first bucket is ready after the forward pass and 1/4 of backprop; then the rings queue
+    first_ready = 1 / 3 + 2 / 3 / 4
+    per_bucket = sm.ring_allreduce([4 << 20], 8, slow.cross, RED).total
+    assert q.step_s == pytest.approx(first_ready + 4 * per_bucket)
+    assert q.bound == "bandwidth" and q.efficiency == pytest.approx(1.0 / q.step_s)
+    eager = sm.predict(grads, slow, compute_s=1.0, threshold=0, overlap=False)
+    assert eager.step_s == pytest.approx(1.0 + sm.ring_allreduce([4 << 20] * 4, 8, slow.cross, RED, True).total)
+
+
+def test_fit_recovers_known_constants():
+    alpha, beta, c = 7e-6, 0.4e-9, 1.3e-6
+    points = [{"kind": k, "bytes": s, "tensors": n} for k, s, n in
+              [("lat", 8, 1), ("lat", 65536, 1), ("bw", 4096, 1), ("bw", 1 << 23, 1), ("step", 256 * 64, 256),
+               ("step", 4 << 22, 4)]]
+    for p in points:
+        p["seconds"] = float(np.dot(step_fit.design_row(p["kind"], p["bytes"], p["tensors"]), [alpha, beta, c]))
+    fitted, rows = step_fit.fit_link(points)
+    assert fitted["alpha_s"] == pytest.approx(alpha, rel=1e-6)
+    assert fitted["beta_s_per_byte"] == pytest.approx(beta, rel=1e-6)
+    assert fitted["per_tensor_s"] == pytest.approx(c, rel=1e-6)
+    assert max(abs(r["residual"]) for r in rows) < 1e-9
+    # the naive model reads the smallest latency point and the largest bandwidth point
+    assert fitted["naive"]["alpha_s"] == points[0]["seconds"]
+
+
+def test_fit_never_returns_a_negative_constant():
+    a = np.array([[1.0, 0.0], [1.0, 1.0], [1.0, 2.0]])
+    x = step_fit.nonnegative_lstsq(a, np.array([3.0, 2.0, 1.0]))      # the slope would be -1
+    assert x[1] == 0 and x[0] == pytest.approx(2.0)
+
+
+def test_rates_and_times():
+    assert sm.parse_rate("100gbit") == 12.5e9
+    assert sm.parse_rate("25Gb/s") == sm.parse_rate("25gbps") == 3.125e9
+    assert sm.parse_rate("12.5GB/s") == 12.5e9
+    assert sm.parse_time("2us") == 2e-6 and sm.parse_time("1.5ms") == 1.5e-3
+    with pytest.raises(ValueError):
+        sm.parse_rate("fast")
+
+
+BW = (" #bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]   MsgRate[Mpps]\n"
+      " 65536      3000             2985.46              2980.00  \t\t   0.047680\n")
+LAT = (" #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    t_stdev[usec]   "
+       "99% percentile[usec]   99.9% percentile[usec] \n"
+       " 8       1000          1.52           5.41         1.60     	       1.58        	0.10   		1.91    		5.41\n")
+
+
+def test_perftest_output_into_the_link():
+    link = sm.link_from_perftest(BW, LAT, LINK)
+    bytes_per_s = 2980.00 * (1 << 20)           # perftest's MB/sec are MiB/s
+    assert link.beta == pytest.approx(1 / bytes_per_s)
+    assert link.alpha == pytest.approx(1.60e-6 - 8 / bytes_per_s)
+    assert link.per_tensor == LINK.per_tensor and "perftest" in link.source
+
+
+@pytest.fixture
+def constants(tmp_path):
+    link = {"alpha_s": 10e-6, "beta_s_per_byte": 1e-9, "per_tensor_s": 2e-6,
+            "naive": {"alpha_s": 12e-6, "beta_s_per_byte": 1e-9}}
+    doc = {"links": {"shm": link, "tcp": link}, "reduction": {"add_s_per_byte": 1e-10, "copy_s_per_byte": 1e-10}}
+    path = tmp_path / "constants.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_predict_end_to_end(constants, tmp_path, capsys):
+    from bench.cli import main
+    out = tmp_path / "p.json"
+    assert main(["predict", "--model", "resnet50", "--ranks", "16", "--ranks-per-host", "4", "--link", "10gbit",
+                 "--latency", "5us", "--compute-ms", "100", "--constants", str(constants), "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "scaling efficiency" in text and "bound by" in text and "10 Gbit/s" in text
+    p = json.loads(out.read_text())["prediction"]
+    grads = sm.gradient_set("resnet50")
+    assert p["buckets"] == len(sm.buckets(grads, None)) and p["tensors"] == len(grads)
+    # the bandwidth term is the flat ring's across 10 Gbit/s
+    assert p["comm"]["bandwidth"] == pytest.approx(2 * 15 / 16 * p["bytes"] * 8 / 10e9)
+    assert p["efficiency"] == pytest.approx(0.1 / p["step_s"])
+    # hierarchical: fewer latencies across hosts
+    assert main(["predict", "--model", "resnet50", "--ranks", "16", "--ranks-per-host", "4", "--link", "10gbit",
+                 "--hierarchical", "--fusion-threshold", "0", "--constants", str(constants), "--json", str(out)]) == 0
+    h = json.loads(out.read_text())["prediction"]
+    assert h["buckets"] == len(grads)
+
+
+def test_predict_rejects_ranks_that_do_not_fill_hosts(constants):
+    with pytest.raises(SystemExit):
+        step_cli.main(["predict", "--model", "resnet50", "--ranks", "6", "--ranks-per-host", "4",
+                       "--constants", str(constants)])
+
+
+def test_imagenet_sets_are_the_published_models():
+    # parameter counts of keras.applications at 1000 classes: ResNet-101 44.7M, InceptionV3 23.9M, VGG16 138.4M
+    for model, params in (("resnet101_224", 44.7e6), ("inceptionv3_224", 23.9e6), ("vgg16_224", 138.4e6)):
+        total = sum(int(np.prod(g["shape"])) for g in sm.gradient_set(model))
+        assert total == pytest.approx(params, rel=0.01)
