@@ -12,9 +12,10 @@ them), with no model computing beside: the ring alone. Each round times
   stores (rdmatensor.streaming);
 - `gather`: the same with plain copies and numpy's add and multiply;
 - `copy`: as before both: the gradients copied into one bucket buffer first
-  (copy_fused=True), plain copies and numpy;
+  (ring_variants.py, copy_fused=True), plain copies and numpy;
 - `staged` (verbs only): `stream` with the outputs not registered, so the
-  all-gather's writes are copied into staging first (register_outputs=False).
+  all-gather's writes are copied into staging first (ring_variants.py,
+  register_outputs=False).
 
 Beside them, `traffic`: the memory traffic a 2-rank ring of each bucket cannot
 avoid, done locally with the same streaming copies and add and no peer, no
@@ -94,15 +95,18 @@ def _rank(rank: int, peers: dict, token: str, model: str, provider: str, rounds:
 
     from rdmatensor import Plan, connect, streaming
     from tf_plugin.core.layout import Analysis, buckets_of, ring_specs
-    from tf_plugin.core.ring_allreduce import RingAllReduce
+    from tf_plugin.executor.ring import RingAllReduce
+
+    from .ring_variants import VariantRing
     infos, mine = _inputs(model, rank)
     _, theirs = _inputs(model, 1 - rank)
     buckets = buckets_of(infos, fusion=True)
     analysis = Analysis(Plan([s for s, _ in ring_specs(buckets, 2)]), "allreduce", 2, 0, infos, buckets=buckets)
     keys = [v.key for v in infos]
     with connect(rank, peers, analysis.plan, provider=provider, token=token) as session:
-        rings = {way: RingAllReduce(session, analysis, copy_fused=way == "copy", register_outputs=way != STAGED)
-                 for way in ways_of(provider)}
+        before = {"copy": {"copy_fused": True}, STAGED: {"register_outputs": False}}   # the ring before each saving
+        rings = {way: VariantRing(session, analysis, **before[way]) if way in before
+                 else RingAllReduce(session, analysis) for way in ways_of(provider)}
         calls_of = {way: functools.partial(ring.allreduce_arrays, keys, mine) for way, ring in rings.items()}
         calls_of["traffic"] = _traffic(buckets, dict(zip(keys, mine, strict=True)),
                                        dict(zip(keys, theirs, strict=True)))

@@ -79,7 +79,7 @@ def _ring_module():
     try:
         from tf_plugin.core import ring_allreduce
     except ImportError:                       # pragma: no cover - after the move
-        from tf_plugin.executor import ring_allreduce
+        from tf_plugin.executor import ring as ring_allreduce
     return ring_allreduce
 
 

@@ -25,6 +25,10 @@ LAYERS = [
     {"rdmatensor"},                                             # the package's public names (its __init__)
     {"rdmatensor.softroce", "rdmatensor.runner"},
     {"rdmatensor.cli", "rdmatensor.__main__"},
+    # the framework-free basics under both the executor and the planner
+    {"tf_plugin.core.settings", "tf_plugin.core.buffers", "tf_plugin.core.scaling", "tf_plugin.core.meter",
+     "tf_plugin.core.timeline"},
+    {"tf_plugin.executor"},                                     # runs a plan: the ring, the communication thread
     {"tf_plugin.core"},
     {"tf_plugin.graph"},
     {"tf_plugin.horovod"},
@@ -34,7 +38,8 @@ LAYERS = [
 LEVEL = {part: i for i, parts in enumerate(LAYERS) for part in parts}
 
 # Modules that must not load TensorFlow (nor Keras) when imported.
-FRAMEWORK_FREE = ("rdmatensor", "tf_plugin.core", "tf_plugin.horovod.world", "tf_plugin.launcher")
+FRAMEWORK_FREE = ("rdmatensor", "tf_plugin.core", "tf_plugin.executor", "tf_plugin.horovod.world",
+                  "tf_plugin.launcher")
 
 
 def module_of(path: pathlib.Path) -> str:

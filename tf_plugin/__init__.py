@@ -9,8 +9,12 @@ Its parts are layers, lowest first, above rdmatensor (whose runner/ says who
 is who, and whose cores.py this import calls to bind a rank to its cores); an
 import only ever runs down them (tests/test_layout.py):
 
+    executor/   what runs a plan, with no framework, behind one contract a compiled
+                executor is to keep: the ring all-reduce, the communication thread
+                (it stands on core's settings, buffers, scaling, meter and timeline,
+                which import nothing above them)
     core/       the job's basics and the collective engine, with no framework: world,
-                process sets, elastic state, plans grown from what the job calls, rings
+                process sets, elastic state, plans grown from what the job calls
     graph/      where the core meets TensorFlow: the graph analyzer, graph ops, ingest
                 of received slots, overlap with backprop, TensorFlow's error types
     horovod/    horovod.tensorflow's API over the engine: world (init, rank, size),

@@ -40,7 +40,7 @@ def test_ps_shards_variables_round_robin(mlp):
 
 def test_allreduce_chunks_partition_every_gradient(mlp):
     from tf_plugin.graph.analyzer import analyze
-    from tf_plugin.core.layout import ring_name
+    from tf_plugin.executor.schedule import ring_name
     n = 3
     a = analyze(mlp, "allreduce", workers=n, fusion=False)
     for v, shape in zip(a.variables, _shapes(mlp), strict=False):
@@ -59,7 +59,7 @@ def test_allreduce_chunks_partition_every_gradient(mlp):
 
 def test_fused_allreduce_is_one_ring_over_aligned_members(mlp):
     from tf_plugin.graph.analyzer import analyze
-    from tf_plugin.core.layout import ring_name
+    from tf_plugin.executor.schedule import ring_name
     a = analyze(mlp, "allreduce", workers=2)
     (bucket,) = a.buckets                                                     # under the fusion threshold
     sizes = [int(np.prod(s)) for s in _shapes(mlp)]

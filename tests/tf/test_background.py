@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rdmatensor import RecvTimeout, Timeout, UsageError
-from tf_plugin.core.background import CommThread
+from tf_plugin.executor.comm_thread import CommThread
 
 
 def describe(j):

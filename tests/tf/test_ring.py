@@ -36,7 +36,7 @@ def values(rank: int, step: int) -> list[np.ndarray]:
 @pytest.mark.parametrize("n,hosts", [(2, None), (3, None), (4, "aabb"), (6, "abcabc")])
 @pytest.mark.parametrize("average", [True, False])
 def test_ring_sums_and_averages_on_every_rank(n, hosts, average):
-    from tf_plugin.core.ring_allreduce import RingAllReduce
+    from tf_plugin.executor.ring import RingAllReduce
     a = analysis(n, list(hosts) if hosts else None)
     assert [[m[0] for m in b.members] for b in a.buckets] == [["count"], ["big"], ["b", "w"]]
     keys = [v.key for v in VARIABLES]
@@ -100,7 +100,7 @@ def test_the_hierarchical_all_reduce_crosses_hosts_in_fewer_steps_and_bytes():
 
 def test_a_bucket_view_reads_its_members_in_place_with_padding_as_zeros():
     from rdmatensor import HeldPieces
-    from tf_plugin.core.ring_allreduce import BucketView
+    from tf_plugin.executor.ring import BucketView
     a, b = np.arange(5, dtype=np.float32), np.arange(3, dtype=np.float32) + 10
     view = BucketView(200, np.float32, [(0, a), (100, b)])     # padding wider than 64 bytes is zeros too
     flat = np.concatenate([a, np.zeros(95), b, np.zeros(97)]).astype(np.float32)

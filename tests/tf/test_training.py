@@ -67,7 +67,7 @@ def test_horovod_like_tape_inside_tf_function(close_to_reference):
     import tensorflow as tf
     from rdmatensor import connect
     from tf_plugin.training import models
-    from tf_plugin.core.ring_allreduce import RingAllReduce
+    from tf_plugin.executor.ring import RingAllReduce
     from tf_plugin.graph.ring_tape import RingGradientTape, broadcast
     from tf_plugin.graph.analyzer import analyze
     from rdmatensor.runner.cluster import Cluster

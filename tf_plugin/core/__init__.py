@@ -9,11 +9,15 @@ TensorFlow (tests/test_layout.py checks what a fresh process loads).
     collectives         the plan grown from the tensor sets the job calls; numbered, tagged calls and resets
     bootstrap           small objects between the workers, before any tensor plan
     layout              names, fusion buckets, ring chunks: how tensors become a Plan (Analysis)
-    ring_allreduce      the ring all-reduce over a laid-out plan, on numpy arrays
-    background          the communication thread: every bucket's ring, in plan order, while backprop runs
-    buffers             64-byte aligned memory TensorFlow takes with no copy, reused once it lets go
-    scaling, adasum     Horovod's pre/postscale, and its Adasum reduction
+    adasum              Horovod's Adasum reduction
     failure             a lost rank fails every collective of this rank, naming the rank lost first
+
+Below the executor (tf_plugin.executor: the ring all-reduce and the
+communication thread that run the plans made here), and below everything
+else of the plugin, because the executor stands on them too:
+
+    buffers             64-byte aligned memory TensorFlow takes with no copy, reused once it lets go
+    scaling             Horovod's pre/postscale
     meter, timeline     time in communication and copies; RDMATENSOR_TIMELINE (Chrome trace)
     settings            the job's settings from the environment, under this project's names and Horovod's
 """

@@ -56,7 +56,7 @@ from rdmatensor.session.context import COPY_PURPOSES
 
 from . import adasum, scaling, settings
 from .layout import Analysis, Hierarchy, VarInfo, buckets_of, fusion_threshold, hierarchical_specs, ring_specs
-from .background import CommThread
+from ..executor.comm_thread import CommThread
 from .bootstrap import Bootstrap, PortReservation
 from .meter import Meter
 from .timeline import Timeline
@@ -622,7 +622,7 @@ class Collectives:
     def _ring(self, ts: TensorSet):
         ring = self._rings.get(ts.index)
         if ring is None or ring.session is not self.session:
-            from .ring_allreduce import RingAllReduce
+            from ..executor.ring import RingAllReduce
             reduction = Reduction.of(ts.op)
             ring = self._rings[ts.index] = RingAllReduce(self.session, ts.analysis, self.meter, average=False,
                                                          combine=COMBINE[reduction.op],

@@ -1,6 +1,7 @@
 """How the tensors a job moves are laid out as a Plan, with no TensorFlow: their
-names, the fusion buckets, the chunks of a ring (flat or hierarchical), and
-the Analysis that holds it all (printed by `explain()`).
+names, the fusion buckets, the chunks of a ring (flat or hierarchical, as the
+executor's schedule cuts and names them), and the Analysis that holds it all
+(printed by `explain()`).
 
 graph/analyzer.py fills one in from a traced step; the collective engine
 (collectives.py) grows one from what the job calls.
@@ -14,6 +15,7 @@ import numpy as np
 
 from rdmatensor import Plan, PlanError, TensorSpec
 
+from ..executor.schedule import ring_bounds, ring_chunk, ring_name
 from . import settings
 from .buffers import TF_ALIGN    # fused members stay zero-copy
 
@@ -37,11 +39,6 @@ def grad_name(worker: int, var: str, part: str = "") -> str:
 
 def param_name(worker: int, var: str) -> str:
     return f"param/w{worker}/{var}"
-
-
-def ring_name(var: str, phase: str, step: int, src: int) -> str:
-    """Chunk written by `src` at ring step `step` of phase rs (reduce-scatter) or ag (all-gather)."""
-    return f"ring/{var}/{phase}{step}/r{src}"
 
 
 def bcast_name(var: str, dst: int) -> str:
@@ -98,21 +95,6 @@ def buckets_of(infos, fusion: bool, threshold: int | None = None) -> list["Bucke
         key = members[0][0] if not fusion else f"fused{k}/{dtype.name}"
         buckets.append(Bucket(key, dtype, members, end))
     return buckets
-
-
-def ring_bounds(n: int, ranks: int) -> list[tuple[int, int]]:
-    """[start, stop) of each of `ranks` chunks of a flat gradient of n elements."""
-    sizes = [n // ranks + (1 if i < n % ranks else 0) for i in range(ranks)]
-    starts = np.cumsum([0] + sizes)
-    return [(int(starts[i]), int(starts[i + 1])) for i in range(ranks)]
-
-
-def ring_chunk(phase: str, step: int, rank: int, ranks: int, receiving: bool = False) -> int:
-    """Which chunk `rank` sends (or receives) at a ring step. Reduce-scatter:
-    send (r - s), receive (r - s - 1) and add; after N-1 steps rank r holds
-    chunk r + 1 fully reduced. All-gather: send (r + 1 - s), receive (r - s)."""
-    src = rank - 1 if receiving else rank
-    return (src - step) % ranks if phase == "rs" else (src + 1 - step) % ranks
 
 
 def ring_specs(buckets, ranks: int) -> list[tuple[TensorSpec, str]]:

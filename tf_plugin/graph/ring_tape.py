@@ -1,4 +1,4 @@
-"""The ring all-reduce (core/ring_allreduce.py) with TensorFlow's tensors:
+"""The ring all-reduce (executor/ring.py) with TensorFlow's tensors:
 
     ring = RingAllReduce(session, analyze(model, "allreduce", workers))
     broadcast(ring, model.variables)               # rank 0's values everywhere, once
@@ -12,15 +12,28 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from ..core.layout import bcast_name
-from ..core.ring_allreduce import RingAllReduce
+from ..core.layout import bcast_name, var_key
+from ..executor.ring import RingAllReduce
 from . import ingest, overlap
+
+
+def keys_of(ring: RingAllReduce, variables, count: int) -> list[str]:
+    """The plan's keys of `variables` (None: the plan's variables, in order), which
+    must be `count` variables of the plan: what the ring's arrays are named by.
+    Here, not in the ring: the executor knows the plan's keys, never TensorFlow's variables."""
+    planned = dict.fromkeys(v.key for v in ring.analysis.variables)
+    keys = [var_key(v) for v in variables] if variables is not None else \
+        [v.key for v in ring.analysis.variables]
+    missing = [k for k in keys if k not in planned]
+    if missing or len(keys) != count:
+        raise ValueError(f"gradients of {missing or count} do not match the plan's variables {list(planned)}")
+    return keys
 
 
 def allreduce(ring: RingAllReduce, grads, variables=None) -> list[tf.Tensor]:
     """Average gradients (tensors, eager) over the workers; `variables` name them
     (default: the plan's variables, in order)."""
-    keys = ring.keys_of(variables, len(grads))
+    keys = keys_of(ring, variables, len(grads))
     host = [np.asarray(tf.convert_to_tensor(g)) for g in grads]    # no copy on CPU
     return [ingest.borrow(a, ring.meter.tally) for a in ring.allreduce_arrays(keys, host)]
 
@@ -29,7 +42,7 @@ def broadcast(ring: RingAllReduce, variables, root_rank: int = 0) -> None:
     """Every worker's variables take root_rank's values (once, before training)."""
     if root_rank != 0:
         raise ValueError("the plan broadcasts from rank 0")
-    keys = ring.keys_of(variables, len(variables))
+    keys = keys_of(ring, variables, len(variables))
     with ring.meter.comm():
         for key, var in zip(keys, variables, strict=False):
             if ring.size == 1 or 0 in var.shape:
@@ -64,7 +77,7 @@ class RingGradientTape:
         grads = [tf.convert_to_tensor(g) for g in grads]          # sparse as dense
         if tf.executing_eagerly():
             return allreduce(ring, grads, sources)
-        position = {k: p for p, k in enumerate(ring.keys_of(sources, len(grads)))}
+        position = {k: p for p, k in enumerate(keys_of(ring, sources, len(grads)))}
         layouts = [[(position[key], offset, ring.shapes[key]) for key, offset, _ in b.members]
                    for b in ring.analysis.buckets]
         return overlap.bucketed(grads, layouts, ring.launch, ring.collect, "rdmatensor_allreduce")

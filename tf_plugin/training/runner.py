@@ -142,7 +142,7 @@ def _loops(cfg: JobConfig, cluster, session, analysis, step, model, signature, m
         return {cfg.provider: lambda k: worker.train_step(*shard(k))}
     ring = None
     if cfg.provider not in FLOORS:
-        from ..core.ring_allreduce import RingAllReduce
+        from ..executor.ring import RingAllReduce
         ring = RingAllReduce(session, analysis, meter)
     opt = models.optimizer(cfg.lr)
     opt.build(step.variables)

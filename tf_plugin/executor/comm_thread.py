@@ -1,5 +1,5 @@
 """The communication thread: one per rank, it runs every bucket's ring while
-TensorFlow goes on with backprop.
+TensorFlow goes on with backprop. The executor's Python twin of contract.Rounds.
 
 TensorFlow hands a bucket over as soon as its gradients exist (launch), and
 later asks for its result (collect). The thread takes the *rounds* (one
@@ -12,7 +12,8 @@ same sequence: no two ranks ever wait on each other in different rings.
 Nothing here is left to hang: a bucket not handed over within the timeout
 (the step that launched its round died half-way) fails the round with
 `Timeout`, and a ring's error fails its round: every bucket of it, including
-those handed over later, raises that error. Later rounds run as usual. This module does not import TensorFlow.
+those handed over later, raises that error. Later rounds run as usual. This
+module does not import TensorFlow: what a ring is, it learns from `run`.
 """
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ import time
 
 from rdmatensor import Timeout, UsageError
 
-from .meter import Meter
-from .timeline import COMMUNICATION, TENSORFLOW, Timeline
+from ..core.meter import Meter
+from ..core.timeline import COMMUNICATION, TENSORFLOW, Timeline
+from .contract import Rounds
 
 
 class Round:
@@ -48,7 +50,7 @@ class Round:
             event.set()
 
 
-class CommThread:
+class CommThread(Rounds):
     """Rings on a background thread, in the order rounds are opened.
 
     launch(key, j, arrays, buckets, run, describe) hands bucket j of the round of
@@ -131,7 +133,7 @@ class CommThread:
             self._check()
 
     def idle(self) -> bool:
-        """No round waiting for its buckets or running (checked_collectives.py's divergence watchdog)."""
+        """No round waiting for its buckets or running (core/checked_collectives.py's divergence watchdog)."""
         with self._cond:
             return not self._queue
 
@@ -169,7 +171,7 @@ class CommThread:
                 if self._queue and self._queue[0] is rnd:
                     self._queue.popleft()
                 # A failed round fails alone: its run() already reset the generation with
-                # every rank (collectives.py), so later rounds meet their peers as usual.
+                # every rank (core/collectives.py), so later rounds meet their peers as usual.
                 self._cond.notify_all()
 
     def _run(self, rnd: Round) -> None:

@@ -1,4 +1,5 @@
-"""Synchronous data parallelism: the ring all-reduce of gradients over an analyzed plan.
+"""Synchronous data parallelism: the ring all-reduce of gradients over an analyzed plan,
+the executor's Python twin of contract.Ring.
 
     ring = RingAllReduce(session, analyze(model, "allreduce", workers))
     grads = ring.allreduce_arrays(keys, arrays)     # numpy, averaged over workers
@@ -7,11 +8,11 @@
 inside tf.function.)
 
 (`import tf_plugin as hvd` is the Horovod API; it runs this ring too, over a
-plan grown from the step, see collectives.py.)
+plan grown from the step, see core/collectives.py.)
 
 The ring: each bucket (one gradient, or with fusion gradients of a dtype
-laid end to end up to a threshold, see layout.buckets_of) is cut into N chunks
-(layout.ring_bounds). Reduce-scatter (N-1 steps): every rank writes one
+laid end to end up to a threshold, see core/layout.buckets_of) is cut into N chunks
+(schedule.ring_bounds). Reduce-scatter (N-1 steps): every rank writes one
 chunk into its right neighbour's preallocated slot, which adds it to its own
 copy of that chunk *directly into the registered staging buffer of its next
 write*; after N-1 steps each rank holds one chunk summed over all ranks.
@@ -27,7 +28,7 @@ hands them to one sendmsg, verbs copies them once into registered staging),
 and the chunks it adds to are added straight from its members. Fusion still
 makes fewer, larger writes (on tcp the per-write cost dominates small models).
 An average is the sum times 1/N (times any postscale), computed as Horovod
-does (scaling.py): float32 and float64 sums are added
+does (core/scaling.py): float32 and float64 sums are added
 and multiplied in one pass (rdmatensor.streaming, with streaming stores for
 large chunks: the all-gather reads them back from memory anyway), other
 dtypes block by block right after each block is added, while it is still in
@@ -39,13 +40,16 @@ buffer is registered once, when allocated, so those writes leave from it
 with no copy into staging; an output is leased again only once no write
 still reads it (_lease). The outputs are 64-byte
 aligned buffers reused once TensorFlow freed the previous step's
-(buffers.Reused), and reach TensorFlow with no copy (DLPack, or
+(core/buffers.Reused), and reach TensorFlow with no copy (DLPack, or
 numpy_function's output).
 
 Eagerly, every bucket's ring advances in lockstep on the calling thread
 (allreduce). Inside tf.function (RingGradientTape) each bucket is handed to
-the communication thread as soon as its gradients exist (graph/overlap.py)
-and its ring (reduce_bucket) runs while backprop goes on.
+the communication thread (comm_thread.py) as soon as its gradients exist
+(graph/overlap.py) and its ring (reduce_bucket) runs while backprop goes on.
+
+No TensorFlow, and nothing of the planner: the plan is read through the
+fields contract.AnalyzedPlan names, the chunks as schedule.py lays them out.
 """
 from __future__ import annotations
 
@@ -55,12 +59,13 @@ import numpy as np
 
 from rdmatensor import HeldPieces, streaming
 
-from . import scaling
-from .buffers import Reused, aligned_empty
-from .layout import Analysis, ring_bounds, ring_chunk, ring_name, var_key
-from .background import CommThread
-from .meter import Meter
-from .timeline import Timeline
+from ..core import scaling
+from ..core.buffers import Reused
+from ..core.meter import Meter
+from ..core.timeline import Timeline
+from .comm_thread import CommThread
+from .contract import AnalyzedPlan, Ring
+from .schedule import ring_bounds, ring_chunk, ring_name
 
 
 BLOCK = 1 << 16       # elements summed then divided at a time: about L2-sized, so the divide is nearly free
@@ -108,32 +113,24 @@ class BucketView:
         return HeldPieces(p for _, p in self.cover(lo, hi))
 
 
-class RingAllReduce:
-    def __init__(self, session, analysis: Analysis, meter: Meter | None = None, average: bool = True,
-                 combine=np.add, copy_fused: bool = False, scale: float | None = None,
-                 register_outputs: bool = True):
+class RingAllReduce(Ring):
+    """contract.Ring in Python, over rdmatensor's session."""
+
+    def __init__(self, session, analysis: AnalyzedPlan, meter: Meter | None = None, average: bool = True,
+                 combine=np.add, scale: float | None = None):
         # combine: how two ranks' values make one (np.add; np.minimum, np.maximum, np.multiply).
         # scale: the factor the combined values are multiplied by (Horovod's postscale, which
         # holds an average's 1/N); default 1/N when `average`, else none.
-        # copy_fused: copy a bucket's members together first, as before gather writes
-        # (kept so that bench.ring_cpu measures both in one run). register_outputs=False: the
-        # all-gather's writes are copied into staging on verbs, as before (bench.ring_cpu, too).
         self.session, self.analysis, self.combine = session, analysis, combine
         self.meter = meter or Meter()
         self.rank, self.size = session.rank, analysis.workers
         self.factor = scale if scale is not None else (1.0 / self.size if average else None)
         self.factor = None if self.factor == 1.0 else self.factor
         self.average = self.factor is not None        # whether the combined values are scaled
-        self.index = {v.key: i for i, v in enumerate(analysis.variables)}
         self.shapes = {v.key: v.shape for v in analysis.variables}
-        self._register = register_outputs
-        self._fused = {}        # copy_fused: a fused bucket's input buffer, reused every step, padding stays zero
-        self._outputs = {}      # a bucket's output buffers, reused once TensorFlow let go of them
-        for b in analysis.buckets:
-            if len(b.members) > 1 and copy_fused:
-                self._fused[b.key] = aligned_empty((b.size,), b.dtype)
-                self._fused[b.key][...] = 0
-            self._outputs[b.key] = Reused(b.size, b.dtype, self.meter.tally, self._writes_leave_from)
+        # a bucket's output buffers, reused once TensorFlow let go of them
+        self._outputs = {b.key: Reused(b.size, b.dtype, self.meter.tally, self._writes_leave_from)
+                         for b in analysis.buckets}
         self._in_flight: dict = {}    # bucket key -> the sends its last ring made from its output
         self._comm = None       # the communication thread of the in-graph ring (RingGradientTape)
 
@@ -141,7 +138,7 @@ class RingAllReduce:
         """A new output buffer: the all-gather writes from it, so verbs registers it
         (local access only) and those writes need no copy into staging."""
         register = getattr(self.session, "register_source", None)
-        if register is not None and self._register:
+        if register is not None:
             register(output)
 
     def _lease(self, key: str) -> np.ndarray:
@@ -176,7 +173,7 @@ class RingAllReduce:
         """Bucket j's ring alone (its members' arrays in order), averaged unless the
         ring was made with average=False: what the communication thread runs.
         Every write carries `tag`, and only values with it are taken (the call's
-        number: see collectives.py). Returns the bucket's flat output (its
+        number: see core/collectives.py). Returns the bucket's flat output (its
         members: Bucket.split)."""
         b = self.analysis.buckets[j]
         flat, divide = self._flat(b, [np.ascontiguousarray(a) for a in arrays], self.average)
@@ -186,14 +183,8 @@ class RingAllReduce:
     def _flat(self, bucket, arrays: list, average: bool) -> tuple[BucketView, bool]:
         """The bucket as one flat array (a view over its members where they are),
         and whether its sum over the ranks is to be divided by N."""
-        buf = self._fused.get(bucket.key)
-        if buf is None:
-            return BucketView(bucket.size, bucket.dtype, [(offset, a.reshape(-1)) for (_, offset, _), a
-                                                          in zip(bucket.members, arrays, strict=True)]), average
-        for (_, offset, n), a in zip(bucket.members, arrays, strict=True):
-            np.copyto(buf[offset:offset + n], a.reshape(-1))
-        self.meter.tally["fused"] += len(bucket.members)
-        return BucketView.of(buf), average
+        return BucketView(bucket.size, bucket.dtype, [(offset, a.reshape(-1)) for (_, offset, _), a
+                                                      in zip(bucket.members, arrays, strict=True)]), average
 
     def _ring(self, keys: list, flats: list, outs: list, divide: list, tag: int = 0) -> list[np.ndarray]:
         """Sum the flat arrays over the ranks into `outs` (divided by N where
@@ -337,12 +328,3 @@ class RingAllReduce:
         """Stop the communication thread, if one was started (idempotent)."""
         if self._comm is not None:
             self._comm.close()
-
-    def keys_of(self, variables, count: int) -> list[str]:
-        keys = [var_key(v) for v in variables] if variables is not None else \
-            [v.key for v in self.analysis.variables]
-        missing = [k for k in keys if k not in self.index]
-        if missing or len(keys) != count:
-            raise ValueError(f"gradients of {missing or count} do not match the plan's variables "
-                             f"{list(self.index)}")
-        return keys
