@@ -2,12 +2,12 @@
 
     analyzer     analyze(model | tf.function, mode, workers, ps) -> Analysis(plan, explain())
     step         the traced loss-and-gradients function the analyzer and trainers share
-    ring_tape    the core's ring with TensorFlow's tensors and variables (RingGradientTape)
+    ring_tape    the executor's ring with TensorFlow's tensors and variables (RingGradientTape)
     overlap      the all-reduce in a graph: one launch op and one wait op per bucket
     ingest       received slot -> tf.Tensor with no copy (DLPack); when the slot is released
     ps_step      parameter-server training's step (PSWorker, ParameterServer)
     ops          send(tensor, name, dst) / recv(name, src, dtype, shape) inside tf.function
     tf_errors    rdmatensor's errors as the TensorFlow types Horovod raises (eagerly and in graphs)
 
-Imports only tf_plugin.core of tf_plugin.
+Imports only tf_plugin.core and tf_plugin.executor of tf_plugin.
 """

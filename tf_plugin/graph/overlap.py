@@ -6,7 +6,7 @@ them), two small stateful ops:
 - launch: its inputs are only that bucket's gradients, so TensorFlow's
   executor runs it as soon as they are computed, while the rest of backprop
   goes on. It hands the arrays (aliases of TensorFlow's buffers, kept alive by
-  them) to the communication thread (background.py) and returns at once.
+  them) to the communication thread (executor/comm_thread.py) and returns at once.
 - wait: returns the bucket's flat output once its ring is done (a 64-byte
   aligned, reused buffer: TensorFlow takes it with no copy), which the graph
   slices into the members, each a view. One output per bucket, not one per
