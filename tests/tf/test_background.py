@@ -106,3 +106,21 @@ def test_output_buffers_come_back_when_the_last_view_is_gone():
     gc.collect()
     again = [pool.lease(), pool.lease()]
     assert address in {a.ctypes.data for a in again} and pool.allocated == 2
+
+
+def test_the_python_twins_take_the_executors_contract_call_for_call():
+    """What a compiled executor is to keep: each call of the contract, with the same
+    parameters and defaults, as the Python twins callers use today take it."""
+    import inspect
+
+    from tf_plugin.executor.contract import Ring, Rounds
+    from tf_plugin.executor.ring import RingAllReduce
+
+    def parameters(f):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()]
+
+    for twin, contract in ((CommThread, Rounds), (RingAllReduce, Ring)):
+        assert issubclass(twin, contract) and not getattr(twin, "__abstractmethods__", None)
+        assert contract.__abstractmethods__ >= {"launch", "collect", "close"}
+        for name in contract.__abstractmethods__:
+            assert parameters(getattr(twin, name)) == parameters(getattr(contract, name)), name
