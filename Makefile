@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo demo-two-hosts test test-host test-rdma test-rails clean proto bench bench-models bench-models-paired bench-hierarchical bench-ring soak \
+.PHONY: setup demo demo-two-hosts test test-host test-rdma test-rails test-four-hosts clean proto bench bench-models bench-models-paired bench-hierarchical bench-ring bench-step-model bench-step-model-fit soak \
 	horovod-reference horovodrun-two-hosts horovod-diff
 
 setup:
@@ -71,6 +71,16 @@ bench-hierarchical: setup
 bench-ring: setup
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m bench.ring_cpu --models resnet50,vgg16,densenet121,mobilenetv2,lstm_lm \
 	    --providers shm,tcp --json docs/ring-cpu.json
+
+# The step-time model (docs/step-model.md): its predictions for cases the fit
+# never saw against paired measurements on this host, 2 ranks, shm and tcp
+# (about 3 minutes); bench-step-model-fit refits its constants first (about 3).
+bench-step-model: setup
+	$(PY) -m bench.cli validate --json docs/step-model/validation.json
+
+bench-step-model-fit: setup
+	$(PY) -m bench.cli fit --rounds 5 --json docs/step-model/constants-host.json
+	$(PY) -m bench.cli validate --predict-only --json docs/step-model/predictions.json
 
 # Long runs without leaks: a two-worker training job (Horovod API, a small
 # model) for SOAK_STEPS steps per provider, every rank sampling its RSS,
@@ -144,6 +154,14 @@ test: setup
 # bytes and bits, not speed (1 vCPU per VM); not part of `make test`.
 test-rails: setup
 	$(PY) -m pytest -v -s -p no:cacheprovider tests/vm/rails_check.py
+
+# Four SoftRoCE VMs (1 vCPU each) on one shared segment, 2 ranks per host:
+# every pair over verbs or shm, started by rdmatensor-run and by mpirun; an
+# MLP trained with the hierarchical all-reduce off and on; each host's payload
+# across hosts equal to the algorithms' counts. Bytes and bits, not speed;
+# not part of `make test` (10-20 minutes on 2 cores).
+test-four-hosts: setup
+	$(PY) -m pytest -v -s -p no:cacheprovider tests/vm/four_hosts_check.py
 
 test-host: setup
 	$(PY) scripts/run_tests.py --only host
