@@ -3,10 +3,11 @@ rdmatensor.runner, and says so once, as a DeprecationWarning naming what to use
 instead, whether it is imported or run with -m."""
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
-from tests.test_layout import REPO
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 # default warning filters: what someone running the old command sees
 ENV = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
