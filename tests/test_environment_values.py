@@ -12,6 +12,7 @@ import pytest
 
 from rdmatensor import UsageError
 from tf_plugin.core import settings
+from tf_plugin.errors import SettingError
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DOC = (REPO / "docs" / "environment.md").read_text()
@@ -137,9 +138,9 @@ def test_horovods_timeouts_are_honoured_or_named():
     assert horovod["warned"] == {"HOROVOD_START_TIMEOUT": settings.IGNORED["HOROVOD_START_TIMEOUT"]}
     both = snapshot({"HOROVOD_GLOO_TIMEOUT_SECONDS": "45", "RDMATENSOR_TIMEOUT": "50"})
     assert both["RDMATENSOR_TIMEOUT"] == 50
-    with pytest.raises(settings.SettingError, match="HOROVOD_GLOO_TIMEOUT_SECONDS='soon': expected seconds"):
+    with pytest.raises(SettingError, match="HOROVOD_GLOO_TIMEOUT_SECONDS='soon': expected seconds"):
         settings.seconds(settings.TIMEOUT, {"HOROVOD_GLOO_TIMEOUT_SECONDS": "soon"})
-    assert issubclass(settings.SettingError, UsageError)
+    assert issubclass(SettingError, UsageError)
 
 
 def test_what_launchers_set_is_unset_when_empty():

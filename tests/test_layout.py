@@ -25,6 +25,7 @@ LAYERS = [
     {"rdmatensor"},                                             # the package's public names (its __init__)
     {"rdmatensor.softroce", "rdmatensor.runner"},
     {"rdmatensor.cli", "rdmatensor.__main__"},
+    {"tf_plugin.errors"},                                       # every error of the plugin, TensorFlow's types lazily
     # the framework-free basics under both the executor and the planner
     {"tf_plugin.core.settings", "tf_plugin.core.buffers", "tf_plugin.core.scaling", "tf_plugin.core.meter",
      "tf_plugin.core.timeline"},
@@ -38,7 +39,7 @@ LAYERS = [
 LEVEL = {part: i for i, parts in enumerate(LAYERS) for part in parts}
 
 # Modules that must not load TensorFlow (nor Keras) when imported.
-FRAMEWORK_FREE = ("rdmatensor", "tf_plugin.core", "tf_plugin.executor", "tf_plugin.horovod.world",
+FRAMEWORK_FREE = ("rdmatensor", "tf_plugin.errors", "tf_plugin.core", "tf_plugin.executor", "tf_plugin.horovod.world",
                   "tf_plugin.launcher")
 
 

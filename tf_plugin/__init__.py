@@ -9,6 +9,8 @@ Its parts are layers, lowest first, above rdmatensor (whose runner/ says who
 is who, and whose cores.py this import calls to bind a rank to its cores); an
 import only ever runs down them (tests/test_layout.py):
 
+    errors.py   every error of the plugin's own (NonFiniteValue, HorovodInternalError, ...);
+                the two that are TensorFlow's types too are built on first use
     executor/   what runs a plan, with no framework, behind one contract a compiled
                 executor is to keep: the ring all-reduce, the communication thread
                 (it stands on core's settings, buffers, scaling, meter and timeline,

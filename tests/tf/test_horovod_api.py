@@ -53,7 +53,7 @@ def test_horovod_tape_script_on_two_processes(tmp_path):
         assert rep["allgather_grows"] >= 1
         # a plan that differs between ranks fails on every rank, naming the tensor
         # ... as rdmatensor's PlanMismatch that is also TensorFlow's FailedPreconditionError (as Horovod)
-        assert rep["mismatch"].startswith("tf_plugin.graph.tf_errors.CollectiveMismatch")
+        assert rep["mismatch"].startswith("tf_plugin.errors.CollectiveMismatch")
         assert "'differs'" in rep["mismatch"]
         # both shapes named: compared as proposals ("shape: [2] vs [3]"), or, where one rank has
         # the set planned already (sets are keyed by what they move, not by names), seen by the

@@ -14,6 +14,7 @@ from rdmatensor.runner import horovodrun_flags
 from rdmatensor.runner.cli import parser
 from rdmatensor.runner.placement import LaunchError
 from tf_plugin.core import settings
+from tf_plugin.errors import SettingError
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("horovod_env_script.py")
@@ -72,9 +73,9 @@ def test_settings_read_either_name_and_say_what_is_wrong():
     assert settings.integer(settings.FUSION_THRESHOLD, env) == 2048
     assert settings.flag(settings.HIERARCHICAL_ALLREDUCE, {}) is True
     assert settings.flag(settings.HIERARCHICAL_ALLREDUCE, {"HOROVOD_HIERARCHICAL_ALLREDUCE": "0"}) is False
-    with pytest.raises(settings.SettingError, match="HOROVOD_HIERARCHICAL_ALLREDUCE='maybe': expected 1 or 0"):
+    with pytest.raises(SettingError, match="HOROVOD_HIERARCHICAL_ALLREDUCE='maybe': expected 1 or 0"):
         settings.flag(settings.HIERARCHICAL_ALLREDUCE, {"HOROVOD_HIERARCHICAL_ALLREDUCE": "maybe"})
-    with pytest.raises(settings.SettingError, match="HOROVOD_LOG_LEVEL='loud'"):
+    with pytest.raises(SettingError, match="HOROVOD_LOG_LEVEL='loud'"):
         settings.apply_log_level({"HOROVOD_LOG_LEVEL": "loud"})
     assert settings.apply_log_level({"HOROVOD_LOG_LEVEL": "ERROR", "RDMATENSOR_LOG_LEVEL": "debug"}) == 10
     assert settings.ignored_in({"HOROVOD_CYCLE_TIME": "1", "HOROVOD_RANK": "0", "HOROVOD_TIMELINE": "x",

@@ -9,7 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from tf_plugin.training.job import BACKENDS, JobConfig, JobError, RankResult, combine, compare, summarize
+from tf_plugin.errors import JobError
+from tf_plugin.training.job import BACKENDS, JobConfig, RankResult, combine, compare, summarize
 
 
 @pytest.mark.parametrize("fields, message", [

@@ -2,11 +2,15 @@
 horovod/common): every face of tf_plugin stands on it, and it never imports
 TensorFlow (tests/test_layout.py checks what a fresh process loads).
 
-    world               init, rank, size, objects between ranks
-    process_sets        process sets: collectives among some of the ranks
+    world               init, rank, size, objects between ranks; the registry of process sets
+    process_sets        a registered process set's own collectives, and the exchange that registers it
     elastic             State, ObjectState, run: a job that survives a lost rank
     checked_collectives the engine's front door: every call checked, errors naming the tensor and rank
-    collectives         the plan grown from the tensor sets the job calls; numbered, tagged calls and resets
+    collectives         the engine: the plan grown from the tensor sets the job calls; numbered, tagged calls
+    tensor_sets         what a call is as the ranks compare it: its key, its entries, a message's words for it
+    generations         the plan's successive sessions: what a reset decides, counters carried over
+    reductions          an all-reduce set's op (how it combines, its threshold, hierarchy, scaling) and buckets
+    algorithms          each kind of set on the wire: its slots, and what one call writes and reads of them
     bootstrap           small objects between the workers, before any tensor plan
     layout              names, fusion buckets, ring chunks: how tensors become a Plan (Analysis)
     adasum              Horovod's Adasum reduction

@@ -45,8 +45,10 @@ import numpy as np
 
 from rdmatensor import PlanMismatch, RdmaTensorError, Timeout
 
+from ..errors import NonFiniteValue
 from . import settings
-from .collectives import TAGS, Collectives, describe, entries_of
+from .collectives import TAGS, Collectives
+from .tensor_sets import describe, entries_of
 
 GRACE = 2.0                 # seconds a peer's tensors may lie unread before the ranks are declared diverged
 WATCH_EVERY = 0.25
@@ -69,11 +71,6 @@ class Stall:
                    settings.seconds(settings.STALL_SHUTDOWN_TIME))
 WHY = ("the ranks diverged: a tensor whose shape or dtype changed on some ranks only, or a collective "
        "called on some ranks only")
-
-
-class NonFiniteValue(RdmaTensorError):
-    """A NaN or Inf in an all-reduce (RDMATENSOR_CHECK_FINITE): `tensor` names it,
-    `peer` is this rank when its own value held it, else None."""
 
 
 def finite_check_from_env() -> bool:

@@ -1,39 +1,17 @@
-"""Collectives over a plan that grows from what the job actually calls.
+"""The collective engine: a plan that grows from what the job actually calls.
 
 Without a model in hand, the tensors a step moves are only known when it
-runs. Each collective call names a *tensor set*: its kind (allreduce with an
-op, broadcast from a root, allgather) and, per tensor, a name, shape and
-dtype. The first time a set is seen, every rank proposes it over the
-bootstrap channel; the proposals are compared (a difference fails on every
-rank with PlanMismatch naming the first differing tensor; names are not
-compared, as Keras numbers layers per process), and the plan is
-extended: a new *generation*, the union of every set so far, connected as a
-fresh session on ports the ranks agreed on in the same exchange. Buffers are
+runs. Each collective call names a tensor set (tensor_sets.py). The first
+time a set is seen, every rank proposes it over the bootstrap channel; the
+proposals are compared (a difference fails on every rank with PlanMismatch
+naming the first differing tensor; names are not compared, as Keras numbers
+layers per process), and the plan is extended: a new *generation*
+(generations.py), the union of every set so far, connected as a fresh
+session on ports the ranks agreed on in the same exchange. Buffers are
 registered and addresses swapped once per generation; a set already in the
-plan costs no control call, whatever the step.
-
-What each set becomes in the plan:
-
-- allreduce: the ring of ring_allreduce.py over fused buckets
-  (layout.buckets_of: in the order backprop produces the gradients, up to
-  the fusion threshold each), its chunks laid out by layout.ring_specs, or
-  where several hosts hold several ranks each, by layout.hierarchical_specs:
-  a ring per host, one across hosts (HOROVOD_HIERARCHICAL_ALLREDUCE=0: flat).
-  Every bucket's ring runs on the communication thread (background.py): a
-  graph hands each bucket over as soon as its gradients exist (launch) and
-  takes its result later (collect); eagerly, all are handed over, then
-  collected. The fusion threshold is part of the set, so ranks that disagree
-  on it fail with PlanMismatch;
-- broadcast: one tensor per (tensor, non-root rank), written by the root (a
-  byte instead when every tensor is empty), one byte from every non-root
-  rank to the root, and one byte per non-root rank, written once the root
-  has every other rank's byte and every rank released the value: a rank
-  returns only when every rank took part in the same call, so a broadcast
-  that fails on one rank fails on all (as Horovod's does), and ranks that
-  disagree on the root each write into a set the other is not in;
-- allgather, alltoall: one dynamic-shape tensor (first dimension None) per
-  (tensor, ordered pair of ranks), its first room the largest any rank
-  proposed (an alltoall part is at most its whole tensor).
+plan costs no control call, whatever the step. What each set becomes in the
+plan, and how a call moves its values, is algorithms.py's; how an all-reduce
+combines, reductions.py's.
 
 The previous generation is closed once the next one is connected and the
 communication thread has finished every ring on it: the new setup barrier
@@ -42,220 +20,27 @@ module does not import TensorFlow until a ring is built.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
 import time
-from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from rdmatensor import PeerLost, Plan, PlanMismatch, RdmaTensorError, TensorSpec, Timeout, UsageError, connect
+from rdmatensor import PeerLost, Plan, PlanMismatch, RdmaTensorError, UsageError, connect
 from rdmatensor.providers.contract import MAX_TAG
-from rdmatensor.session.context import COPY_PURPOSES
 
-from . import adasum, scaling, settings
-from .layout import Analysis, Hierarchy, VarInfo, buckets_of, fusion_threshold, hierarchical_specs, ring_specs
+from . import adasum, algorithms, scaling
+from .algorithms import contiguous
+from .layout import fusion_threshold
 from ..executor.comm_thread import CommThread
 from .bootstrap import Bootstrap, PortReservation
+from .generations import COUNTED, Reset, Settled, collateral, disagreement, earliest_failure
 from .meter import Meter
+from .reductions import COMBINE, Reduction, allreduce_buckets, allreduce_op
+from .tensor_sets import AllreduceGroup, Described, TensorSet, describe, entries_of, set_key
 from .timeline import Timeline
 
-OK = np.ones(1, np.uint8)   # a broadcast's root to every other rank: every rank took the value
 TAGS = MAX_TAG + 1     # call numbers travel mod this in every write's tag
-COUNTED = ("control_calls", "bytes_sent", "bytes_received", "writes", "recvs", "copies", "dynamic", "grows",
-           "bytes_copied", *(f"copies_{p}" for p in COPY_PURPOSES))
-
-
-@dataclass
-class TensorSet:
-    """One collective's tensors, as every rank agreed on them."""
-    index: int
-    kind: str                      # allreduce | broadcast | allgather | alltoall
-    op: str                        # allreduce: REDUCTIONS:threshold; broadcast: root rank; others: ""
-    entries: list                  # per tensor: {"name", "shape", "dtype"} (ROWS_VARY kinds: shape[0] None)
-    specs: list = field(default_factory=list)
-    analysis: Analysis | None = None
-
-
-@dataclass
-class AllreduceGroup:
-    """An all-reduce as a graph builds it: its tensor set's request and key, and
-    its buckets (the layout every rank derives from the agreed set)."""
-    request: tuple
-    key: tuple
-    buckets: list
-
-    def members(self, j: int, flat: np.ndarray) -> list[np.ndarray]:
-        """Bucket j's members, in order, as views of its flat output."""
-        described = self.request[3]
-        return self.buckets[j].split(flat, {key: described[int(key)].shape for key, _, _ in self.buckets[j].members})
-
-
-ROWS_VARY = ("allgather", "alltoall")    # kinds whose tensors' first dimension may differ between ranks and calls
-REDUCTIONS = ("average", "sum", "min", "max", "product")
-COMBINE = {"average": np.add, "sum": np.add, "min": np.minimum, "max": np.maximum, "product": np.multiply}
-
-
-def allreduce_op(op: str, threshold: int, prescale: float = 1.0, postscale: float = 1.0,
-                 scatter: bool = False) -> str:
-    """An all-reduce set's op: how it combines (one of REDUCTIONS), the fusion
-    threshold that cut its buckets, ":h" when the all-reduce is to be
-    hierarchical wherever several hosts hold the same number (> 1) of ranks
-    each: by default, unlike Horovod, as it measured faster there (bench.hierarchical);
-    RDMATENSOR_HIERARCHICAL_ALLREDUCE=0 or HOROVOD_HIERARCHICAL_ALLREDUCE=0 keeps the flat ring. Then Horovod's pre- and
-    postscale factors (rounded to float32, as its op attributes are) where they
-    are not 1, and ":scatter" for a reducescatter (the same ring; each rank keeps
-    its rows). Read at each new set; the ranks must agree on all of it: a set
-    that differs in any part is another set, compared when it is proposed."""
-    if op not in REDUCTIONS:
-        raise ValueError(f"reduction {op!r} is not one of {REDUCTIONS}")
-    hierarchical = settings.flag(settings.HIERARCHICAL_ALLREDUCE)
-    pre, post = scaling.factor(prescale), scaling.factor(postscale)
-    return (f"{op}:{threshold}" + (":h" if hierarchical else "")
-            + (f":pre={pre!r}" if pre != 1.0 else "") + (f":post={post!r}" if post != 1.0 else "")
-            + (":scatter" if scatter else ""))
-
-
-@dataclass(frozen=True)
-class Reduction:
-    """An all-reduce set's op (allreduce_op), read back."""
-    op: str
-    threshold: int
-    hierarchical: bool = False
-    prescale: float = 1.0
-    postscale: float = 1.0
-    scatter: bool = False
-
-    @classmethod
-    def of(cls, text: str) -> "Reduction":
-        op, threshold, *flags = text.split(":")
-        named = dict(f.split("=") for f in flags if "=" in f)
-        return cls(op, int(threshold), "h" in flags, float(named.get("pre", 1.0)), float(named.get("post", 1.0)),
-                   "scatter" in flags)
-
-    def after_sum(self, size: int) -> float | None:
-        """What the combined values are multiplied by (an Average's 1/N folded into
-        the postscale, in double, as Horovod does), or None for nothing."""
-        scale = self.postscale / size if self.op == "average" else self.postscale
-        return None if scale == 1.0 else scale
-
-    def words(self) -> str:
-        """As a message says it: "sum", "average, prescale 2.0"."""
-        return ", ".join([self.op] + ([f"prescale {self.prescale!r}"] if self.prescale != 1.0 else [])
-                         + ([f"postscale {self.postscale!r}"] if self.postscale != 1.0 else []))
-
-
-def allreduce_buckets(shapes, dtypes, threshold: int) -> list:
-    """The buckets of an all-reduce set; member keys are positions in the set, as strings."""
-    infos = [VarInfo(str(j), tuple(s), np.dtype(d), False, {}) for j, (s, d) in enumerate(zip(shapes, dtypes,
-                                                                                           strict=True))]
-    return buckets_of(infos, fusion=True, threshold=threshold)
-
-
-def set_key(kind: str, op: str, names, arrays) -> tuple:
-    """What identifies a tensor set: kind, op, and each tensor's shape and dtype in
-    order; not names. Every rank must agree on it, and ranks need not agree on
-    names (Keras numbers layers per process, and eager Horovod ignores them):
-    two calls that differ only in names are the same collective, on one rank
-    as between ranks, so a set keyed by names could be planned on one rank and
-    new on another."""
-    dims = (lambda a: a.shape[1:]) if kind in ROWS_VARY else (lambda a: a.shape)
-    return (kind, op, tuple((tuple(dims(a)), np.dtype(a.dtype)) for a in arrays))
-
-
-def entries_of(kind: str, op: str, names, arrays) -> list[dict]:
-    varies = kind in ROWS_VARY
-    return [{"name": n, "op": f"{kind}:{op}" if op != "" else kind,
-             "shape": ([None] if varies else []) + list(a.shape[1 if varies else 0:]),
-             "dtype": np.dtype(a.dtype).name} for n, a in zip(names, arrays, strict=True)]
-
-
-def first_difference(proposals: list[list[dict]]) -> str | None:
-    """Where the ranks' proposed tensor lists first differ (None if they agree).
-    Tensors match by position, op, shape and dtype; names only say which one it
-    is (they may differ: Keras numbers layers per process)."""
-    mine = proposals[0]
-    for rank, theirs in enumerate(proposals[1:], 1):
-        for a, b in zip(mine, theirs):  # noqa: B905 - lengths compared below
-            factors = _factors(a["op"]), _factors(b["op"])
-            if factors[0] != factors[1] and _unscaled(a["op"]) == _unscaled(b["op"]):
-                return (f"Mismatched prescale and/or postscale factors: rank 0 sent factors {factors[0]} for "
-                        f"tensor {a['name']!r}, rank {rank} sent factors {factors[1]}")
-            diff = "; ".join(f"{k}: {a[k]} vs {b[k]}" for k in ("op", "shape", "dtype") if a[k] != b[k])
-            if diff:
-                also = f" (rank {rank} calls it {b['name']!r})" if b["name"] != a["name"] else ""
-                return f"plan mismatch between rank 0 and rank {rank}: tensor {a['name']!r}{also} differs ({diff})"
-        if len(mine) != len(theirs):
-            owner, extra = (0, mine[len(theirs)]) if len(mine) > len(theirs) else (rank, theirs[len(mine)])
-            return (f"plan mismatch between rank 0 and rank {rank}: tensor {extra['name']!r} is only in "
-                    f"rank {owner}'s collective ({len(mine)} vs {len(theirs)} tensors)")
-    return None
-
-
-def _factors(op: str) -> tuple[float, float] | None:
-    """An entry's (prescale, postscale), for an all-reduce's."""
-    kind, _, arg = op.partition(":")
-    return (Reduction.of(arg).prescale, Reduction.of(arg).postscale) if kind == "allreduce" else None
-
-
-def _unscaled(op: str) -> str:
-    return ":".join(part for part in op.split(":") if not part.startswith(("pre=", "post=")))
-
-
-def describe(entries: list[dict]) -> str:
-    """A collective as a message shows it: its op and first tensors with dtype and shape."""
-    if not entries:
-        return "an empty collective"
-    kind, _, arg = entries[0]["op"].partition(":")
-    if kind == "allreduce":
-        reduction = Reduction.of(arg)
-        op = f"{'reducescatter' if reduction.scatter else 'allreduce'} ({reduction.words()})"
-    else:
-        op = {"broadcast": f"broadcast from rank {arg}"}.get(kind, kind)
-    shown = ", ".join(f"{e['name']!r} {e['dtype']} {list(e['shape'])}" for e in entries[:3])
-    more = f" and {len(entries) - 3} more" if len(entries) > 3 else ""
-    return f"{op} of {shown}{more}"
-
-
-@dataclass(frozen=True)
-class _Described:
-    """A tensor's shape and dtype, standing for its array before it exists."""
-    shape: tuple
-    dtype: np.dtype
-
-
-def _contiguous(a) -> np.ndarray:
-    """C-contiguous, keeping 0-d arrays 0-d (np.ascontiguousarray makes them 1-d)."""
-    a = np.asarray(a)
-    return a if a.flags.c_contiguous else np.array(a, order="C")
-
-
-@dataclass
-class Reset:
-    """A generation replaced because a call failed on some rank: the earliest
-    failed call's number, the rank it failed on, and why."""
-    call: int
-    rank: int
-    why: str
-    other: int | None = None       # the rank the cause names besides `rank`, if any
-
-    def peer_of(self, rank: int) -> int | None:
-        """The rank a failed call on `rank` blames."""
-        return self.other if self.rank == rank else self.rank
-
-
-class Settled(Exception):
-    """Raised inside a call for an error every rank already agreed on (no reset needed)."""
-
-    def __init__(self, error: BaseException):
-        super().__init__(str(error))
-        self.error = error
-
-
-def _collateral(exc: RdmaTensorError) -> bool:
-    """A call failed because a peer left the generation or went quiet, not for a cause seen here."""
-    return isinstance(exc, (PeerLost, Timeout))
 
 
 class Collectives:
@@ -337,7 +122,7 @@ class Collectives:
         """What a failed call raises: its own error where this rank saw the cause,
         else the cause as the rank that saw it reported it (the earliest failed
         call's: a later call cut off by the reset fails with it)."""
-        if reset.rank == self.rank or not _collateral(exc):
+        if reset.rank == self.rank or not collateral(exc):
             return exc
         return PlanMismatch(f"rank {reset.rank}: {reset.why}", peer=reset.rank, tensor=exc.tensor)
 
@@ -355,7 +140,7 @@ class Collectives:
                 return self.resets[-1]          # another thread of this rank reset it since this call began
             self._abandon(exc)
             why = f"{describe(entries)} failed: {exc}"
-            return self._next_generation(number, [], failed=why, cause=not _collateral(exc))
+            return self._next_generation(number, [], failed=why, cause=not collateral(exc))
 
     def _abandon(self, exc: RdmaTensorError) -> None:
         """End the current generation on this rank: whoever waits on it (a thread of
@@ -404,38 +189,23 @@ class Collectives:
                 got = [json.loads(raw) for raw in self.bootstrap.allgather("plan", payload)]
             except RdmaTensorError as exc:   # no value moved: nothing to reset, and no rank to reset with
                 raise Settled(exc) from exc
-            failures = [(g["call"], not g["cause"], r, g["failed"]) for r, g in enumerate(got) if g.get("failed")]
             numbers = [g["call"] for g in got]
-            if failures or len(set(numbers)) > 1:
+            reset = earliest_failure(got)
+            if reset is not None or len(set(numbers)) > 1:
                 self.calls = max(numbers) + 1      # every rank numbers its next call alike again
-            if failures:
-                call, collateral, who, why = min(failures)   # the earliest call; the rank that saw its cause
-                proposers = [r for r, g in enumerate(got) if g["sets"] and not g.get("failed") and g["call"] == call]
-                other = None
-                if collateral and proposers:   # the cause: a rank proposed new sets where the others had a plan
-                    p = proposers[0]
-                    why = (f"calls {describe([e for x in got[p]['sets'] for e in x])}, new to the plan, while "
-                           f"rank {who}'s {why}")
-                    who, other = p, who
-                reset = Reset(call, who, why, other)
+            if reset is not None:
                 missing = []
                 if proposing:               # the others reset under this rank's proposal
                     self._abandon(PlanMismatch(f"rank {reset.rank}: {reset.why}", peer=reset.rank))
             else:
-                problem = first_difference([[e for s in g["sets"] for e in s] for g in got])
-                if problem is None and any([len(s) for s in g["sets"]] != [len(s) for s in proposal] for g in got):
-                    problem = (f"plan mismatch: the ranks group their tensors into different collectives "
-                               f"({[[len(s) for s in g['sets']] for g in got]} tensors per collective, by rank)")
-                if problem is None and len(set(numbers)) > 1:
-                    problem = (f"plan mismatch: the ranks' collectives are out of step (call number {numbers}, by "
-                               f"rank): an earlier collective ran on some ranks only; rank {self.rank} calls "
-                               f"{describe(proposal[0] if proposal else [])}")
+                problem = disagreement(got, proposal, self.rank)
                 if problem:
                     raise Settled(PlanMismatch(problem))
             new = []
             for j, (key, (kind, op, _, _)) in enumerate(missing):
                 ts = TensorSet(len(self._order) + len(new), kind, op, proposal[j])
-                self._lay_out(ts, [max(g["hints"][j][t] for g in got) for t in range(len(ts.entries))])
+                algorithms.lay_out(ts, [max(g["hints"][j][t] for g in got) for t in range(len(ts.entries))],
+                                   self.hosts, self.size)
                 new.append((key, ts))
             plan = Plan([s for ts in self._order + [t for _, t in new] for s in ts.specs])
             peers = {r: f"{self.hosts[r]}:{g['port']}" for r, g in enumerate(got)}
@@ -465,40 +235,6 @@ class Collectives:
         if lost is not None:
             raise lost
 
-    def _lay_out(self, ts: TensorSet, room: list[int]) -> None:
-        """The TensorSpecs of a new set (and, for an allreduce, its ring's analysis)."""
-        n, prefix = self.size, f"s{ts.index}"
-        shapes = [tuple(e["shape"]) for e in ts.entries]
-        dtypes = [np.dtype(e["dtype"]) for e in ts.entries]
-        if ts.kind == "allreduce":
-            infos = [VarInfo(str(j), s, d, False, {}) for j, (s, d) in enumerate(zip(shapes, dtypes, strict=True))]
-            reduction = Reduction.of(ts.op)
-            buckets = [replace(b, key=f"{prefix}/{b.key}")
-                       for b in allreduce_buckets(shapes, dtypes, reduction.threshold)]
-            hierarchy = Hierarchy.of(self.hosts) if reduction.hierarchical else None
-            ts.specs = [spec for spec, _ in (hierarchical_specs(buckets, hierarchy) if hierarchy else
-                                             ring_specs(buckets, n))]
-            if not buckets:       # nothing to reduce: one byte between every pair still makes it a call
-                ts.specs = [TensorSpec(f"{prefix}/here/r{src}/r{dst}", (1,), np.uint8, src, dst)
-                            for src in range(n) for dst in range(n) if src != dst]
-            ts.analysis = Analysis(Plan(ts.specs), "allreduce", n, 0, infos, buckets=buckets, hierarchy=hierarchy)
-        elif ts.kind == "broadcast":
-            root = int(ts.op)
-            ts.specs = [TensorSpec(f"{prefix}/b{j}/r{dst}", s, d, root, dst)
-                        for j, (s, d) in enumerate(zip(shapes, dtypes, strict=True)) if 0 not in s
-                        for dst in range(n) if dst != root]
-            ts.specs += [TensorSpec(f"{prefix}/ok/r{dst}", (1,), np.uint8, root, dst)
-                         for dst in range(n) if dst != root]
-            ts.specs += [TensorSpec(f"{prefix}/here/r{src}", (1,), np.uint8, src, root)
-                         for src in range(n) if src != root]
-            if not any(0 not in s for s in shapes):      # nothing to write: a byte from the root instead
-                ts.specs += [TensorSpec(f"{prefix}/go/r{dst}", (1,), np.uint8, root, dst)
-                             for dst in range(n) if dst != root]
-        else:
-            ts.specs = [TensorSpec(f"{prefix}/g{j}/r{src}/r{dst}", s, d, src, dst, capacity=max(room[j], 64))
-                        for j, (s, d) in enumerate(zip(shapes, dtypes, strict=True))
-                        for src in range(n) for dst in range(n) if src != dst]
-
     def _retire(self, session) -> None:
         if session is None or session is self._retired_session:
             return
@@ -513,7 +249,7 @@ class Collectives:
                         postscale: float = 1.0, scatter: bool = False) -> AllreduceGroup:
         """An all-reduce of tensors whose shapes are known ahead (a graph being
         built): its buckets, for launch() and collect()."""
-        described = [_Described(tuple(s), np.dtype(d)) for s, d in zip(shapes, dtypes, strict=True)]
+        described = [Described(tuple(s), np.dtype(d)) for s, d in zip(shapes, dtypes, strict=True)]
         request = ("allreduce", allreduce_op(op, self.threshold, prescale, postscale, scatter), list(names),
                    described)
         key = set_key(*request)
@@ -565,7 +301,7 @@ class Collectives:
         Horovod scales (scaling.py); `scatter`: a reducescatter's, which is
         another collective to compare with. The outputs are 64-byte aligned
         arrays that stay untouched while anything refers to them."""
-        arrays = [_contiguous(a) for a in arrays]
+        arrays = [contiguous(a) for a in arrays]
         pre, post = scaling.factor(prescale), scaling.factor(postscale)
         if self.size == 1 or op == "adasum":
             if pre != 1.0:
@@ -610,12 +346,8 @@ class Collectives:
         def body():
             with self._lock, self.meter.comm():
                 (ts,) = self.ensure([group.request], number)
-                tag, prefix = self.active(number, ts, entries_of(*group.request)), f"s{ts.index}"
-                self.session.send_many([(f"{prefix}/here/r{self.rank}/r{dst}", OK) for dst in range(self.size)
-                                        if dst != self.rank], tag=tag)
-                for src in range(self.size):
-                    if src != self.rank:
-                        self.session.recv(f"{prefix}/here/r{src}/r{self.rank}", tag=tag).release()
+                tag = self.active(number, ts, entries_of(*group.request))
+                algorithms.present(self.session, f"s{ts.index}", tag, self.rank, self.size)
 
         self.attempt(number, body, entries_of(*group.request))
 
@@ -642,40 +374,9 @@ class Collectives:
         def body():
             with self._lock, self.meter.comm():
                 (ts,) = self.ensure([request], number)
-                tag, prefix = self.active(number, ts, entries_of(*request)), f"s{ts.index}"
-                empty = not any(a.size for a in arrays)     # alike on every rank: shapes are the set's
-                if self.rank == root:
-                    # Writes first, so that two ranks that each take themselves for the root
-                    # each find the other's write in a set they are not in (checked_collectives.py); with no
-                    # value to write, a byte. Then every other rank's byte, which proves it makes
-                    # this call; the done bytes only after that: no rank returns from a call
-                    # another rank did not make.
-                    items = [(f"{prefix}/b{j}/r{dst}", _contiguous(a)) for j, a in enumerate(arrays)
-                             for dst in range(self.size) if dst != root and a.size]
-                    if empty:
-                        items = [(f"{prefix}/go/r{dst}", OK) for dst in range(self.size) if dst != root]
-                    self.session.send_many(items, tag=tag)
-                    for src in range(self.size):
-                        if src != root:
-                            self.session.recv(f"{prefix}/here/r{src}", tag=tag).release()
-                    self.session.wait_released([name for name, _ in items])   # every rank took it, in this call
-                    self.session.send_many([(f"{prefix}/ok/r{dst}", OK) for dst in range(self.size) if dst != root],
-                                           tag=tag)
-                    return list(arrays)
-                # A byte to the root it names, before it waits: two ranks that each take the
-                # other for the root each find the other's byte in a set they are not in.
-                self.session.send(f"{prefix}/here/r{self.rank}", OK, tag=tag)
-                if empty:
-                    self.session.recv(f"{prefix}/go/r{self.rank}", tag=tag).release()
-                out = []
-                for j, a in enumerate(arrays):
-                    if not a.size:
-                        out.append(np.array(a))
-                        continue
-                    with self.session.recv(f"{prefix}/b{j}/r{self.rank}", tag=tag) as view:
-                        out.append(self._copy_out(view))
-                self.session.recv(f"{prefix}/ok/r{self.rank}", tag=tag).release()   # so did every other rank
-                return out
+                tag = self.active(number, ts, entries_of(*request))
+                return algorithms.broadcast(self.session, f"s{ts.index}", tag, self.rank, self.size, root, arrays,
+                                            self.meter)
 
         return self.attempt(number, body, entries_of(*request))
 
@@ -686,30 +387,16 @@ class Collectives:
         if scalars:
             raise ValueError(f"allgather needs tensors of rank >= 1, not scalars: {scalars}")
         if self.size == 1:
-            return [_contiguous(a) for a in arrays]
+            return [contiguous(a) for a in arrays]
         request = ("allgather", "", names, arrays)
         number = self.begin()
 
         def body():
             with self._lock, self.meter.comm():
                 (ts,) = self.ensure([request], number)
-                tag, prefix = self.active(number, ts, entries_of(*request)), f"s{ts.index}"
-                self.session.send_many([(f"{prefix}/g{j}/r{self.rank}/r{dst}", _contiguous(a))
-                                        for j, a in enumerate(arrays) for dst in range(self.size)
-                                        if dst != self.rank], tag=tag)
-                out = []
-                for j, a in enumerate(arrays):
-                    with contextlib.ExitStack() as held:
-                        parts = [a if src == self.rank else held.enter_context(
-                            self.session.recv(f"{prefix}/g{j}/r{src}/r{self.rank}", tag=tag))
-                            for src in range(self.size)]
-                        rows = sum(p.shape[0] for p in parts)
-                        from .buffers import aligned_empty
-                        result = aligned_empty((rows, *a.shape[1:]), a.dtype)
-                        np.concatenate(parts, out=result)
-                        self.meter.tally["copied"] += 1
-                    out.append(result)
-                return out
+                tag = self.active(number, ts, entries_of(*request))
+                return algorithms.allgather(self.session, f"s{ts.index}", tag, self.rank, self.size, arrays,
+                                            self.meter)
 
         return self.attempt(number, body, entries_of(*request))
 
@@ -728,7 +415,7 @@ class Collectives:
             raise ValueError(f"alltoall of {name!r}: splits {splits} must be {self.size} non-negative counts "
                                   f"adding up to the first dimension ({rows})")
         bounds = np.concatenate([[0], np.cumsum(splits)])
-        parts = [_contiguous(array[bounds[d]:bounds[d + 1]]) for d in range(self.size)]
+        parts = [contiguous(array[bounds[d]:bounds[d + 1]]) for d in range(self.size)]
         if self.size == 1:
             return parts[0], np.array(splits, np.int32)
         request = ("alltoall", "", [name], [array])
@@ -737,27 +424,11 @@ class Collectives:
         def body():
             with self._lock, self.meter.comm():
                 (ts,) = self.ensure([request], number)
-                tag, prefix = self.active(number, ts, entries_of(*request)), f"s{ts.index}"
-                self.session.send_many([(f"{prefix}/g0/r{self.rank}/r{dst}", parts[dst]) for dst in range(self.size)
-                                        if dst != self.rank], tag=tag)
-                with contextlib.ExitStack() as held:
-                    got = [parts[src] if src == self.rank else held.enter_context(
-                        self.session.recv(f"{prefix}/g0/r{src}/r{self.rank}", tag=tag)) for src in range(self.size)]
-                    from .buffers import aligned_empty
-                    out = aligned_empty((sum(g.shape[0] for g in got), *array.shape[1:]), array.dtype)
-                    np.concatenate(got, out=out)
-                    self.meter.tally["copied"] += 1
-                    return out, np.array([g.shape[0] for g in got], np.int32)
+                tag = self.active(number, ts, entries_of(*request))
+                return algorithms.alltoall(self.session, f"s{ts.index}", tag, self.rank, self.size, parts, array,
+                                           self.meter)
 
         return self.attempt(number, body, entries_of(*request))
-
-    def _copy_out(self, view: np.ndarray) -> np.ndarray:
-        """A received value outlives its slot (and its generation): one copy."""
-        from .buffers import aligned_empty
-        out = aligned_empty(view.shape, view.dtype)
-        np.copyto(out, view)
-        self.meter.tally["copied"] += 1
-        return out
 
     # ---------------------------------------------------------------- misc
     def stats(self) -> dict:

@@ -22,19 +22,8 @@ import functools
 from rdmatensor import PeerLost, PlanMismatch
 
 from rdmatensor.runner import rendezvous_client as rendezvous
+from ..errors import HorovodInternalError, HostsUpdatedInterrupt
 from . import world as _world
-
-
-class HorovodInternalError(RuntimeError):
-    """A collective failed because the job lost a rank: roll back to the last commit and re-form."""
-
-
-class HostsUpdatedInterrupt(RuntimeError):
-    """The job's workers changed: re-form, keeping the current state (skip_sync: no new worker needs it)."""
-
-    def __init__(self, skip_sync: bool = False):
-        super().__init__("the job's workers changed")
-        self.skip_sync = skip_sync
 
 
 def _lost_rank() -> PeerLost | None:
@@ -171,4 +160,4 @@ class _SyncFailed(HorovodInternalError):
     """The state's sync after a reset failed: re-form once more, then raise."""
 
 
-__all__ = ["run", "State", "ObjectState", "HorovodInternalError", "HostsUpdatedInterrupt"]
+__all__ = ["run", "State", "ObjectState"]

@@ -1,15 +1,19 @@
-"""Horovod's process sets: collectives among some of the ranks.
+"""Horovod's process sets as this rank runs them: collectives among some of the ranks.
 
 A process set is a sorted list of (global) ranks. Registered, with
 init(process_sets=[...]) or add_process_set(), it gets an id (the global set
-is 0) and, on each of its members, collectives of its own: a bootstrap
+is 0) and, on each of its members, collectives of its own (Group): a bootstrap
 channel and a growing plan among its members only (the same engine as the
 global set's, numbered by position in the set), so its calls never wait for
 a rank outside it and never share a slot with another set's. Registering and
-removing are calls of every rank, in the same order, as in Horovod.
+removing are calls of every rank, in the same order, as in Horovod
+(register, unregister).
 
-As in Horovod, a rank that is not in the set cannot call its collectives
-(NotAMember, a ValueError; tensors.py raises InvalidArgumentError), roots are given as
+The sets a script holds (ProcessSet, global_process_set) and the registry of
+the current world are world.py's: it imports this module and hands it the
+world wherever one is needed, never the other way. As in Horovod, a rank
+that is not in the set cannot call its collectives (NotAMember, a
+ValueError; tensors.py raises InvalidArgumentError), roots are given as
 global ranks, and ProcessSet.rank() is the position in the set. An elastic
 reset ends the sets with the world they were registered in.
 This module does not import TensorFlow.
@@ -17,88 +21,31 @@ This module does not import TensorFlow.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .bootstrap import Bootstrap, PortReservation
 from .checked_collectives import CheckedCollectives
 
 
-def _no_world():
-    raise RuntimeError("process sets are used before world.py set them up")
-
-
-_world = _no_world        # world.world, handed down by world.py (_setup), as Horovod's basics are
-
-
-def _setup(world) -> None:
-    """Called once by world.py: how to reach the current world (it imports this module, not the other way)."""
-    global _world
-    _world = world
-
-
-class ProcessSet:
-    """A set of ranks that run collectives together (Horovod's class: pass it to
-    init(process_sets=...) or add_process_set(); process_set_id is set then)."""
-    process_set_id = None
-    ranks = None
-    mpi_comm = None
-
-    def __init__(self, ranks_or_comm):
-        try:
-            ranks = sorted(ranks_or_comm)
-        except TypeError:
-            raise ValueError("ProcessSet should be initialized with a list of process ranks (an MPI "
-                             "communicator needs MPI, which rdmatensor does not use)") from None
-        if any(not isinstance(rk, int) for rk in ranks):
-            raise ValueError("ProcessSet should be initialized with a list of process ranks or an mpi4py Comm object")
-        self.ranks = ranks
-
-    def _invalidate(self) -> None:
-        self.process_set_id = None
-
-    def size(self) -> int | None:
-        """The number of ranks in the set, or None while it is not registered."""
-        if self.process_set_id is None:
-            return None
-        return group_of(self).size
-
-    def rank(self) -> int | None:
-        """This rank's position in the set, or None while it is not registered."""
-        if self.process_set_id is None:
-            return None
-        group = group_of(self)
-        return group.rank if group.included else None
-
-    def included(self) -> bool | None:
-        if self.ranks is None:
-            return None
-        return _world().rank in self.ranks
-
-    def __str__(self) -> str:
-        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, mpi_comm={self.mpi_comm})"
-
-
-global_process_set = ProcessSet([])
-global_process_set.process_set_id = 0
-
-
 @dataclass
 class Group:
     """A registered set as this rank runs it: its ranks and, on a member, its
     bootstrap and collectives (the global set's are the world's, looked up at
-    each call: an elastic reset replaces them)."""
+    each call through `world`: an elastic reset replaces them)."""
     id: int
     ranks: tuple
+    world: Callable                 # () -> the current world (world.world)
     own_bootstrap: Bootstrap | None = None
     own_collectives: CheckedCollectives | None = None
 
     @property
     def collectives(self) -> CheckedCollectives:
-        return _world().collectives if self.id == 0 else self.own_collectives
+        return self.world().collectives if self.id == 0 else self.own_collectives
 
     @property
     def bootstrap(self) -> Bootstrap:
-        return _world().bootstrap if self.id == 0 else self.own_bootstrap
+        return self.world().bootstrap if self.id == 0 else self.own_bootstrap
 
     @property
     def size(self) -> int:
@@ -106,11 +53,11 @@ class Group:
 
     @property
     def included(self) -> bool:
-        return _world().rank in self.ranks
+        return self.world().rank in self.ranks
 
     @property
     def rank(self) -> int:
-        return self.ranks.index(_world().rank)
+        return self.ranks.index(self.world().rank)
 
     def local(self, rank: int, what: str = "root_rank") -> int:
         """A global rank's position in the set (roots are given as global ranks)."""
@@ -126,39 +73,15 @@ class Group:
                 self.own_bootstrap.close()
 
 
-def group_of(process_set) -> Group:
-    """The registered set a collective runs in (None: the global one). ValueError for
-    a set that is not registered; the caller checks that this rank is in it."""
-    w = _world()
-    ps_id = 0 if process_set is None else getattr(process_set, "process_set_id", None)
-    if ps_id == 0:
-        return Group(0, tuple(range(w.size)))
-    if ps_id is None or ps_id not in w.sets:
-        raise ValueError(f"{process_set} is not a registered process set: pass it to hvd.init(process_sets=...) "
-                         f"or hvd.add_process_set() first, on every rank")
-    return w.sets[ps_id]
-
-
-class NotAMember(ValueError):
-    """This rank called a collective of a process set it is not in."""
-
-
-def member_of(process_set) -> Group:
-    """group_of(process_set), which this rank must be in (NotAMember)."""
-    group = group_of(process_set)
-    if not group.included:
-        raise NotAMember(f"rank {_world().rank} is not in process set {group.id} (ranks {list(group.ranks)}): "
-                         f"it cannot take part in its collectives")
-    return group
-
-
-def register(w, candidates: list, adding: bool) -> None:
-    """Give `candidates` ids and, on their members, collectives: a call of every rank.
-    A set with the ranks of one already registered (the global one included) is
-    refused when `adding` (ValueError, as Horovod), else left unregistered."""
+def register(world: Callable, candidates, adding: bool) -> None:
+    """Give `candidates` (ProcessSets, made one by one as they are checked) ids and,
+    on their members, collectives, in the current world (`world()`): a call of
+    every rank. A set with the ranks of one already registered (the global one
+    included) is refused when `adding` (ValueError, as Horovod), else left
+    unregistered."""
+    w = world()
     given = []
     for ps in candidates:
-        ps = ps if isinstance(ps, ProcessSet) else ProcessSet(ps)
         ranks = list(ps.ranks or [])
         bad = [r for r in ranks if not 0 <= r < w.size]
         if not ranks or bad or len(set(ranks)) != len(ranks):
@@ -186,7 +109,8 @@ def register(w, candidates: list, adding: bool) -> None:
         ports = [json.loads(raw) for raw in w.bootstrap.allgather(
             "process_set_ports", json.dumps({j: res.port for j, res in reservations.items()}).encode())]
         for j, (ps, ranks) in enumerate(new):      # in the same order on every rank: no two wait on each other
-            group = Group(min(set(range(1, len(w.sets) + 2)) - set(w.sets)), ranks)   # the lowest free id, as Horovod
+            lowest_free = min(set(range(1, len(w.sets) + 2)) - set(w.sets))     # the id, as Horovod
+            group = Group(lowest_free, ranks, world)
             if w.rank in ranks:
                 peers = {i: f"{w.hosts[g]}:{ports[g].get(str(j), 0)}" for i, g in enumerate(ranks)}
                 if j in reservations:
@@ -209,17 +133,9 @@ def register(w, candidates: list, adding: bool) -> None:
             res.close()
 
 
-def add_process_set(process_set) -> ProcessSet:
-    """Register a process set after init() (every rank calls it, in the same order); it is returned registered."""
-    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
-    register(_world(), [ps], adding=True)
-    return ps
-
-
-def remove_process_set(process_set) -> bool:
-    """Close a registered set's collectives (every rank calls it); False for the global
-    set or one that is not registered."""
-    w = _world()
+def unregister(w, process_set) -> bool:
+    """Close a registered set's collectives in world `w` (every rank calls it); False
+    for the global set or one that is not registered."""
     ps_id = getattr(process_set, "process_set_id", None)
     if not ps_id or ps_id not in w.sets:
         return False

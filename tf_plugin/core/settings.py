@@ -16,8 +16,9 @@ import logging
 import os
 from dataclasses import dataclass
 
-from rdmatensor import UsageError
 from rdmatensor import environment
+
+from ..errors import SettingError
 
 log = logging.getLogger("rdmatensor")
 
@@ -104,10 +105,6 @@ SET_BY_LAUNCHERS = {
 
 LOG_LEVELS = {"trace": logging.DEBUG - 5, "debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
               "error": logging.ERROR, "fatal": logging.CRITICAL}
-
-
-class SettingError(UsageError, ValueError):
-    """An environment variable whose value cannot be used."""
 
 
 def _bad(setting: Setting, var: str, value: str, expected: str) -> SettingError:

@@ -1,6 +1,9 @@
 """Who this process is in the job, and what it can do before any tensor moves:
 init, shutdown, rank and size, local rank and size, objects between ranks,
-counters. This module does not import TensorFlow.
+counters, and the registry of its process sets (ProcessSet, global_process_set,
+add_process_set: the sets a script holds name a Group of process_sets.py,
+which this module hands the current world). This module does not import
+TensorFlow.
 
 Where the job comes from:
 
@@ -31,14 +34,15 @@ from rdmatensor import environment
 
 from .bootstrap import Bootstrap, PortReservation
 from .checked_collectives import CheckedCollectives, finite_check_from_env
-from .collectives import COUNTED
+from .generations import COUNTED
 from rdmatensor.runner import rendezvous_client as rendezvous
 from rdmatensor.runner.cluster import Cluster
 from .failure import JobFailure
 from .timeline import Timeline
 from . import process_sets as process_sets_module
 from . import settings
-from .process_sets import ProcessSet, add_process_set, global_process_set, member_of, remove_process_set  # noqa: F401
+from .process_sets import Group
+from ..errors import NotAMember
 
 
 class ReduceOp(enum.IntEnum):
@@ -156,7 +160,7 @@ def init(provider: str | None = None, cluster: Cluster | None = None, token: str
         _at_exit(shutdown)                 # peers hear a goodbye, not a silence, when a script just ends
         global_process_set.ranks = list(range(size))      # as Horovod's init sets it
         if process_sets:
-            process_sets_module.register(_world, list(process_sets), adding=False)
+            process_sets_module.register(world, _as_process_sets(list(process_sets)), adding=False)
 
 
 def _join_round():
@@ -217,6 +221,93 @@ def world() -> World:
 
 def is_initialized() -> bool:
     return _world is not None
+
+
+# ------------------------------------------------------------------ process sets
+class ProcessSet:
+    """A set of ranks that run collectives together (Horovod's class: pass it to
+    init(process_sets=...) or add_process_set(); process_set_id is set then)."""
+    process_set_id = None
+    ranks = None
+    mpi_comm = None
+
+    def __init__(self, ranks_or_comm):
+        try:
+            ranks = sorted(ranks_or_comm)
+        except TypeError:
+            raise ValueError("ProcessSet should be initialized with a list of process ranks (an MPI "
+                             "communicator needs MPI, which rdmatensor does not use)") from None
+        if any(not isinstance(rk, int) for rk in ranks):
+            raise ValueError("ProcessSet should be initialized with a list of process ranks or an mpi4py Comm object")
+        self.ranks = ranks
+
+    def _invalidate(self) -> None:
+        self.process_set_id = None
+
+    def size(self) -> int | None:
+        """The number of ranks in the set, or None while it is not registered."""
+        if self.process_set_id is None:
+            return None
+        return group_of(self).size
+
+    def rank(self) -> int | None:
+        """This rank's position in the set, or None while it is not registered."""
+        if self.process_set_id is None:
+            return None
+        group = group_of(self)
+        return group.rank if group.included else None
+
+    def included(self) -> bool | None:
+        if self.ranks is None:
+            return None
+        return world().rank in self.ranks
+
+    def __str__(self) -> str:
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, mpi_comm={self.mpi_comm})"
+
+
+global_process_set = ProcessSet([])
+global_process_set.process_set_id = 0
+
+
+def _as_process_sets(candidates: list):
+    """ProcessSets of `candidates` (ProcessSets or lists of ranks), each made as it is checked."""
+    return (ps if isinstance(ps, ProcessSet) else ProcessSet(ps) for ps in candidates)
+
+
+def group_of(process_set) -> Group:
+    """The registered set a collective runs in (None: the global one). ValueError for
+    a set that is not registered; the caller checks that this rank is in it."""
+    w = world()
+    ps_id = 0 if process_set is None else getattr(process_set, "process_set_id", None)
+    if ps_id == 0:
+        return Group(0, tuple(range(w.size)), world)
+    if ps_id is None or ps_id not in w.sets:
+        raise ValueError(f"{process_set} is not a registered process set: pass it to hvd.init(process_sets=...) "
+                         f"or hvd.add_process_set() first, on every rank")
+    return w.sets[ps_id]
+
+
+def member_of(process_set) -> Group:
+    """group_of(process_set), which this rank must be in (NotAMember)."""
+    group = group_of(process_set)
+    if not group.included:
+        raise NotAMember(f"rank {world().rank} is not in process set {group.id} (ranks {list(group.ranks)}): "
+                         f"it cannot take part in its collectives")
+    return group
+
+
+def add_process_set(process_set) -> ProcessSet:
+    """Register a process set after init() (every rank calls it, in the same order); it is returned registered."""
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    process_sets_module.register(world, [ps], adding=True)
+    return ps
+
+
+def remove_process_set(process_set) -> bool:
+    """Close a registered set's collectives (every rank calls it); False for the global
+    set or one that is not registered."""
+    return process_sets_module.unregister(world(), process_set)
 
 
 def shutdown() -> None:
@@ -304,8 +395,6 @@ def allgather_object(obj, session=None, name: str | None = None, process_set=Non
     return [pickle.loads(b) for b in group.bootstrap.allgather(f"objects:{name or ''}", pickle.dumps(obj))]
 
 
-
-
 def stats() -> dict:
     """This rank's counters since init(): control_calls, bytes_sent/received, writes,
     recvs, copies (the sessions'; by purpose copies_gather, copies_array, copies_frame,
@@ -373,6 +462,3 @@ def is_homogeneous() -> bool:
     """Every host runs as many ranks as this one (as Horovod reports it)."""
     counts = allgather_object(local_size(), name="homogeneous")
     return len(set(counts)) == 1
-
-
-process_sets_module._setup(world)

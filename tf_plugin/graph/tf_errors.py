@@ -1,9 +1,10 @@
-"""rdmatensor's errors as the TensorFlow error types Horovod raises for the same misuse.
+"""rdmatensor's errors raised as the TensorFlow error types Horovod raises for the same misuse.
 
 A script written for Horovod catches TensorFlow's types: a collective whose
 tensors differ between ranks raises tf.errors.FailedPreconditionError there.
-The errors raised here are both: rdmatensor's class (with its `peer` and
-`tensor`, and the message naming the call and both ranks' tensors) and
+The errors raised here (CollectiveMismatch, InvalidArgument: tf_plugin.errors
+defines them with the others) are both: rdmatensor's class (with its `peer`
+and `tensor`, and the message naming the call and both ranks' tensors) and
 TensorFlow's, so either `except` clause catches them.
 
 Eagerly, the collective raises them itself. Inside a graph (tf.function, or a
@@ -24,30 +25,11 @@ import tensorflow as tf
 
 from rdmatensor import PlanMismatch
 
+from ..errors import CollectiveMismatch, InvalidArgument
+
 log = logging.getLogger("rdmatensor")
 MISMATCH = ("rdmatensor: the ranks called different collectives; this rank logged which (the "
             "'rdmatensor' logger)")
-
-
-class CollectiveMismatch(PlanMismatch, tf.errors.FailedPreconditionError):
-    """The ranks called different collectives (or tensors of different shapes or dtypes)."""
-
-    def __init__(self, message: str, *, peer: int | None = None, tensor: str | None = None):
-        tf.errors.FailedPreconditionError.__init__(self, None, None, message)
-        self.peer, self.tensor = peer, tensor
-
-    def __str__(self) -> str:
-        return self.message
-
-
-class InvalidArgument(ValueError, tf.errors.InvalidArgumentError):
-    """A collective's arguments are wrong on this rank (splits that do not add up, a scalar to gather)."""
-
-    def __init__(self, message: str):
-        tf.errors.InvalidArgumentError.__init__(self, None, None, message)
-
-    def __str__(self) -> str:
-        return self.message
 
 
 @contextlib.contextmanager

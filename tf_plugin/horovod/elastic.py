@@ -21,7 +21,8 @@ import functools
 import tensorflow as tf
 
 from ..core import elastic as _elastic
-from ..core.elastic import HorovodInternalError, HostsUpdatedInterrupt, ObjectState, State
+from ..core.elastic import ObjectState, State
+from ..errors import HorovodInternalError, HostsUpdatedInterrupt
 from .tensors import broadcast_variables
 
 

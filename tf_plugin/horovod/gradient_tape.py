@@ -12,7 +12,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from ..core.process_sets import group_of
+from ..core.world import group_of
 from ..core.world import Average, ReduceOp, Sum
 from .compression import Compression
 from .tensors import _reduction, reduce_gradients

@@ -27,10 +27,12 @@ from ..core import adasum
 from ..graph import ingest
 from ..graph import overlap
 from ..core.layout import var_key
-from ..core.collectives import allreduce_op
-from ..graph.tf_errors import InvalidArgument, as_horovod_errors, numpy_function
-from ..core.process_sets import Group, NotAMember, group_of, member_of
-from ..core.world import Adasum, Average, Max, Min, Product, ReduceOp, Sum, allgather_object, world
+from ..core.reductions import allreduce_op
+from ..errors import InvalidArgument, NotAMember
+from ..graph.tf_errors import as_horovod_errors, numpy_function
+from ..core.process_sets import Group
+from ..core.world import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, allgather_object, group_of, member_of,
+                          world)
 from .compression import Compression, NoneCompressor
 
 __all__ = ["allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from ..core.process_sets import group_of
+from ..core.world import group_of
 from .compression import Compression
 from .gradient_tape import reduce_shared
 from ..core.world import Average

@@ -24,7 +24,7 @@ from ..horovod.world import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, 
                      ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init,
                      is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
                      nccl_built, rank, rocm_built, shutdown, size, start_timeline, stats, stop_timeline)
-from ..core.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from ..core.world import ProcessSet, add_process_set, global_process_set, remove_process_set
 from . import callbacks, elastic
 from .optimizer import DistributedOptimizer, PartialDistributedOptimizer
 from .saving import load_model

@@ -19,7 +19,7 @@ import types
 
 import tensorflow as tf
 
-from ..core.process_sets import group_of
+from ..core.world import group_of
 from ..horovod.compression import Compression
 from ..horovod.gradient_tape import local_variables, reduce_shared
 from ..core.world import Average

@@ -57,7 +57,8 @@ import time
 from pathlib import Path
 
 from rdmatensor.runner.cores import BINDINGS
-from .job import BACKENDS, JobConfig, JobError, RankResult, Summary, combine, compare, summarize
+from ..errors import JobError
+from .job import BACKENDS, JobConfig, RankResult, Summary, combine, compare, summarize
 from .models import APPLICATIONS, MODELS
 
 IN_VM = "TF_PLUGIN_IN_VM"     # set on the command re-run inside the VM: never re-run twice

@@ -15,7 +15,8 @@ import os
 import time
 from pathlib import Path
 
-from .job import JobConfig, JobError, RankResult
+from ..errors import JobError
+from .job import JobConfig, RankResult
 from .tf_baseline import timed_steps
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -26,13 +26,10 @@ from rdmatensor.providers import REGISTRY
 from rdmatensor.session.context import COPY_PURPOSES
 
 from rdmatensor.runner.cores import BINDINGS
+from ..errors import JobError
 from . import models
 
 MODES = ("allreduce", "ps")
-
-
-class JobError(ValueError):
-    """A job description that cannot run, saying which field is wrong."""
 
 
 @dataclass(frozen=True)
