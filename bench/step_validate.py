@@ -76,11 +76,8 @@ def predictions(constants: dict, providers: list[str]) -> list[dict]:
 
 
 def _ring_module():
-    try:
-        from tf_plugin.core import ring_allreduce
-    except ImportError:                       # pragma: no cover - after the move
-        from tf_plugin.executor import ring as ring_allreduce
-    return ring_allreduce
+    from tf_plugin.executor import ring
+    return ring
 
 
 def _time_ring(rank: int, peers: dict, provider: str, token: str, spec: str, threshold: int, calls: int) -> float:

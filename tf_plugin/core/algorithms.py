@@ -5,12 +5,12 @@ The engine (collectives.py) numbers a call, agrees on its set and resets the
 generation when it fails; the functions here only move the values, on the
 session and under the tag it hands them:
 
-- allreduce: the ring of ring_allreduce.py over fused buckets
+- allreduce: the executor's ring (executor/ring.py) over fused buckets
   (layout.buckets_of: in the order backprop produces the gradients, up to
   the fusion threshold each), its chunks laid out by layout.ring_specs, or
   where several hosts hold several ranks each, by layout.hierarchical_specs:
   a ring per host, one across hosts (HOROVOD_HIERARCHICAL_ALLREDUCE=0: flat).
-  Every bucket's ring runs on the communication thread (background.py): a
+  Every bucket's ring runs on the communication thread (executor/comm_thread.py): a
   graph hands each bucket over as soon as its gradients exist (launch) and
   takes its result later (collect); eagerly, all are handed over, then
   collected. The fusion threshold is part of the set, so ranks that disagree

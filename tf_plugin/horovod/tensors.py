@@ -110,7 +110,7 @@ def _allreduce_many(tensors, names, op: str, compression, group: Group, prescale
     In a graph, with static shapes: one launch op per bucket, fed only by that
     bucket's tensors, and one wait op per bucket (tf_plugin.graph.overlap), so rings run
     while backprop still computes later buckets; otherwise one numpy_function.
-    `op`: a reduction of collectives.REDUCTIONS; the factors scale as Horovod's
+    `op`: a reduction of reductions.REDUCTIONS; the factors scale as Horovod's
     (tf_plugin.core.scaling); `scatter`: the all-reduce of a reducescatter."""
     packed = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
     sent = [p[0] for p in packed]
