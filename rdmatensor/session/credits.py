@@ -99,9 +99,14 @@ class Credits:
         self.recv.update((st.name, st) for st in receiving)
 
     def traffic(self) -> dict:
-        """Writes and receives, and their bytes, summed over the slots that count them."""
+        """Writes and receives, and their bytes, summed over the slots that count them;
+        bytes_sent_to: the bytes written to each peer (payload only: what crosses a
+        link, counted apart from control traffic)."""
+        to: dict[int, int] = {}
+        for st in self.send.values():
+            to[st.peer] = to.get(st.peer, 0) + st.bytes_sent
         return {"writes": sum(st.writes for st in self.send.values()),
-                "bytes_sent": sum(st.bytes_sent for st in self.send.values()),
+                "bytes_sent": sum(to.values()), "bytes_sent_to": to,
                 "recvs": sum(st.recvs for st in self.recv.values()),
                 "bytes_received": sum(st.bytes_received for st in self.recv.values())}
 

@@ -198,7 +198,7 @@ class Session:
         self._live.fail(error)
 
     def stats(self) -> dict:
-        """Counters: bytes_sent/received, writes, recvs, copies (into staging,
+        """Counters: bytes_sent/received, bytes_sent_to {peer: bytes}, writes, recvs, copies (into staging,
         plus the grpc baseline's serialization copies on both sides; those into
         staging by purpose as copies_gather (Pieces), copies_array (an array
         the provider cannot write from) and copies_frame (a dynamic or

@@ -73,6 +73,7 @@ def test_sizes_from_one_byte_to_64_mib(provider, nbytes):
     res = check(run_ranks(2, plan, provider, body))
     assert res[1][0] is True
     assert res[0]["bytes_sent"] == nbytes and res[0]["writes"] == 1
+    assert res[0]["bytes_sent_to"] == {1: nbytes} and res[1][1]["bytes_sent_to"] == {}
     assert res[1][1]["bytes_received"] == nbytes and res[1][1]["recvs"] == 1
 
 
