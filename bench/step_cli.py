@@ -70,7 +70,8 @@ def cluster_from(a) -> sm.Cluster:
     cross = sm.link_of(constants, a.provider, a.rails)
     given = []
     if a.link is not None:
-        cross, _ = replace(cross, beta=1 / a.link), given.append(f"{a.link * 8 / 1e9:g} Gbit/s")
+        # a NIC's rate, both directions at once (full duplex): not the fitted link's β₂
+        cross, _ = replace(cross, beta=1 / a.link, duplex_beta=None), given.append(f"{a.link * 8 / 1e9:g} Gbit/s")
     if a.latency is not None:
         cross, _ = replace(cross, alpha=a.latency), given.append(f"latency {a.latency * 1e6:g} us")
     if a.per_tensor is not None:
@@ -80,7 +81,7 @@ def cluster_from(a) -> sm.Cluster:
     if a.perftest_bw or a.perftest_lat:
         read = lambda f: open(f).read() if f else None    # noqa: E731
         cross = sm.link_from_perftest(read(a.perftest_bw), read(a.perftest_lat), cross)
-    red = sm.reduce_of(constants)
+    red = sm.reduce_of(constants, shared=a.ranks_per_host > 1)     # a host's ranks sum at once
     if a.reduce_gbs:
         red = sm.Reduce(1 / (a.reduce_gbs * 1e9), 1 / (a.reduce_gbs * 1e9), f"given: {a.reduce_gbs:g} GB/s")
     return sm.Cluster(a.ranks, a.ranks_per_host, cross, sm.link_of(constants, a.local_provider), red,

@@ -4,12 +4,19 @@ from rdmatensor-bench's own micro-benchmarks, in one command.
     rdmatensor-bench fit --providers shm,tcp --json docs/step-model/constants-host.json
 
 Runs `rdmatensor-bench lat`, `bw` and `step` (send_many, as the ring writes)
-over each provider, every point --rounds times (medians), then times
-rdmatensor.streaming's add and copy alone; fits per provider (α, β, c) by least
-squares on the relative error of every point (a 64 MiB point and an 8-byte
-one weigh the same), and (γ, δ) likewise; prints every point's residual and
-writes the constants as JSON. The tensor counts and sizes here are the fit's:
-the validation (bench/step_validate.py) uses others.
+over each provider, every point --rounds times (medians), and a duplex point
+of its own (both ranks writing to each other at once, as every step of a ring
+does); then times rdmatensor.streaming's add and copy, on one core and on
+every core at once. Each constant comes from the point that determines it
+(step_model's docstring): α from the 8-byte half round trip, β from the
+largest bandwidth point, c from the step of 256 tiny tensors, β₂ from the
+largest duplex point, the four equations solved together; a per-byte
+reduction rate from the largest size, its per-call cost from the smallest.
+A joint least squares over every point would let the constants trade off (a
+per-tensor cost of 0 paid for by a larger α) and follow whichever points are
+most numerous. Every other point is a check: its residual is printed and
+kept with the constants in the JSON. The tensor counts and sizes here are the
+fit's: the validation (bench/step_validate.py) uses others.
 """
 from __future__ import annotations
 
@@ -27,7 +34,9 @@ import numpy as np
 LAT_SIZES = "8,4K,64K,1M"
 BW_SIZES = "4K,64K,1M,8M"
 STEP_SETS = ("256x64", "32x16K", "4x4M")       # many tiny writes; a middle; a few large
-REDUCE_SIZES = (64 << 10, 1 << 20, 8 << 20, 32 << 20)
+DUPLEX_SIZES = (64 << 10, 1 << 20, 8 << 20)
+REDUCE_SIZES = (256, 64 << 10, 1 << 20, 8 << 20, 32 << 20)
+UNKNOWNS = ("alpha_s", "beta_s_per_byte", "per_tensor_s", "duplex_beta_s_per_byte")
 
 
 def _bench(args: list[str], out: str) -> list[dict]:
@@ -59,8 +68,9 @@ def measure_links(providers: list[str], rounds: int, seconds: float) -> list[dic
 
 
 def design_row(kind: str, size: float, tensors: int) -> list[float]:
-    """The point's coefficients of (α, β, c): see step_model's docstring."""
-    return {"lat": [1.0, size, 2.0], "bw": [0.0, size, 1.0], "step": [2.0, size, tensors + 3.0]}[kind]
+    """The point's coefficients of (α, β, c, β₂): see step_model's docstring."""
+    return {"lat": [1.0, size, 2.0, 0.0], "bw": [0.0, size, 1.0, 0.0], "step": [2.0, size, tensors + 3.0, 0.0],
+            "duplex": [1.0, 0.0, 2.0, size]}[kind]
 
 
 def nonnegative_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -76,28 +86,134 @@ def nonnegative_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
         free.remove(min(negative, key=lambda i: x[i]))
 
 
+def determining(points: list[dict]) -> list[dict]:
+    """The points that fix the constants, one each: the smallest latency point (α),
+    the largest bandwidth point (β), the step of the most tensors (c), the largest
+    duplex point (β₂; absent: β₂ is not fitted)."""
+    def pick(kind, key):
+        mine = [p for p in points if p["kind"] == kind]
+        return [key(mine)] if mine else []
+    return (pick("lat", lambda m: min(m, key=lambda p: p["bytes"]))
+            + pick("bw", lambda m: max(m, key=lambda p: p["bytes"]))
+            + pick("step", lambda m: max(m, key=lambda p: (p["tensors"], -p["bytes"])))
+            + pick("duplex", lambda m: max(m, key=lambda p: p["bytes"])))
+
+
 def fit_link(points: list[dict]) -> tuple[dict, list[dict]]:
-    """(α, β, c) minimising the relative error over `points`; rows with residuals."""
-    a = np.array([design_row(p["kind"], p["bytes"], p["tensors"]) for p in points])
-    y = np.array([p["seconds"] for p in points])
-    w = 1 / y
-    alpha, beta, c = nonnegative_lstsq(a * w[:, None], y * w)
-    fitted = a @ np.array([alpha, beta, c])
-    rows = [{**p, "fitted": float(f), "residual": float(f / p["seconds"] - 1)} for p, f in zip(points, fitted,
-                                                                                                strict=True)]
+    """(α, β, c, β₂) from the points that determine them (`determining`), solved
+    exactly (a constant that would come out negative held at 0); every point's
+    residual, the determining ones marked."""
+    fix = determining(points)
+    if {p["kind"] for p in fix} < {"lat", "bw", "step"}:
+        raise ValueError("the fit needs a lat, a bw and a step point")
+    unknowns = 4 if any(p["kind"] == "duplex" for p in fix) else 3
+    a = np.array([design_row(p["kind"], p["bytes"], p["tensors"])[:unknowns] for p in fix])
+    y = np.array([p["seconds"] for p in fix])
+    w = 1 / y                                 # exact when solvable; relative error otherwise
+    x = nonnegative_lstsq(a * w[:, None], y * w)
+    alpha, beta, c = x[:3]
+    duplex = float(x[3]) if unknowns == 4 else None
+    full = np.array([alpha, beta, c, duplex or 0.0])
+    rows = []
+    for p in points:
+        f = float(np.dot(design_row(p["kind"], p["bytes"], p["tensors"]), full))
+        rows.append({**p, "fitted": f, "residual": f / p["seconds"] - 1, "determines": p in fix})
+    checks = [r["residual"] for r in rows if not r["determines"]]
     lat = min((p for p in points if p["kind"] == "lat"), key=lambda p: p["bytes"])
     bw = max((p for p in points if p["kind"] == "bw"), key=lambda p: p["bytes"])
     return ({"alpha_s": float(alpha), "beta_s_per_byte": float(beta), "per_tensor_s": float(c),
+             "duplex_beta_s_per_byte": duplex,
              "bandwidth_gbit_s": 8 / beta / 1e9 if beta else None,
+             "duplex_gbit_s": 8 / duplex / 1e9 if duplex else None,
+             "determined_by": {k: f"{p['kind']} {p['tensors']} x {p['bytes'] // p['tensors']} B"
+                               for k, p in zip(UNKNOWNS, fix, strict=False)},
              # what a team would read straight off the same benchmarks: the smallest write's
              # half round trip, the largest one's bandwidth
              "naive": {"alpha_s": lat["seconds"], "beta_s_per_byte": bw["seconds"] / bw["bytes"]},
-             "rms_relative_residual": float(np.sqrt(np.mean([r["residual"] ** 2 for r in rows])))}, rows)
+             "rms_relative_residual": float(np.sqrt(np.mean(checks ** 2))) if (checks := np.array(checks)).size
+             else 0.0}, rows)
 
 
-def measure_reduction(rounds: int) -> list[dict]:
+def _duplex_rank(rank: int, ports: list, provider: str, sizes: tuple, rounds: int, seconds: float, out) -> None:
+    """One rank of the duplex point: per size and round, a fresh session; both ranks
+    write s bytes to each other, then wait for the other's, `iters` times after a
+    warm-up; rank 0 reports the median of its iterations."""
+    from rdmatensor import Plan, TensorSpec, connect
+    from rdmatensor.runner.cores import pin_threads
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= 2:
+        pin_threads({cpus[rank]})
+    at = 0
+    for size in sizes:
+        # the same count on both sides, from the size alone
+        iters = int(min(2000, max(20, seconds / (size * 2e-9 + 30e-6))))
+        for round_ in range(rounds):
+            peers = {0: f"127.0.0.1:{ports[at]}", 1: f"127.0.0.1:{ports[at + 1]}"}
+            at += 2
+            plan = Plan([TensorSpec("x0", (size,), np.uint8, 0, 1), TensorSpec("x1", (size,), np.uint8, 1, 0)])
+            mine, theirs = ("x0", "x1") if rank == 0 else ("x1", "x0")
+            with connect(rank, peers, plan, provider=provider, token="rdmatensor-bench-fit") as s:
+                buf = s.buffer(mine)
+                buf[:] = rank + 1
+                times = []
+                for i in range(5 + iters):
+                    t = time.perf_counter()
+                    s.send(mine, buf)
+                    s.recv(theirs).release()
+                    if i >= 5:
+                        times.append(time.perf_counter() - t)
+                s.barrier("duplex-done")
+            if rank == 0:
+                out.put({"provider": provider, "bytes": size, "round": round_, "seconds": statistics.median(times)})
+    out.put({"done": rank})
+
+
+def measure_duplex(providers: list[str], rounds: int, seconds: float) -> list[dict]:
+    """Duplex points per provider: {provider, kind "duplex", bytes, tensors 1, seconds (median of rounds)}."""
+    import multiprocessing
+    import queue
+
+    from rdmatensor.runner.cluster import free_ports
+    ctx = multiprocessing.get_context("spawn")
+    points = []
+    for provider in providers:
+        print(f"  duplex {provider}: {', '.join(str(x) for x in DUPLEX_SIZES)} B", file=sys.stderr, flush=True)
+        out = ctx.Queue()
+        ports = free_ports(2 * len(DUPLEX_SIZES) * rounds)
+        procs = [ctx.Process(target=_duplex_rank, args=(r, ports, provider, DUPLEX_SIZES, rounds, seconds, out))
+                 for r in (0, 1)]
+        for p in procs:
+            p.start()
+        got, done, deadline = [], set(), time.monotonic() + 600
+        try:
+            while len(done) < 2:
+                try:
+                    item = out.get(timeout=1)
+                except queue.Empty:
+                    if any(p.exitcode for p in procs) or time.monotonic() > deadline:
+                        raise SystemExit(f"rdmatensor-bench fit: the duplex point over {provider} failed") from None
+                    continue
+                if "done" in item:
+                    done.add(item["done"])
+                else:
+                    got.append(item)
+        finally:
+            for p in procs:
+                p.join(30)
+                if p.is_alive():
+                    p.kill()
+        for size in DUPLEX_SIZES:
+            mine = [g["seconds"] for g in got if g["bytes"] == size]
+            points.append({"provider": provider, "kind": "duplex", "bytes": size, "tensors": 1,
+                           "seconds": statistics.median(mine), "rounds": mine})
+    return points
+
+
+def _time_reduction(rounds: int, sync=None) -> list[dict]:
     """Seconds per call of streaming.add (a + b times 1/N, into out) and of
-    streaming.copy, float32, as the ring calls them; median of `rounds` timings."""
+    streaming.copy, float32, as the ring calls them (streaming stores from
+    STREAM_BYTES up); median of `rounds` timings. `sync`: a barrier every
+    process of the measurement passes before each timing."""
     from rdmatensor import streaming
     out = []
     rng = np.random.default_rng(0)
@@ -108,9 +224,11 @@ def measure_reduction(rounds: int) -> list[dict]:
         for kind, call in (("add", lambda: streaming.add(dst, a, b, np.float32(0.5))),
                            ("copy", lambda: streaming.copy(dst, a))):
             call()
-            reps = max(3, int((64 << 20) // size))
+            reps = max(3, min(20000, int((64 << 20) // size)))
             times = []
             for _ in range(rounds):
+                if sync is not None:
+                    sync.wait()
                 t = time.perf_counter()
                 for _ in range(reps):
                     call()
@@ -119,28 +237,57 @@ def measure_reduction(rounds: int) -> list[dict]:
     return out
 
 
+def _shared_worker(cpu: int, rounds: int, sync, out) -> None:
+    from rdmatensor.runner.cores import pin_threads
+    pin_threads({cpu})
+    out.put((cpu, _time_reduction(rounds, sync)))
+
+
+def measure_reduction(rounds: int, shared: bool = False) -> list[dict]:
+    """The reduction's points: one core alone, or (`shared`) one process per
+    core (up to 8) all timing at once, each point the mean over the processes."""
+    if not shared:
+        return _time_reduction(rounds)
+    import multiprocessing
+    cpus = sorted(os.sched_getaffinity(0))[:8]
+    ctx = multiprocessing.get_context("spawn")
+    sync, out = ctx.Barrier(len(cpus)), ctx.Queue()
+    procs = [ctx.Process(target=_shared_worker, args=(cpu, rounds, sync, out)) for cpu in cpus]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=600)[1] for _ in procs]
+    for p in procs:
+        p.join(30)
+    return [{**first, "seconds": float(np.mean([r[i]["seconds"] for r in results])), "processes": len(cpus)}
+            for i, first in enumerate(results[0])]
+
+
 def fit_reduction(points: list[dict]) -> tuple[dict, list[dict]]:
+    """Per kind (add, copy): the per-byte cost from the largest size and the per-call
+    cost from the smallest, solved together; every point's residual."""
     result, rows = {}, []
     for kind in ("add", "copy"):
         mine = [p for p in points if p["kind"] == kind]
-        a = np.array([[1.0, p["bytes"]] for p in mine])
-        y = np.array([p["seconds"] for p in mine])
+        fix = [min(mine, key=lambda p: p["bytes"]), max(mine, key=lambda p: p["bytes"])]
+        a = np.array([[1.0, p["bytes"]] for p in fix])
+        y = np.array([p["seconds"] for p in fix])
         w = 1 / y
         fixed, per_byte = nonnegative_lstsq(a * w[:, None], y * w)
         result[f"{kind}_s_per_byte"] = float(per_byte)
         result[f"{kind}_call_s"] = float(fixed)
         result[f"{kind}_gb_s"] = 1 / per_byte / 1e9 if per_byte else None
         rows += [{**p, "fitted": fixed + per_byte * p["bytes"],
-                  "residual": (fixed + per_byte * p["bytes"]) / p["seconds"] - 1} for p in mine]
+                  "residual": (fixed + per_byte * p["bytes"]) / p["seconds"] - 1, "determines": p in fix}
+                 for p in mine]
     return result, rows
 
 
 def _residual_table(name: str, rows: list[dict]) -> str:
     lines = [f"{name}: point, measured, fitted, fitted/measured - 1"]
     for r in rows:
-        what = f"{r['kind']:4} {r.get('tensors', 1):4} x {r['bytes'] / r.get('tensors', 1):>11,.0f} B"
+        what = f"{r['kind']:6} {r.get('tensors', 1):4} x {r['bytes'] / r.get('tensors', 1):>11,.0f} B"
         lines.append(f"  {what}  {r['seconds'] * 1e6:12.1f} us  {r['fitted'] * 1e6:12.1f} us  "
-                     f"{r['residual']:+7.1%}")
+                     f"{r['residual']:+7.1%}{'  (determines)' if r.get('determines') else ''}")
     return "\n".join(lines)
 
 
@@ -154,7 +301,7 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     providers = [x for x in a.providers.split(",") if x]
     t0, load = time.monotonic(), os.getloadavg()[0]
-    points = measure_links(providers, a.rounds, a.seconds)
+    points = measure_links(providers, a.rounds, a.seconds) + measure_duplex(providers, a.rounds, a.seconds)
     links = {}
     for provider in providers:
         mine = [q for q in points if q["provider"] == provider]
@@ -166,13 +313,18 @@ def main(argv: list[str]) -> int:
         c = links[provider]
         print(_residual_table(provider, rows))
         print(f"  => alpha {c['alpha_s'] * 1e6:.2f} us, beta {c['beta_s_per_byte'] * 1e9:.4f} ns/B "
-              f"({c['bandwidth_gbit_s']:.2f} Gbit/s), per tensor {c['per_tensor_s'] * 1e6:.2f} us; "
-              f"rms residual {c['rms_relative_residual']:.1%}\n")
-    red_points = measure_reduction(max(a.rounds, 3))
-    reduction, red_rows = fit_reduction(red_points)
+              f"({c['bandwidth_gbit_s'] or 0:.2f} Gbit/s), per tensor {c['per_tensor_s'] * 1e6:.2f} us, "
+              f"duplex beta {(c['duplex_beta_s_per_byte'] or 0) * 1e9:.4f} ns/B; "
+              f"rms residual of the other points {c['rms_relative_residual']:.1%}\n")
+    reduction, red_rows = fit_reduction(measure_reduction(max(a.rounds, 3)))
     reduction["points"] = red_rows
-    print(_residual_table("reduction (streaming add, copy)", red_rows))
-    print(f"  => add {reduction['add_gb_s']:.2f} GB/s of output, copy {reduction['copy_gb_s']:.2f} GB/s")
+    print(_residual_table("reduction, one core (streaming add, copy)", red_rows))
+    print(f"  => add {reduction['add_gb_s']:.2f} GB/s of output + {reduction['add_call_s'] * 1e6:.2f} us a call, "
+          f"copy {reduction['copy_gb_s']:.2f} GB/s + {reduction['copy_call_s'] * 1e6:.2f} us a call")
+    shared, shared_rows = fit_reduction(measure_reduction(max(a.rounds, 3), shared=True))
+    reduction["shared"] = {**shared, "processes": shared_rows[0]["processes"], "points": shared_rows}
+    print(_residual_table("reduction, every core at once", shared_rows))
+    print(f"  => add {shared['add_gb_s']:.2f} GB/s of output, copy {shared['copy_gb_s']:.2f} GB/s per core")
     doc = {"command": "rdmatensor-bench fit " + " ".join(argv),
            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(terse=True),
                        "load_before": load},

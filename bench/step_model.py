@@ -7,39 +7,62 @@ on a cluster, from a few constants per link and a model's gradient list.
 Constants (fitted by bench/step_fit.py from rdmatensor-bench's own
 micro-benchmarks, or given for a fabric: --link, --latency, perftest output)
 
-    α  latency of one write: from the write leaving to the receiver seeing it,
-       past the fixed costs below (s)
-    β  inverse bandwidth of one rail (s/byte); R rails: β/R (large writes are
-       striped over the rails, rdmatensor/providers/verbs/rails.py)
-    c  per-tensor cost: the fixed CPU cost of issuing one write, and again of
-       receiving one (assumed equal: the fit cannot tell them apart) (s)
-    γ  reduction: seconds per byte of a chunk summed (a + b, times 1/N, into
-       the output: rdmatensor.streaming.add, as the ring runs it)
-    δ  seconds per byte copied out of a receive slot (the all-gather's copy)
+    α   latency of one write: from the write leaving to the receiver seeing it,
+        past the fixed costs below (s)
+    β   inverse bandwidth of one rail, one direction (s/byte); R rails: β/R
+        (large writes are striped over the rails, rdmatensor/providers/verbs/rails.py)
+    β₂  inverse bandwidth per direction while both directions run at once
+        (s/byte): what every rank of a ring sees, writing to its right and
+        receiving from its left in the same step. A NIC is full duplex (β₂ = β,
+        what --link and perftest give); over shm and loopback tcp the bytes
+        are moved by the ranks' own cores (a memcpy; the kernel's copies on
+        both ends), and a core that sends and receives at once does both
+        directions' work
+    c   per-tensor cost: the fixed CPU cost of issuing one write, and again of
+        receiving one (assumed equal: the fit cannot tell them apart) (s)
+    γ   reduction: seconds per byte of a chunk summed (a + b, times 1/N, into
+        the output: rdmatensor.streaming.add, as the ring runs it), and γ₀ per
+        call (one call per gradient a chunk covers)
+    δ   seconds per byte copied out of a receive slot (the all-gather's copy),
+        and δ₀ per call
+    The reduction's rates are measured twice: one core alone, and every core
+    of the host at once (the ranks of a host sum and copy in the same step,
+    on one memory bus); a ring with more than one rank on a host uses the
+    second.
 
-The fit reads three micro-benchmarks, each a linear function of (α, β, c):
+The fit reads four micro-benchmarks, each a linear function of (α, β, c, β₂):
 
-    lat  half a round trip of s bytes:          α + s·β + 2c   (a write, a receive)
-    bw   a write of s bytes, many in flight:        s·β +  c   (the slower side)
-    step n tensors, S bytes in all, then an ack: 2α + S·β + (n + 3)c
-         (n writes while the receiver keeps up on its own core, the last one's
-         receive, the ack's write and receive)
+    lat    half a round trip of s bytes:          α + s·β + 2c   (a write, a receive)
+    bw     a write of s bytes, many in flight:        s·β +  c   (the slower side)
+    step   n tensors, S bytes in all, then an ack: 2α + S·β + (n + 3)c
+           (n writes while the receiver keeps up on its own core, the last one's
+           receive, the ack's write and receive)
+    duplex both ranks write s bytes to each other, then wait for the other's:
+                                                  α + s·β₂ + 2c
 
-and γ, δ from timing streaming.add and streaming.copy alone (plus a fixed
-cost per call, not used: the ring's per-chunk calls are counted in c).
+and takes each constant from the point that determines it: α from the
+smallest latency point, β from the largest bandwidth point, c from the step
+of the most tensors, β₂ from the largest duplex point (four equations, solved
+exactly); every other point is a check, its residual reported. (γ, γ₀) and
+(δ, δ₀) likewise from timing streaming.add and streaming.copy alone: the
+per-byte rate from the largest size (out of cache, as a large bucket's
+chunks are), the per-call cost from the smallest.
 
-Flat ring all-reduce of one bucket of S bytes over N ranks (tf_plugin's ring:
-layout.ring_bounds cuts it into N chunks; reduce-scatter N-1 steps, then
-all-gather N-1 steps). Each step every rank writes one chunk of S/N bytes to
-its right neighbour and receives one from its left; all ranks move at once, so
-a step lasts as long as its slowest hop (with H > 1 hosts: a cross-host hop,
-one ring flow per host NIC in each direction when ranks are numbered by host):
+Flat ring all-reduce of one bucket of S bytes (m gradients) over N ranks
+(tf_plugin's ring: layout.ring_bounds cuts it into N chunks; reduce-scatter
+N-1 steps, then all-gather N-1 steps). Each step every rank writes one chunk
+of S/N bytes to its right neighbour and receives one from its left; all
+ranks move at once, so a step lasts as long as its slowest hop (with H > 1
+hosts: a cross-host hop, one ring flow per host NIC in each direction when
+ranks are numbered by host):
 
     steps        2(N-1)
     bytes sent   2(N-1)/N·S per rank (exactly 2(N-1)·S over all ranks)
-    time         2(N-1)·(α + 2c) + 2(N-1)/N·S·β + (N-1)/N·S·(γ + δ)
+    time         2(N-1)·(α + 2c) + 2(N-1)/N·S·β₂ + (N-1)/N·S·(γ + δ)
+                 + (N-1)·((1 + (m-1)/N)·γ₀ + δ₀)
 
-(N-1 chunks summed in the reduce-scatter, N-1 copied out in the all-gather.)
+(N-1 chunks summed in the reduce-scatter, one streaming.add per gradient a
+chunk covers; N-1 copied out in the all-gather, one streaming.copy each.)
 Eagerly (RingAllReduce.allreduce_arrays) all B buckets advance in lockstep:
 one latency per step for all of them, 2B·c per step. Inside a training step
 (overlap, below) the communication thread runs each bucket's ring alone.
@@ -50,19 +73,21 @@ then the L rings of the ranks at the same local position across the H hosts
 (each over S/L bytes, all L sharing the host's NIC: S/H bytes per NIC per
 step), then the host's all-gather:
 
-    local   2(L-1)·(α_l + 2c_l) + 2(L-1)/L·S·β_l + (L-1)/L·S·(γ + δ)
-    cross   2(H-1)·(α_x + 2c_x) + 2(H-1)/H·S·β_x + (H-1)/H·(S/L)·(γ + δ)
+    local   2(L-1)·(α_l + 2c_l) + 2(L-1)/L·S·β₂_l + (L-1)/L·S·(γ + δ)
+    cross   2(H-1)·(α_x + 2c_x) + 2(H-1)/H·S·β₂_x + (H-1)/H·(S/L)·(γ + δ)
 
-Only 2(H-1) latencies cross hosts against 2(N-1) for the flat ring; the bytes
-across a host's NIC are 2(H-1)/H·S against the flat ring's 2(N-1)/N·S.
+(plus the calls, as above). Only 2(H-1) latencies cross hosts against 2(N-1)
+for the flat ring; the bytes across a host's NIC are 2(H-1)/H·S against the
+flat ring's 2(N-1)/N·S.
 
 Broadcast (tf_plugin's collectives.broadcast): the root writes every tensor
 to each of the other N-1 ranks, then every rank's byte comes back:
 (N-1)·B·c + 2(α + 2c) + max((L-1)·S·β_l, (N-L)·S·β_x/[H>1]). All-gather
 (collectives.allgather): every rank writes its S_own bytes to the N-1 others
 directly (the bytes of a ring all-gather, (N-1)/N of the gathered total, in
-one step instead of N-1): (N-1)·B·c + α + 2c + max((L-1)·S_own·β_l,
-L·(N-L)·S_own·β_x) + N·S_own·δ (the concatenation).
+one step instead of N-1), every rank sending and receiving at once:
+(N-1)·B·c + α + 2c + max((L-1)·S_own·β₂_l, L·(N-L)·S_own·β₂_x) + N·S_own·δ
+(the concatenation).
 
 Fusion buckets: the gradient list goes through tf_plugin's own
 layout.buckets_of (threshold: --fusion-threshold, else
@@ -85,7 +110,8 @@ bandwidth, per-tensor and reduction totals.
 Left out: the parameter-server exchange (a different pattern: every worker's
 bytes converge on the shards' NICs; tf_plugin/graph/ps_step.py); compression;
 stragglers, congestion, NCCL or any GPU path within a host; the time to copy
-gradients off a GPU.
+gradients off a GPU; the ring's Python bookkeeping per bucket and call
+(BucketView, leases, splitting the output), which no micro-benchmark isolates.
 """
 from __future__ import annotations
 
@@ -105,19 +131,27 @@ TERMS = ("latency", "bandwidth", "per_tensor", "reduction")
 @dataclass(frozen=True)
 class Link:
     alpha: float                 # s
-    beta: float                  # s/byte, one rail
+    beta: float                  # s/byte, one rail, one direction
     per_tensor: float            # s per write (and per receive)
     rails: int = 1
     source: str = ""
+    duplex_beta: float | None = None     # s/byte per direction, both at once; None: beta (full duplex)
 
     @property
     def beta_eff(self) -> float:
         return self.beta / self.rails
 
+    @property
+    def duplex_eff(self) -> float:
+        """Inverse bandwidth per direction while every rank sends and receives (a ring's step)."""
+        return (self.beta if self.duplex_beta is None else self.duplex_beta) / self.rails
+
     def describe(self) -> str:
         gbits = 8 / self.beta / 1e9 if self.beta else float("inf")
         rails = f" x {self.rails} rails" if self.rails > 1 else ""
-        return (f"{gbits:.3g} Gbit/s{rails}, latency {self.alpha * 1e6:.3g} us, per tensor "
+        duplex = ("" if self.duplex_beta is None or self.duplex_beta == self.beta else
+                  f" ({8 / self.duplex_beta / 1e9:.3g} Gbit/s each way when both run at once)")
+        return (f"{gbits:.3g} Gbit/s{rails}{duplex}, latency {self.alpha * 1e6:.3g} us, per tensor "
                 f"{self.per_tensor * 1e6:.3g} us ({self.source})")
 
 
@@ -126,6 +160,8 @@ class Reduce:
     add: float                   # s per byte of summed output
     copy: float                  # s per byte copied out of a slot
     source: str = ""
+    add_call: float = 0.0        # s per streaming.add call
+    copy_call: float = 0.0       # s per streaming.copy call
 
 
 @dataclass
@@ -204,7 +240,8 @@ def link_from_perftest(bw_text: str | None, lat_text: str | None, fallback: Link
         lat = parse_write_lat(lat_text)
         alpha = max(0.0, lat.typical_us * 1e-6 - lat.size * beta)
         why.append(f"ib_write_lat {lat.typical_us} us at {lat.size} B")
-    return Link(alpha, beta, fallback.per_tensor, fallback.rails, "perftest: " + ", ".join(why))
+    # a NIC is full duplex: both directions at β (the fallback's β₂ described its own link)
+    return Link(alpha, beta, fallback.per_tensor, fallback.rails, "perftest: " + ", ".join(why), None)
 
 
 # ------------------------------------------------------------------ constants
@@ -214,7 +251,8 @@ def load_constants(path) -> dict:
 
 def link_of(constants: dict, name: str, rails: int = 1) -> Link:
     c = constants["links"][name]
-    return Link(c["alpha_s"], c["beta_s_per_byte"], c["per_tensor_s"], rails, f"fitted: {name}")
+    return Link(c["alpha_s"], c["beta_s_per_byte"], c["per_tensor_s"], rails, f"fitted: {name}",
+                c.get("duplex_beta_s_per_byte"))
 
 
 def naive_link_of(constants: dict, name: str) -> Link:
@@ -222,9 +260,16 @@ def naive_link_of(constants: dict, name: str) -> Link:
     return Link(c["alpha_s"], c["beta_s_per_byte"], 0.0, 1, f"naive: {name}")
 
 
-def reduce_of(constants: dict) -> Reduce:
+def reduce_of(constants: dict, shared: bool = True) -> Reduce:
+    """The fitted reduction rates: with `shared`, as measured with every core of the
+    host summing (and copying) at once, when the fit measured that; else one core alone."""
     r = constants["reduction"]
-    return Reduce(r["add_s_per_byte"], r["copy_s_per_byte"], "fitted")
+    if shared and "shared" in r:
+        s = r["shared"]
+        return Reduce(s["add_s_per_byte"], s["copy_s_per_byte"], "fitted, every core at once",
+                      r.get("add_call_s", 0.0), r.get("copy_call_s", 0.0))
+    return Reduce(r["add_s_per_byte"], r["copy_s_per_byte"], "fitted, one core",
+                  r.get("add_call_s", 0.0), r.get("copy_call_s", 0.0))
 
 
 NO_REDUCE = Reduce(0.0, 0.0, "none")
@@ -236,38 +281,58 @@ def ring_bytes_per_rank(size: int, ranks: int) -> float:
     return 2 * (ranks - 1) / ranks * size
 
 
-def ring_allreduce(sizes, ranks: int, link: Link, red: Reduce, lockstep: bool = False) -> Terms:
-    """A flat ring all-reduce of buckets of `sizes` bytes over `ranks` ranks on
-    `link` (the slowest hop): each bucket's ring alone, one after another, or
-    with `lockstep` all buckets' step k together (one latency per step)."""
-    sizes = [s for s in sizes if s]
+def _live(sizes, tensors) -> tuple[list[int], list[int]]:
+    """The non-empty buckets' sizes and gradient counts (1 each when not given)."""
+    tensors = [1] * len(sizes) if tensors is None else list(tensors)
+    if len(tensors) != len(sizes):
+        raise ValueError(f"{len(sizes)} bucket sizes but {len(tensors)} gradient counts")
+    live = [(s, m) for s, m in zip(sizes, tensors, strict=True) if s]
+    return [s for s, _ in live], [m for _, m in live]
+
+
+def reduction_calls(tensors, ranks: int, red: Reduce) -> float:
+    """The fixed cost of the ring's reduction calls: per bucket of m gradients, N-1
+    chunks summed, each one streaming.add per gradient it covers (about 1 + (m-1)/N),
+    and N-1 chunks copied out, one streaming.copy each."""
+    n = ranks
+    return sum((n - 1) * ((1 + (m - 1) / n) * red.add_call + red.copy_call) for m in tensors)
+
+
+def ring_allreduce(sizes, ranks: int, link: Link, red: Reduce, lockstep: bool = False, tensors=None) -> Terms:
+    """A flat ring all-reduce of buckets of `sizes` bytes (`tensors` gradients
+    each, default 1) over `ranks` ranks on `link` (the slowest hop): each
+    bucket's ring alone, one after another, or with `lockstep` all buckets'
+    step k together (one latency per step). Every rank sends and receives in
+    every step: the bytes move at the link's duplex rate."""
+    sizes, tensors = _live(sizes, tensors)
     n, b, total = ranks, len(sizes), float(sum(sizes))
     if n < 2 or not b:
         return Terms()
     steps = 2 * (n - 1)
     return Terms(latency=steps * link.alpha * (1 if lockstep else b),
-                 bandwidth=steps / n * total * link.beta_eff,
+                 bandwidth=steps / n * total * link.duplex_eff,
                  per_tensor=steps * 2 * b * link.per_tensor,
-                 reduction=(n - 1) / n * total * (red.add + red.copy))
+                 reduction=(n - 1) / n * total * (red.add + red.copy) + reduction_calls(tensors, n, red))
 
 
 def hierarchical_allreduce(sizes, hosts: int, per_host: int, cross: Link, local: Link, red: Reduce,
-                           lockstep: bool = False) -> Terms:
+                           lockstep: bool = False, tensors=None) -> Terms:
     """Reduce-scatter in each host, L rings across the H hosts over S/L bytes each
     (sharing the host's NIC), all-gather in each host."""
-    sizes = [s for s in sizes if s]
+    sizes, tensors = _live(sizes, tensors)
     if hosts < 2 or per_host < 2:
-        return ring_allreduce(sizes, hosts * per_host, cross if hosts > 1 else local, red, lockstep)
+        return ring_allreduce(sizes, hosts * per_host, cross if hosts > 1 else local, red, lockstep, tensors)
     h, l, b, total = hosts, per_host, len(sizes), float(sum(sizes))
     lat = (1 if lockstep else b)
     inner = Terms(latency=2 * (l - 1) * local.alpha * lat,
-                  bandwidth=2 * (l - 1) / l * total * local.beta_eff,
+                  bandwidth=2 * (l - 1) / l * total * local.duplex_eff,
                   per_tensor=2 * (l - 1) * 2 * b * local.per_tensor,
-                  reduction=(l - 1) / l * total * (red.add + red.copy))
+                  reduction=(l - 1) / l * total * (red.add + red.copy) + reduction_calls(tensors, l, red))
+    # across hosts each ring's chunk is one piece of this host's output: one call per chunk
     outer = Terms(latency=2 * (h - 1) * cross.alpha * lat,
-                  bandwidth=2 * (h - 1) / h * total * cross.beta_eff,
+                  bandwidth=2 * (h - 1) / h * total * cross.duplex_eff,
                   per_tensor=2 * (h - 1) * 2 * b * cross.per_tensor,
-                  reduction=(h - 1) / h * total / l * (red.add + red.copy))
+                  reduction=(h - 1) / h * total / l * (red.add + red.copy) + reduction_calls([1] * b, h, red))
     return inner + outer
 
 
@@ -294,8 +359,8 @@ def allgather(sizes, ranks: int, per_host: int, cross: Link, local: Link, red: R
     hosts = -(-ranks // per_host)
     far = cross if hosts > 1 else local
     return Terms(latency=far.alpha,
-                 bandwidth=max((min(per_host, ranks) - 1) * own * local.beta_eff,
-                               per_host * (ranks - per_host) * own * cross.beta_eff if hosts > 1 else 0.0),
+                 bandwidth=max((min(per_host, ranks) - 1) * own * local.duplex_eff,
+                               per_host * (ranks - per_host) * own * cross.duplex_eff if hosts > 1 else 0.0),
                  per_tensor=((ranks - 1) * b + 2) * far.per_tensor,
                  reduction=ranks * own * red.copy)
 
@@ -368,12 +433,12 @@ class Cluster:
     def hosts(self) -> int:
         return -(-self.ranks // self.per_host)
 
-    def allreduce(self, sizes, lockstep: bool = False) -> Terms:
+    def allreduce(self, sizes, lockstep: bool = False, tensors=None) -> Terms:
         if self.hierarchical and self.ranks % self.per_host == 0:
             return hierarchical_allreduce(sizes, self.hosts, self.per_host, self.cross, self.local, self.reduce,
-                                          lockstep)
+                                          lockstep, tensors)
         return ring_allreduce(sizes, self.ranks, self.cross if self.hosts > 1 else self.local, self.reduce,
-                              lockstep)
+                              lockstep, tensors)
 
 
 @dataclass
@@ -407,7 +472,7 @@ def predict(grads, cluster: Cluster, compute_s: float = 0.0, threshold: int | No
     if overlap:
         comm, free = Terms(), 0.0
         for b in bs:
-            t = cluster.allreduce([b.bytes])
+            t = cluster.allreduce([b.bytes], tensors=[b.tensors])
             comm = comm + t
             ready = compute_s * (1 - backprop_fraction) + compute_s * backprop_fraction * (b.last + 1) / count
             start = max(ready, free)
@@ -415,7 +480,7 @@ def predict(grads, cluster: Cluster, compute_s: float = 0.0, threshold: int | No
             schedule.append((ready, start, free))
         step = max(compute_s, free)
     else:
-        comm = cluster.allreduce(sizes, lockstep=True)
+        comm = cluster.allreduce(sizes, lockstep=True, tensors=[b.tensors for b in bs])
         step = compute_s + comm.total
     candidates = {"compute": compute_s, **{t: getattr(comm, t) for t in TERMS}}
     bound = max(candidates, key=candidates.get)

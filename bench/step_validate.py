@@ -56,7 +56,7 @@ def grads_of(spec: str) -> list[dict]:
 
 
 def predictions(constants: dict, providers: list[str]) -> list[dict]:
-    red = sm.reduce_of(constants)
+    red = sm.reduce_of(constants, shared=True)        # both ranks sum and copy at once, on one memory bus
     out = []
     for provider in providers:
         link, plain = sm.link_of(constants, provider), sm.naive_link_of(constants, provider)
@@ -66,8 +66,10 @@ def predictions(constants: dict, providers: list[str]) -> list[dict]:
                 sizes = [b.bytes for b in sm.buckets(grads, 0)]
                 terms, naive = sm.point_to_point(sizes, link), sm.naive(sizes, plain)
             else:
-                sizes = [b.bytes for b in sm.buckets(grads, threshold)]
-                terms, naive = sm.ring_allreduce(sizes, 2, link, red, lockstep=True), sm.naive_ring(sizes, 2, plain)
+                bs = sm.buckets(grads, threshold)
+                sizes = [b.bytes for b in bs]
+                terms = sm.ring_allreduce(sizes, 2, link, red, lockstep=True, tensors=[b.tensors for b in bs])
+                naive = sm.naive_ring(sizes, 2, plain)
             out.append({"provider": provider, "case": name, "kind": kind, "tensors": len(grads),
                         "writes_per_step": len(sizes), "bytes": sum(sizes), "fusion_threshold": threshold,
                         "predicted_ms": terms.total * 1e3, "terms_ms": {t: getattr(terms, t) * 1e3 for t in sm.TERMS},

@@ -28,6 +28,25 @@ def test_ring_allreduce_by_hand():
     assert sm.ring_allreduce([4000], 1, LINK, RED).total == 0
 
 
+def test_ring_moves_its_bytes_at_the_duplex_rate():
+    loopback = sm.Link(alpha=1e-6, beta=1e-9, per_tensor=0.5e-6, duplex_beta=2e-9)
+    t = sm.ring_allreduce([4000], 4, loopback, RED)
+    assert t.bandwidth == pytest.approx(6 * 1000 * 2e-9)      # every rank sends and receives at once
+    assert sm.point_to_point([4000], loopback).bandwidth == pytest.approx(4000 * 1e-9)   # one direction
+    assert LINK.duplex_eff == LINK.beta_eff                    # a NIC: full duplex
+
+
+def test_reduction_calls_per_chunk_and_gradient():
+    red = sm.Reduce(add=0.0, copy=0.0, add_call=1e-6, copy_call=0.5e-6)
+    # 2 ranks, one bucket of 9 gradients: one chunk summed (1 + 8/2 = 5 adds), one copied out
+    t = sm.ring_allreduce([4000], 2, LINK, red, tensors=[9])
+    assert t.reduction == pytest.approx(5e-6 + 0.5e-6)
+    # 4 ranks, two single-gradient buckets: 3 adds and 3 copies each
+    assert sm.ring_allreduce([4000, 4000], 4, LINK, red).reduction == pytest.approx(2 * 3 * 1.5e-6)
+    with pytest.raises(ValueError):
+        sm.ring_allreduce([4000], 2, LINK, red, tensors=[1, 2])
+
+
 def test_rails_divide_bandwidth_only():
     two = sm.Link(1e-6, 1e-9, 0.5e-6, rails=2)
     one, both = sm.ring_allreduce([1 << 20], 8, LINK, RED), sm.ring_allreduce([1 << 20], 8, two, RED)
@@ -109,20 +128,59 @@ def test_overlap_hides_communication_until_it_cannot():
     assert eager.step_s == pytest.approx(1.0 + sm.ring_allreduce([4 << 20] * 4, 8, slow.cross, RED, True).total)
 
 
-def test_fit_recovers_known_constants():
-    alpha, beta, c = 7e-6, 0.4e-9, 1.3e-6
-    points = [{"kind": k, "bytes": s, "tensors": n} for k, s, n in
-              [("lat", 8, 1), ("lat", 65536, 1), ("bw", 4096, 1), ("bw", 1 << 23, 1), ("step", 256 * 64, 256),
-               ("step", 4 << 22, 4)]]
+def _points(alpha, beta, c, duplex=None):
+    spec = [("lat", 8, 1), ("lat", 65536, 1), ("bw", 4096, 1), ("bw", 1 << 23, 1), ("step", 256 * 64, 256),
+            ("step", 4 << 22, 4)] + ([("duplex", 1 << 16, 1), ("duplex", 1 << 23, 1)] if duplex else [])
+    points = [{"kind": k, "bytes": s, "tensors": n} for k, s, n in spec]
     for p in points:
-        p["seconds"] = float(np.dot(step_fit.design_row(p["kind"], p["bytes"], p["tensors"]), [alpha, beta, c]))
-    fitted, rows = step_fit.fit_link(points)
+        p["seconds"] = float(np.dot(step_fit.design_row(p["kind"], p["bytes"], p["tensors"]),
+                                    [alpha, beta, c, duplex or 0.0]))
+    return points
+
+
+def test_fit_recovers_known_constants():
+    alpha, beta, c, duplex = 7e-6, 0.4e-9, 1.3e-6, 0.7e-9
+    fitted, rows = step_fit.fit_link(_points(alpha, beta, c, duplex))
     assert fitted["alpha_s"] == pytest.approx(alpha, rel=1e-6)
     assert fitted["beta_s_per_byte"] == pytest.approx(beta, rel=1e-6)
     assert fitted["per_tensor_s"] == pytest.approx(c, rel=1e-6)
+    assert fitted["duplex_beta_s_per_byte"] == pytest.approx(duplex, rel=1e-6)
     assert max(abs(r["residual"]) for r in rows) < 1e-9
     # the naive model reads the smallest latency point and the largest bandwidth point
-    assert fitted["naive"]["alpha_s"] == points[0]["seconds"]
+    assert fitted["naive"]["alpha_s"] == rows[0]["seconds"]
+    # without a duplex point: no β₂ (the ring then uses β)
+    fitted, _ = step_fit.fit_link(_points(alpha, beta, c))
+    assert fitted["duplex_beta_s_per_byte"] is None and fitted["per_tensor_s"] == pytest.approx(c, rel=1e-6)
+
+
+def test_each_constant_comes_from_its_own_point():
+    alpha, beta, c, duplex = 7e-6, 0.4e-9, 1.3e-6, 0.7e-9
+    points = _points(alpha, beta, c, duplex)
+    # a disturbed point that determines nothing (a slow 4 KiB window, a slow 64 KiB round trip)
+    # moves no constant, and shows up as its own residual only
+    for p in points:
+        if (p["kind"], p["bytes"]) in (("bw", 4096), ("lat", 65536)):
+            p["seconds"] *= 5
+    fitted, rows = step_fit.fit_link(points)
+    assert (fitted["alpha_s"], fitted["per_tensor_s"]) == (pytest.approx(alpha), pytest.approx(c))
+    assert fitted["beta_s_per_byte"] == pytest.approx(beta)
+    determines = {(r["kind"], r["bytes"]) for r in rows if r["determines"]}
+    assert determines == {("lat", 8), ("bw", 1 << 23), ("step", 256 * 64), ("duplex", 1 << 23)}
+    disturbed = [r["residual"] for r in rows if (r["kind"], r["bytes"]) in (("bw", 4096), ("lat", 65536))]
+    assert disturbed == [pytest.approx(-0.8), pytest.approx(-0.8)]
+    assert fitted["rms_relative_residual"] == pytest.approx(np.sqrt(2 * 0.64 / 4))     # over the 4 checks
+
+
+def test_reduction_fit_takes_rate_from_the_largest_and_call_from_the_smallest():
+    call, per_byte = 1e-6, 1e-9
+    points = [{"kind": k, "bytes": b, "seconds": call + per_byte * b} for k in ("add", "copy")
+              for b in (256, 1 << 16, 1 << 25)]
+    for p in points:
+        if p["bytes"] == 1 << 16:
+            p["seconds"] /= 4                      # in cache: faster than the memory-bound rate
+    r, rows = step_fit.fit_reduction(points)
+    assert r["add_s_per_byte"] == pytest.approx(per_byte) and r["add_call_s"] == pytest.approx(call)
+    assert r["copy_s_per_byte"] == pytest.approx(per_byte) and r["copy_call_s"] == pytest.approx(call)
 
 
 def test_fit_never_returns_a_negative_constant():
@@ -157,9 +215,11 @@ def test_perftest_output_into_the_link():
 
 @pytest.fixture
 def constants(tmp_path):
-    link = {"alpha_s": 10e-6, "beta_s_per_byte": 1e-9, "per_tensor_s": 2e-6,
+    link = {"alpha_s": 10e-6, "beta_s_per_byte": 1e-9, "per_tensor_s": 2e-6, "duplex_beta_s_per_byte": 3e-9,
             "naive": {"alpha_s": 12e-6, "beta_s_per_byte": 1e-9}}
-    doc = {"links": {"shm": link, "tcp": link}, "reduction": {"add_s_per_byte": 1e-10, "copy_s_per_byte": 1e-10}}
+    doc = {"links": {"shm": link, "tcp": link},
+           "reduction": {"add_s_per_byte": 1e-10, "copy_s_per_byte": 1e-10, "add_call_s": 1e-6, "copy_call_s": 0.0,
+                         "shared": {"add_s_per_byte": 2e-10, "copy_s_per_byte": 3e-10}}}
     path = tmp_path / "constants.json"
     path.write_text(json.dumps(doc))
     return path
@@ -175,7 +235,8 @@ def test_predict_end_to_end(constants, tmp_path, capsys):
     p = json.loads(out.read_text())["prediction"]
     grads = sm.gradient_set("resnet50")
     assert p["buckets"] == len(sm.buckets(grads, None)) and p["tensors"] == len(grads)
-    # the bandwidth term is the flat ring's across 10 Gbit/s
+    # the bandwidth term is the flat ring's across 10 Gbit/s, both ways at once (a NIC: the fitted
+    # link's duplex β does not apply to the link given)
     assert p["comm"]["bandwidth"] == pytest.approx(2 * 15 / 16 * p["bytes"] * 8 / 10e9)
     assert p["efficiency"] == pytest.approx(0.1 / p["step_s"])
     # hierarchical: fewer latencies across hosts
@@ -196,3 +257,26 @@ def test_imagenet_sets_are_the_published_models():
     for model, params in (("resnet101_224", 44.7e6), ("inceptionv3_224", 23.9e6), ("vgg16_224", 138.4e6)):
         total = sum(int(np.prod(g["shape"])) for g in sm.gradient_set(model))
         assert total == pytest.approx(params, rel=0.01)
+
+
+def test_fitted_constants_into_links_and_rates(constants):
+    doc = sm.load_constants(constants)
+    assert sm.link_of(doc, "tcp").duplex_eff == 3e-9
+    shared, alone = sm.reduce_of(doc), sm.reduce_of(doc, shared=False)
+    assert (shared.add, shared.copy, shared.add_call) == (2e-10, 3e-10, 1e-6)
+    assert (alone.add, alone.copy) == (1e-10, 1e-10)
+    # an older constants file (no duplex point, no shared rates) still loads
+    del doc["links"]["tcp"]["duplex_beta_s_per_byte"], doc["reduction"]["shared"]
+    assert sm.link_of(doc, "tcp").duplex_eff == 1e-9 and sm.reduce_of(doc).add == 1e-10
+
+
+def test_validation_predicts_the_ring_with_duplex_and_shared_rates(constants):
+    from bench import step_validate
+    preds = {(p["provider"], p["case"]): p for p in step_validate.predictions(sm.load_constants(constants), ["tcp"])}
+    ring = preds[("tcp", "ring 16x2M, no fusion")]
+    # 2 ranks: S bytes each way at β₂ = 3 ns/B; S/2 summed and S/2 copied at the shared rates; 16 adds
+    s = 16 * (2 << 20)
+    assert ring["terms_ms"]["bandwidth"] == pytest.approx(s * 3e-9 * 1e3)
+    assert ring["terms_ms"]["reduction"] == pytest.approx((s / 2 * 5e-10 + 16 * 1e-6) * 1e3)
+    p2p = preds[("tcp", "p2p 2x12M")]
+    assert p2p["terms_ms"]["bandwidth"] == pytest.approx(2 * (12 << 20) * 1e-9 * 1e3)
