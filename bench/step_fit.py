@@ -11,7 +11,9 @@ every core at once. Each constant comes from the point that determines it
 (step_model's docstring): α from the 8-byte half round trip, β from the
 largest bandwidth point, c from the step of 256 tiny tensors, β₂ from the
 largest duplex point, the four equations solved together; a per-byte
-reduction rate from the largest size, its per-call cost from the smallest.
+reduction rate from the largest size, its per-call cost from the smallest;
+the ring's own bookkeeping per bucket and step from a ring of 256 tiny
+buckets (what the other terms leave of its time).
 A joint least squares over every point would let the constants trade off (a
 per-tensor cost of 0 paid for by a larger α) and follow whichever points are
 most numerous. Every other point is a check: its residual is printed and
@@ -35,6 +37,7 @@ LAT_SIZES = "8,4K,64K,1M"
 BW_SIZES = "4K,64K,1M,8M"
 STEP_SETS = ("256x64", "32x16K", "4x4M")       # many tiny writes; a middle; a few large
 DUPLEX_SIZES = (64 << 10, 1 << 20, 8 << 20)
+RING_SET = "256x64"                            # the ring point: 256 single-gradient buckets of 64 B
 REDUCE_SIZES = (256, 64 << 10, 1 << 20, 8 << 20, 32 << 20)
 UNKNOWNS = ("alpha_s", "beta_s_per_byte", "per_tensor_s", "duplex_beta_s_per_byte")
 
@@ -282,6 +285,32 @@ def fit_reduction(points: list[dict]) -> tuple[dict, list[dict]]:
     return result, rows
 
 
+def measure_ring(providers: list[str], rounds: int) -> list[dict]:
+    """The ring point per provider: tf_plugin's ring over 2 ranks, RING_SET unfused, timed as
+    `rdmatensor-bench validate` times its ring cases: {provider, kind "ring", ..., seconds (median)}."""
+    from .step_validate import measure_cases
+    print(f"  ring {RING_SET} over {', '.join(providers)}", file=sys.stderr, flush=True)
+    cases = [{"provider": p, "case": f"ring {RING_SET}", "kind": "ring", "spec": RING_SET, "fusion_threshold": 0,
+              "predicted_ms": 5.0} for p in providers]
+    got = measure_cases(cases, rounds)
+    from . import step_model as sm
+    sizes = sm.parse_tensors(RING_SET)
+    return [{"provider": p, "kind": "ring", "bytes": sum(sizes), "tensors": len(sizes), "buckets": len(sizes),
+             "seconds": statistics.median(g["seconds"] for g in got if g["provider"] == p),
+             "rounds": [g["seconds"] for g in got if g["provider"] == p]} for p in providers]
+
+
+def fit_ring_step(point: dict, link: dict, reduction: dict) -> float:
+    """r: what the ring point's time leaves, per bucket and step, past the model's other terms
+    (2 ranks: 2 steps), with the link's fitted constants and the reduction's shared rates."""
+    from . import step_model as sm
+    lk = sm.link_of({"links": {"x": {**link, "ring_step_s": 0.0}}}, "x")
+    red = sm.reduce_of({"reduction": reduction}, shared=True)
+    b = point["buckets"]
+    rest = sm.ring_allreduce([point["bytes"] // b] * b, 2, lk, red, lockstep=True).total
+    return max(0.0, (point["seconds"] - rest) / (2 * b))
+
+
 def _residual_table(name: str, rows: list[dict]) -> str:
     lines = [f"{name}: point, measured, fitted, fitted/measured - 1"]
     for r in rows:
@@ -325,6 +354,13 @@ def main(argv: list[str]) -> int:
     reduction["shared"] = {**shared, "processes": shared_rows[0]["processes"], "points": shared_rows}
     print(_residual_table("reduction, every core at once", shared_rows))
     print(f"  => add {shared['add_gb_s']:.2f} GB/s of output, copy {shared['copy_gb_s']:.2f} GB/s per core")
+    for point in measure_ring(list(links), a.rounds):
+        c = links[point["provider"]]
+        c["ring_step_s"] = fit_ring_step(point, c, reduction)
+        c["ring_point"] = point
+        print(f"{point['provider']}: ring {RING_SET} {point['seconds'] * 1e3:.3f} ms (rounds "
+              f"{', '.join(f'{x * 1e3:.3f}' for x in point['rounds'])}) => ring bookkeeping "
+              f"{c['ring_step_s'] * 1e6:.2f} us per bucket and step")
     doc = {"command": "rdmatensor-bench fit " + " ".join(argv),
            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(terse=True),
                        "load_before": load},

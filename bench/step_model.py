@@ -20,6 +20,9 @@ micro-benchmarks, or given for a fabric: --link, --latency, perftest output)
         directions' work
     c   per-tensor cost: the fixed CPU cost of issuing one write, and again of
         receiving one (assumed equal: the fit cannot tell them apart) (s)
+    r   the ring's own bookkeeping per bucket and step on the host (cutting
+        chunks, reading a bucket through its members, leases; tf_plugin's
+        executor/ring.py), past its writes, receives and streaming calls (s)
     γ   reduction: seconds per byte of a chunk summed (a + b, times 1/N, into
         the output: rdmatensor.streaming.add, as the ring runs it), and γ₀ per
         call (one call per gradient a chunk covers)
@@ -46,7 +49,9 @@ of the most tensors, β₂ from the largest duplex point (four equations, solved
 exactly); every other point is a check, its residual reported. (γ, γ₀) and
 (δ, δ₀) likewise from timing streaming.add and streaming.copy alone: the
 per-byte rate from the largest size (out of cache, as a large bucket's
-chunks are), the per-call cost from the smallest.
+chunks are), the per-call cost from the smallest. Last, r from one ring
+point: tf_plugin's ring over 2 ranks of 256 single-gradient buckets of 64
+bytes, what the formula below leaves of its time, per bucket and step.
 
 Flat ring all-reduce of one bucket of S bytes (m gradients) over N ranks
 (tf_plugin's ring: layout.ring_bounds cuts it into N chunks; reduce-scatter
@@ -58,13 +63,13 @@ ranks are numbered by host):
 
     steps        2(N-1)
     bytes sent   2(N-1)/N·S per rank (exactly 2(N-1)·S over all ranks)
-    time         2(N-1)·(α + 2c) + 2(N-1)/N·S·β₂ + (N-1)/N·S·(γ + δ)
+    time         2(N-1)·(α + 2c + r) + 2(N-1)/N·S·β₂ + (N-1)/N·S·(γ + δ)
                  + (N-1)·((1 + (m-1)/N)·γ₀ + δ₀)
 
 (N-1 chunks summed in the reduce-scatter, one streaming.add per gradient a
 chunk covers; N-1 copied out in the all-gather, one streaming.copy each.)
 Eagerly (RingAllReduce.allreduce_arrays) all B buckets advance in lockstep:
-one latency per step for all of them, 2B·c per step. Inside a training step
+one latency per step for all of them, B·(2c + r) per step. Inside a training step
 (overlap, below) the communication thread runs each bucket's ring alone.
 
 Hierarchical all-reduce (HOROVOD_HIERARCHICAL_ALLREDUCE; layout.Hierarchy):
@@ -73,8 +78,8 @@ then the L rings of the ranks at the same local position across the H hosts
 (each over S/L bytes, all L sharing the host's NIC: S/H bytes per NIC per
 step), then the host's all-gather:
 
-    local   2(L-1)·(α_l + 2c_l) + 2(L-1)/L·S·β₂_l + (L-1)/L·S·(γ + δ)
-    cross   2(H-1)·(α_x + 2c_x) + 2(H-1)/H·S·β₂_x + (H-1)/H·(S/L)·(γ + δ)
+    local   2(L-1)·(α_l + 2c_l + r_l) + 2(L-1)/L·S·β₂_l + (L-1)/L·S·(γ + δ)
+    cross   2(H-1)·(α_x + 2c_x + r_x) + 2(H-1)/H·S·β₂_x + (H-1)/H·(S/L)·(γ + δ)
 
 (plus the calls, as above). Only 2(H-1) latencies cross hosts against 2(N-1)
 for the flat ring; the bytes across a host's NIC are 2(H-1)/H·S against the
@@ -110,8 +115,7 @@ bandwidth, per-tensor and reduction totals.
 Left out: the parameter-server exchange (a different pattern: every worker's
 bytes converge on the shards' NICs; tf_plugin/graph/ps_step.py); compression;
 stragglers, congestion, NCCL or any GPU path within a host; the time to copy
-gradients off a GPU; the ring's Python bookkeeping per bucket and call
-(BucketView, leases, splitting the output), which no micro-benchmark isolates.
+gradients off a GPU.
 """
 from __future__ import annotations
 
@@ -136,6 +140,7 @@ class Link:
     rails: int = 1
     source: str = ""
     duplex_beta: float | None = None     # s/byte per direction, both at once; None: beta (full duplex)
+    ring_step: float = 0.0       # s per bucket per ring step: the ring's own bookkeeping on the host
 
     @property
     def beta_eff(self) -> float:
@@ -241,7 +246,8 @@ def link_from_perftest(bw_text: str | None, lat_text: str | None, fallback: Link
         alpha = max(0.0, lat.typical_us * 1e-6 - lat.size * beta)
         why.append(f"ib_write_lat {lat.typical_us} us at {lat.size} B")
     # a NIC is full duplex: both directions at β (the fallback's β₂ described its own link)
-    return Link(alpha, beta, fallback.per_tensor, fallback.rails, "perftest: " + ", ".join(why), None)
+    return Link(alpha, beta, fallback.per_tensor, fallback.rails, "perftest: " + ", ".join(why), None,
+                fallback.ring_step)
 
 
 # ------------------------------------------------------------------ constants
@@ -252,7 +258,7 @@ def load_constants(path) -> dict:
 def link_of(constants: dict, name: str, rails: int = 1) -> Link:
     c = constants["links"][name]
     return Link(c["alpha_s"], c["beta_s_per_byte"], c["per_tensor_s"], rails, f"fitted: {name}",
-                c.get("duplex_beta_s_per_byte"))
+                c.get("duplex_beta_s_per_byte"), c.get("ring_step_s", 0.0))
 
 
 def naive_link_of(constants: dict, name: str) -> Link:
@@ -311,7 +317,7 @@ def ring_allreduce(sizes, ranks: int, link: Link, red: Reduce, lockstep: bool = 
     steps = 2 * (n - 1)
     return Terms(latency=steps * link.alpha * (1 if lockstep else b),
                  bandwidth=steps / n * total * link.duplex_eff,
-                 per_tensor=steps * 2 * b * link.per_tensor,
+                 per_tensor=steps * b * (2 * link.per_tensor + link.ring_step),
                  reduction=(n - 1) / n * total * (red.add + red.copy) + reduction_calls(tensors, n, red))
 
 
@@ -326,12 +332,12 @@ def hierarchical_allreduce(sizes, hosts: int, per_host: int, cross: Link, local:
     lat = (1 if lockstep else b)
     inner = Terms(latency=2 * (l - 1) * local.alpha * lat,
                   bandwidth=2 * (l - 1) / l * total * local.duplex_eff,
-                  per_tensor=2 * (l - 1) * 2 * b * local.per_tensor,
+                  per_tensor=2 * (l - 1) * b * (2 * local.per_tensor + local.ring_step),
                   reduction=(l - 1) / l * total * (red.add + red.copy) + reduction_calls(tensors, l, red))
     # across hosts each ring's chunk is one piece of this host's output: one call per chunk
     outer = Terms(latency=2 * (h - 1) * cross.alpha * lat,
                   bandwidth=2 * (h - 1) / h * total * cross.duplex_eff,
-                  per_tensor=2 * (h - 1) * 2 * b * cross.per_tensor,
+                  per_tensor=2 * (h - 1) * b * (2 * cross.per_tensor + cross.ring_step),
                   reduction=(h - 1) / h * total / l * (red.add + red.copy) + reduction_calls([1] * b, h, red))
     return inner + outer
 

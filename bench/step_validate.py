@@ -135,9 +135,14 @@ def _rank(rank: int, ports: list, token: str, plan: list, out) -> None:
 
 
 def measure(preds: list[dict], rounds: int) -> list[dict]:
-    from rdmatensor.runner.cluster import free_ports
     specs = {name: (spec, threshold) for name, _, spec, threshold in CASES}
-    cases = [{**p, "spec": specs[p["case"]][0]} for p in preds]
+    return measure_cases([{**p, "spec": specs[p["case"]][0]} for p in preds], rounds)
+
+
+def measure_cases(cases: list[dict], rounds: int) -> list[dict]:
+    """Time `cases` ({provider, case, kind, spec, fusion_threshold, predicted_ms: sizes the
+    number of calls}) on two ranks, `rounds` interleaved rounds: {round, provider, case, seconds}."""
+    from rdmatensor.runner.cluster import free_ports
     plan = [(r, c) for r in range(rounds) for c in (cases if r % 2 == 0 else cases[::-1])]
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()

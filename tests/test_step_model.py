@@ -280,3 +280,17 @@ def test_validation_predicts_the_ring_with_duplex_and_shared_rates(constants):
     assert ring["terms_ms"]["reduction"] == pytest.approx((s / 2 * 5e-10 + 16 * 1e-6) * 1e3)
     p2p = preds[("tcp", "p2p 2x12M")]
     assert p2p["terms_ms"]["bandwidth"] == pytest.approx(2 * (12 << 20) * 1e-9 * 1e3)
+
+
+def test_ring_bookkeeping_from_the_ring_point():
+    link = {"alpha_s": 10e-6, "beta_s_per_byte": 1e-9, "per_tensor_s": 2e-6, "duplex_beta_s_per_byte": 3e-9}
+    reduction = {"add_s_per_byte": 0.0, "copy_s_per_byte": 0.0, "add_call_s": 1e-6, "copy_call_s": 1e-6}
+    # 256 buckets of 64 B on 2 ranks: 2 latencies, 4 x 256 c, 256 adds and copies, 2 x 256 r
+    r = 3e-6
+    seconds = 2 * 10e-6 + 256 * 64 * 3e-9 + 4 * 256 * 2e-6 + 256 * 2e-6 + 2 * 256 * r
+    point = {"bytes": 256 * 64, "buckets": 256, "seconds": seconds}
+    assert step_fit.fit_ring_step(point, link, reduction) == pytest.approx(r)
+    # and the ring charges it per bucket and step
+    lk = sm.Link(10e-6, 1e-9, 2e-6, duplex_beta=3e-9, ring_step=r)
+    red = sm.Reduce(0.0, 0.0, add_call=1e-6, copy_call=1e-6)
+    assert sm.ring_allreduce([64] * 256, 2, lk, red, lockstep=True).total == pytest.approx(seconds)
