@@ -57,6 +57,8 @@ def predict_parser() -> argparse.ArgumentParser:
     p.add_argument("--link", type=_arg(sm.parse_rate), help="cross-host bandwidth of one rail: 100gbit, 25Gb/s, 12GB/s")
     p.add_argument("--latency", type=_arg(sm.parse_time), help="cross-host latency: 2us, 800ns")
     p.add_argument("--per-tensor", type=_arg(sm.parse_time), help="cost of issuing (and of receiving) one write")
+    p.add_argument("--ring-step", type=_arg(sm.parse_time),
+                   help="the ring's bookkeeping per bucket and step on a host (default: fitted, --provider's)")
     p.add_argument("--rails", type=int, default=1, help="NICs per host a large write is striped over")
     p.add_argument("--perftest-bw", metavar="FILE", help="ib_write_bw output: the link's bandwidth")
     p.add_argument("--perftest-lat", metavar="FILE", help="ib_write_lat output: the link's latency")
@@ -76,6 +78,8 @@ def cluster_from(a) -> sm.Cluster:
         cross, _ = replace(cross, alpha=a.latency), given.append(f"latency {a.latency * 1e6:g} us")
     if a.per_tensor is not None:
         cross, _ = replace(cross, per_tensor=a.per_tensor), given.append(f"per tensor {a.per_tensor * 1e6:g} us")
+    if a.ring_step is not None:
+        cross, _ = replace(cross, ring_step=a.ring_step), given.append(f"ring step {a.ring_step * 1e6:g} us")
     if given:
         cross = replace(cross, source=f"given: {', '.join(given)}; the rest fitted: {a.provider}")
     if a.perftest_bw or a.perftest_lat:
@@ -84,8 +88,10 @@ def cluster_from(a) -> sm.Cluster:
     red = sm.reduce_of(constants, shared=a.ranks_per_host > 1)     # a host's ranks sum at once
     if a.reduce_gbs:
         red = sm.Reduce(1 / (a.reduce_gbs * 1e9), 1 / (a.reduce_gbs * 1e9), f"given: {a.reduce_gbs:g} GB/s")
-    return sm.Cluster(a.ranks, a.ranks_per_host, cross, sm.link_of(constants, a.local_provider), red,
-                      a.hierarchical)
+    local = sm.link_of(constants, a.local_provider)
+    if a.ring_step is not None:
+        local = replace(local, ring_step=a.ring_step)
+    return sm.Cluster(a.ranks, a.ranks_per_host, cross, local, red, a.hierarchical)
 
 
 def _ms(x: float) -> str:

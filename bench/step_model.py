@@ -157,7 +157,8 @@ class Link:
         duplex = ("" if self.duplex_beta is None or self.duplex_beta == self.beta else
                   f" ({8 / self.duplex_beta / 1e9:.3g} Gbit/s each way when both run at once)")
         return (f"{gbits:.3g} Gbit/s{rails}{duplex}, latency {self.alpha * 1e6:.3g} us, per tensor "
-                f"{self.per_tensor * 1e6:.3g} us ({self.source})")
+                f"{self.per_tensor * 1e6:.3g} us, ring bookkeeping {self.ring_step * 1e6:.3g} us per bucket and step "
+                f"({self.source})")
 
 
 @dataclass(frozen=True)
