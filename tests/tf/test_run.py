@@ -293,10 +293,23 @@ def test_every_rank_succeeding_exits_zero_and_a_missing_command_is_named(tmp_pat
      "need 1 <= min-np <= np <= max-np"),
     (["--min-np", "1", "--host-discovery-script", "/nonexistent", "true"], "not an executable file"),
     (["--min-np", "1", "-H", "a:2", "--host-discovery-script", "/bin/true", "true"], "no -H, --ps or --softroce-vm"),
+    (["-np", "1", "-x", "1BAD", "true"], "-x 1BAD: give an environment variable's name, or NAME=VALUE"),
+    (["-np", "1", "-x", "=x", "true"], "-x =x: give an environment variable's name"),
+    (["-np", "1", "-x", "RDMATENSOR_TOKEN=abc", "true"], "a token on the command line shows in ps"),
 ])
 def test_bad_arguments_are_refused_saying_what_is_wrong(args, message):
     proc, _ = launcher(*args)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_x_name_equals_value_sets_it_for_every_rank_as_mpiruns_does(tmp_path):
+    """`-x NAME=VALUE` sets NAME (it was once taken for a variable's name and dropped),
+    `-x NAME` passes this shell's value on, an unset one stays unset."""
+    show = "import os; print(os.environ.get('PYTHONPATH'), os.environ.get('SHOWN'), os.environ.get('UNSET_HERE'))"
+    proc, _ = launcher("-np", "2", "-x", "PYTHONPATH=/from/x", "-x", "SHOWN", "-x", "UNSET_HERE",
+                       sys.executable, "-c", show, env={**os.environ, "SHOWN": "a b"})
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.splitlines()) == ["[0] /from/x a b None", "[1] /from/x a b None"], proc.stdout
 
 
 def test_eight_ranks_that_end_cleanly_print_only_what_the_script_prints(tmp_path):
