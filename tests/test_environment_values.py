@@ -27,7 +27,7 @@ from rdmatensor.providers.shm import completion_ring
 from rdmatensor.providers.tcp import inbox
 from rdmatensor.providers.verbs import addressing, channel, choose_endpoint, choose_port
 from rdmatensor.runner.rendezvous_client import LauncherEnv
-from rdmatensor.session import send, slots
+from rdmatensor.session import liveness, send, slots
 from tf_plugin.core import checked_collectives, layout, settings, world
 from tf_plugin.core.timeline import Timeline
 from tf_plugin.training.horovod_baseline import ROOT, horovod_venv
@@ -50,7 +50,7 @@ out = {
     "MASTER_ADDR": rendezvous, "MASTER_PORT": rendezvous,
     "RDMATENSOR_IB_HCA": choose_port.hca(), "RDMATENSOR_IB_RAILS": choose_port.rails(),
     "RDMATENSOR_IB_GID_INDEX": choose_port.gid_index(),
-    "RDMATENSOR_VERBS_REGISTER_MIN": send.REGISTER_MIN,
+    "RDMATENSOR_VERBS_REGISTER_MIN": send.REGISTER_MIN, "RDMATENSOR_PEER_TIMEOUT": liveness.peer_timeout_from_env(),
     "RDMATENSOR_VERBS_SPIN_US": round(channel.SPIN_SECONDS * 1e6, 3),
     "RDMATENSOR_VERBS_SLEEP_MS": round(channel.SLEEP_SECONDS * 1e3, 3),
     "RDMATENSOR_FUSION_THRESHOLD": layout.fusion_threshold(),

@@ -97,7 +97,7 @@ def parser() -> argparse.ArgumentParser:
                         f"stopped (default {FAILURE_WAIT:g}: the peer timeout, within which they see the loss)")
     p.add_argument("-x", dest="forward", action="append", default=[], metavar="VAR",
                    help="forward this environment variable to remote ranks (local ranks get all); "
-                        "NAME=VALUE sets it for every rank, as mpirun's -x")
+                        "name=value sets it for every rank, as mpirun's -x")
     p.add_argument("-p", "--ssh-port", type=int, help="ssh port of the remote hosts")
     elastic = p.add_argument_group("elastic jobs (as horovodrun's; see rdmatensor.runner.elastic)")
     elastic.add_argument("--host-discovery-script", metavar="SCRIPT",
@@ -185,12 +185,12 @@ def plan(p: argparse.ArgumentParser, argv: list[str]) -> Plan:
         p.error(f"--timeout {args.timeout:g}: must be positive")
     if args.failure_wait < 0:
         p.error(f"--failure-wait {args.failure_wait:g}: must be 0 or more")
-    # -x NAME=VALUE sets NAME for every rank, as mpirun's does; -x NAME forwards this shell's
+    # -x name=value sets it for every rank, as mpirun's does; -x name forwards this shell's
     names = []
     for item in args.forward:
         name, is_set, value = item.partition("=")
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
-            p.error(f"-x {item}: give an environment variable's name, or NAME=VALUE")
+            p.error(f"-x {item}: give an environment variable's name, or name=value")
         if is_set and name == "RDMATENSOR_TOKEN":
             p.error(f"-x {name}=...: a token on the command line shows in ps; export {name} instead")
         if is_set:

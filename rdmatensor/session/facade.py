@@ -20,7 +20,7 @@ from .context import SessionContext
 from .credits import Credits
 from .exchange import Exchange
 from .growth import Growth
-from .liveness import Liveness, log
+from .liveness import Liveness, log, peer_timeout_from_env
 from .recv import Received, Receiver
 from .send import Sender
 
@@ -33,7 +33,7 @@ class Session:
 
     def __init__(self, rank: int, peers: Mapping[int, str], plan: Plan, provider: str = "auto",
                  token: str | None = None, tls: TlsConfig | None = None, timeout: float = 60.0,
-                 heartbeat: float = 1.0, peer_timeout: float = 10.0, abort: Callable[[], None] | None = None):
+                 heartbeat: float = 1.0, peer_timeout: float | None = None, abort: Callable[[], None] | None = None):
         if not isinstance(plan, Plan):
             raise UsageError(f"plan must be a Plan, not {type(plan).__name__}")
         if isinstance(peers, Sequence) and not isinstance(peers, str):
@@ -46,6 +46,8 @@ class Session:
             raise UsageError(f"the plan names ranks {sorted(missing)} that have no address in peers")
         if not token:
             raise UsageError("a token is required: peers authenticate with it")
+        if peer_timeout is None:
+            peer_timeout = peer_timeout_from_env()
         if heartbeat <= 0 or peer_timeout < heartbeat:
             raise UsageError("heartbeat must be > 0 and peer_timeout >= heartbeat")
         self.rank, self.plan, self.timeout = rank, plan, timeout
@@ -275,7 +277,8 @@ class Session:
 
 def connect(rank: int, peers: Mapping[int, str] | Sequence[str], plan: Plan, provider: str = "auto",
             token: str | None = None, tls: TlsConfig | None = None, timeout: float = 60.0,
-            heartbeat: float = 1.0, peer_timeout: float = 10.0, abort: Callable[[], None] | None = None) -> Session:
+            heartbeat: float = 1.0, peer_timeout: float | None = None, abort: Callable[[], None] | None = None
+            ) -> Session:
     """Set up this rank's end: arenas registered, descriptors exchanged, barrier passed.
 
     `peers` maps every rank of the plan to its control address "host:port"
@@ -285,7 +288,8 @@ def connect(rank: int, peers: Mapping[int, str] | Sequence[str], plan: Plan, pro
     control plane. `timeout` bounds setup and is the default for send/recv
     waits. Every `heartbeat` seconds each peer is pinged; one that misses two
     pings, or `peer_timeout` seconds of them, is reported as PeerLost to
-    every call that involves it. `abort`, if given, is called a few times a
+    every call that involves it (peer_timeout: RDMATENSOR_PEER_TIMEOUT, else
+    10 s; a ping waits a fifth of it, at least 2 s, for its answer). `abort`, if given, is called a few times a
     second while setup waits for peers; what it raises ends the setup (a job
     that learns from elsewhere that a peer is gone need not wait `timeout`)."""
     return Session(rank, peers, plan, provider=provider, token=token, tls=tls, timeout=timeout,

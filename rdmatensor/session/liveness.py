@@ -21,11 +21,34 @@ import threading
 import time
 from typing import Callable
 
+from .. import environment
 from ..control.service import ControlClient, pb
-from ..errors import PeerLost, RdmaTensorError, TransportError
+from ..errors import PeerLost, RdmaTensorError, TransportError, UsageError
 from .context import SessionContext
 
 log = logging.getLogger("rdmatensor")
+PEER_TIMEOUT = 10.0      # seconds of silence before a peer is lost, unless RDMATENSOR_PEER_TIMEOUT says
+
+
+def peer_timeout_from_env() -> float:
+    """RDMATENSOR_PEER_TIMEOUT in seconds, else PEER_TIMEOUT: raised where ranks may
+    not be scheduled for seconds (an emulated VM, an oversubscribed host)."""
+    text = environment.get("RDMATENSOR_PEER_TIMEOUT", None)
+    if text is None:
+        return PEER_TIMEOUT
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 1.0:
+        raise UsageError(f"RDMATENSOR_PEER_TIMEOUT={text!r}: give seconds, 1 or more")
+    return value
+
+
+def ping_timeout(heartbeat: float, peer_timeout: float) -> float:
+    """How long one ping waits for its answer: two missed pings lose a peer, so
+    with a longer peer timeout a ping waits longer too (10 s: 2 s, as always)."""
+    return min(peer_timeout, max(heartbeat, 2.0, peer_timeout / 5))
 
 
 class Liveness:
@@ -146,7 +169,7 @@ class Liveness:
                     try:
                         reply = client.call(client.control.Ping,
                                             pb.PingRequest(rank=ctx.rank, pair_secret=ctx.credentials.secret(peer)),
-                                            timeout=min(self.peer_timeout, max(self.heartbeat, 2.0)))
+                                            timeout=ping_timeout(self.heartbeat, self.peer_timeout))
                         if reply.rank != peer:
                             raise TransportError(f"rank {reply.rank} answered at rank {peer}'s address", peer=peer)
                         last_ok[peer], failures[peer] = time.monotonic(), 0

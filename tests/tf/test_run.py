@@ -293,7 +293,7 @@ def test_every_rank_succeeding_exits_zero_and_a_missing_command_is_named(tmp_pat
      "need 1 <= min-np <= np <= max-np"),
     (["--min-np", "1", "--host-discovery-script", "/nonexistent", "true"], "not an executable file"),
     (["--min-np", "1", "-H", "a:2", "--host-discovery-script", "/bin/true", "true"], "no -H, --ps or --softroce-vm"),
-    (["-np", "1", "-x", "1BAD", "true"], "-x 1BAD: give an environment variable's name, or NAME=VALUE"),
+    (["-np", "1", "-x", "1BAD", "true"], "-x 1BAD: give an environment variable's name, or name=value"),
     (["-np", "1", "-x", "=x", "true"], "-x =x: give an environment variable's name"),
     (["-np", "1", "-x", "RDMATENSOR_TOKEN=abc", "true"], "a token on the command line shows in ps"),
 ])
