@@ -9,10 +9,11 @@ of its own (both ranks writing to each other at once, as every step of a ring
 does); then times rdmatensor.streaming's add and copy, on one core and on
 every core at once. Each constant comes from the point that determines it
 (step_model's docstring): α from the 8-byte half round trip, β from the
-largest bandwidth point, c from the step of 256 tiny tensors, β₂ from the
-largest duplex point, the four equations solved together; a per-byte
+step of 4 x 4 MiB, c from the step of 32 x 16 KiB (the most tensors within
+the 128 a receiver takes in flight), β₂ from the largest duplex point, the
+four equations solved together; a per-byte
 reduction rate from the largest size, its per-call cost from the smallest;
-the ring's own bookkeeping per bucket and step from a ring of 256 tiny
+the ring's own bookkeeping per bucket and step from a ring of 96 tiny
 buckets (what the other terms leave of its time).
 A joint least squares over every point would let the constants trade off (a
 per-tensor cost of 0 paid for by a larger α) and follow whichever points are
@@ -37,7 +38,7 @@ LAT_SIZES = "8,4K,64K,1M"
 BW_SIZES = "4K,64K,1M,8M"
 STEP_SETS = ("256x64", "32x16K", "4x4M")       # many tiny writes; a middle; a few large
 DUPLEX_SIZES = (64 << 10, 1 << 20, 8 << 20)
-RING_SET = "256x64"                            # the ring point: 256 single-gradient buckets of 64 B
+RING_SET = "96x64"                             # the ring point: 96 single-gradient buckets of 64 B
 REDUCE_SIZES = (256, 64 << 10, 1 << 20, 8 << 20, 32 << 20)
 UNKNOWNS = ("alpha_s", "beta_s_per_byte", "per_tensor_s", "duplex_beta_s_per_byte")
 
@@ -89,16 +90,25 @@ def nonnegative_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
         free.remove(min(negative, key=lambda i: x[i]))
 
 
+IN_FLIGHT = 128      # completions a receiver takes at once (shm's and verbs' max_incoming): more wait for credits
+
+
 def determining(points: list[dict]) -> list[dict]:
-    """The points that fix the constants, one each: the smallest latency point (α),
-    the largest bandwidth point (β), the step of the most tensors (c), the largest
-    duplex point (β₂; absent: β₂ is not fitted)."""
-    def pick(kind, key):
-        mine = [p for p in points if p["kind"] == kind]
+    """The points that fix the constants, one each: the smallest latency point (α);
+    the step of the most bytes (β: large writes issued with send_many, as the ring
+    and a broadcast issue them); the step of the most tensors that fit in flight at
+    once, IN_FLIGHT (c: past that, the sender waits for credits, a cost of its own);
+    the largest duplex point (β₂; absent: β₂ is not fitted). Without step points,
+    β from the largest bandwidth point."""
+    def pick(kind, key, keep=lambda p: True):
+        mine = [p for p in points if p["kind"] == kind and keep(p)]
         return [key(mine)] if mine else []
-    return (pick("lat", lambda m: min(m, key=lambda p: p["bytes"]))
-            + pick("bw", lambda m: max(m, key=lambda p: p["bytes"]))
-            + pick("step", lambda m: max(m, key=lambda p: (p["tensors"], -p["bytes"])))
+    steps = [p for p in points if p["kind"] == "step"]
+    beta = (pick("step", lambda m: max(m, key=lambda p: p["bytes"])) if len(steps) >= 2
+            else pick("bw", lambda m: max(m, key=lambda p: p["bytes"])))
+    per_tensor = pick("step", lambda m: max(m, key=lambda p: (p["tensors"], -p["bytes"])),
+                      lambda p: p["tensors"] <= IN_FLIGHT and p not in beta)
+    return (pick("lat", lambda m: min(m, key=lambda p: p["bytes"])) + beta + per_tensor
             + pick("duplex", lambda m: max(m, key=lambda p: p["bytes"])))
 
 
@@ -107,8 +117,8 @@ def fit_link(points: list[dict]) -> tuple[dict, list[dict]]:
     exactly (a constant that would come out negative held at 0); every point's
     residual, the determining ones marked."""
     fix = determining(points)
-    if {p["kind"] for p in fix} < {"lat", "bw", "step"}:
-        raise ValueError("the fit needs a lat, a bw and a step point")
+    if len([p for p in fix if p["kind"] != "duplex"]) < 3:
+        raise ValueError("the fit needs a lat point and two step points (or a bw and a step point)")
     unknowns = 4 if any(p["kind"] == "duplex" for p in fix) else 3
     a = np.array([design_row(p["kind"], p["bytes"], p["tensors"])[:unknowns] for p in fix])
     y = np.array([p["seconds"] for p in fix])

@@ -44,13 +44,15 @@ The fit reads four micro-benchmarks, each a linear function of (α, β, c, β₂
                                                   α + s·β₂ + 2c
 
 and takes each constant from the point that determines it: α from the
-smallest latency point, β from the largest bandwidth point, c from the step
-of the most tensors, β₂ from the largest duplex point (four equations, solved
-exactly); every other point is a check, its residual reported. (γ, γ₀) and
+smallest latency point, β from the step of the most bytes (large writes
+issued with send_many, as the ring issues them), c from the step of the most
+tensors within the 128 writes a receiver takes in flight (more wait for
+credits, which the model does not count), β₂ from the largest duplex point
+(four equations, solved exactly); every other point is a check, its residual reported. (γ, γ₀) and
 (δ, δ₀) likewise from timing streaming.add and streaming.copy alone: the
 per-byte rate from the largest size (out of cache, as a large bucket's
 chunks are), the per-call cost from the smallest. Last, r from one ring
-point: tf_plugin's ring over 2 ranks of 256 single-gradient buckets of 64
+point: tf_plugin's ring over 2 ranks of 96 single-gradient buckets of 64
 bytes, what the formula below leaves of its time, per bucket and step.
 
 Flat ring all-reduce of one bucket of S bytes (m gradients) over N ranks

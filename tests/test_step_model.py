@@ -130,7 +130,7 @@ def test_overlap_hides_communication_until_it_cannot():
 
 def _points(alpha, beta, c, duplex=None):
     spec = [("lat", 8, 1), ("lat", 65536, 1), ("bw", 4096, 1), ("bw", 1 << 23, 1), ("step", 256 * 64, 256),
-            ("step", 4 << 22, 4)] + ([("duplex", 1 << 16, 1), ("duplex", 1 << 23, 1)] if duplex else [])
+            ("step", 32 << 14, 32), ("step", 4 << 22, 4)] + ([("duplex", 1 << 16, 1), ("duplex", 1 << 23, 1)] if duplex else [])
     points = [{"kind": k, "bytes": s, "tensors": n} for k, s, n in spec]
     for p in points:
         p["seconds"] = float(np.dot(step_fit.design_row(p["kind"], p["bytes"], p["tensors"]),
@@ -156,19 +156,22 @@ def test_fit_recovers_known_constants():
 def test_each_constant_comes_from_its_own_point():
     alpha, beta, c, duplex = 7e-6, 0.4e-9, 1.3e-6, 0.7e-9
     points = _points(alpha, beta, c, duplex)
-    # a disturbed point that determines nothing (a slow 4 KiB window, a slow 64 KiB round trip)
-    # moves no constant, and shows up as its own residual only
+    # a disturbed point that determines nothing (a slow 8 MiB window, a slow 64 KiB round trip,
+    # 256 writes waiting for credits) moves no constant, and shows up as its own residual only
     for p in points:
-        if (p["kind"], p["bytes"]) in (("bw", 4096), ("lat", 65536)):
+        if (p["kind"], p["bytes"]) in (("bw", 1 << 23), ("lat", 65536), ("step", 256 * 64)):
             p["seconds"] *= 5
     fitted, rows = step_fit.fit_link(points)
     assert (fitted["alpha_s"], fitted["per_tensor_s"]) == (pytest.approx(alpha), pytest.approx(c))
     assert fitted["beta_s_per_byte"] == pytest.approx(beta)
     determines = {(r["kind"], r["bytes"]) for r in rows if r["determines"]}
-    assert determines == {("lat", 8), ("bw", 1 << 23), ("step", 256 * 64), ("duplex", 1 << 23)}
-    disturbed = [r["residual"] for r in rows if (r["kind"], r["bytes"]) in (("bw", 4096), ("lat", 65536))]
-    assert disturbed == [pytest.approx(-0.8), pytest.approx(-0.8)]
-    assert fitted["rms_relative_residual"] == pytest.approx(np.sqrt(2 * 0.64 / 4))     # over the 4 checks
+    # α: the 8-byte round trip; β: the step of the most bytes; c: the step of the most tensors
+    # within what a receiver takes in flight (256 are more); β₂: the largest duplex point
+    assert determines == {("lat", 8), ("step", 4 << 22), ("step", 32 << 14), ("duplex", 1 << 23)}
+    disturbed = [r["residual"] for r in rows if (r["kind"], r["bytes"]) in
+                 (("bw", 1 << 23), ("lat", 65536), ("step", 256 * 64))]
+    assert disturbed == [pytest.approx(-0.8)] * 3
+    assert fitted["rms_relative_residual"] == pytest.approx(np.sqrt(3 * 0.64 / 5))     # over the 5 checks
 
 
 def test_reduction_fit_takes_rate_from_the_largest_and_call_from_the_smallest():
