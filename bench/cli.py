@@ -48,12 +48,11 @@ from rdmatensor.providers import NAMES, provider_class
 from rdmatensor.providers.verbs.choose_endpoint import ENDPOINTS
 from rdmatensor.runner.cores import pin_threads
 
-from . import model_grads, report
+from . import model_grads, report, step_model
 from .points import Point, run_point
 from .references import reference
 from .setup_cost import run_setup
 
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 DEFAULT_BW_SIZES = "8,64,512,4K,32K,256K,1M,4M,16M,64M"
 DEFAULT_LAT_SIZES = "8,64,512,4K,32K,256K,1M"
 DEFAULT_STEP = "8x4K,8x64K,4x1M,2x4M"      # a small model's gradients
@@ -65,12 +64,11 @@ PAPER_MODELS = ("resnet50", "vgg16", "densenet121", "lstm_lm")
 
 
 def parse_size(text: str) -> int:
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    unit = t[-1] if t and t[-1] in _UNITS else ""
+    """A benchmark's size in bytes: 1 byte to 4 GiB (the model's parser, which also allows 0)."""
     try:
-        value = int(t[:-1] if unit else t) * _UNITS[unit]
-    except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(f"bad size {text!r}: use e.g. 8, 4K, 1M, 64M") from None
+        value = step_model.parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     if value <= 0 or value > (1 << 32):
         raise argparse.ArgumentTypeError(f"size {text!r} must be 1 byte to 4 GiB")
     return value

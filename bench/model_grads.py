@@ -47,19 +47,27 @@ def _lstm_lm():
                              keras.layers.LSTM(512), keras.layers.Dense(vocab)])
 
 
+def variables_of(model) -> list[dict]:
+    """[{"name", "shape", "dtype"}, ...] of a built Keras model's trainable variables."""
+    return [{"name": v.path, "shape": list(v.shape), "dtype": str(v.dtype)} for v in model.trainable_variables]
+
+
+def write(doc: dict, file: Path) -> None:
+    """Save a generated document, and say what each set holds."""
+    file.write_text(json.dumps(doc, indent=0) + "\n")
+    for name, grads in doc["models"].items():
+        total = sum(int(np.prod(g["shape"])) * 4 for g in grads)
+        print(f"{name:16} {len(grads):4} gradients  {total / 1e6:8.1f} MB", file=sys.stderr)
+
+
 def generate() -> dict:
     import keras
     built = {name: getattr(keras.applications, cls)(weights=None, input_shape=INPUT, classes=CLASSES)
              for name, cls in APPLICATIONS.items()}
     built["lstm_lm"] = _lstm_lm()
     return {"input": list(INPUT), "classes": CLASSES,
-            "models": {name: [{"name": v.path, "shape": list(v.shape), "dtype": str(v.dtype)}
-                              for v in model.trainable_variables] for name, model in built.items()}}
+            "models": {name: variables_of(model) for name, model in built.items()}}
 
 
 if __name__ == "__main__":
-    doc = generate()
-    FILE.write_text(json.dumps(doc, indent=0) + "\n")
-    for name, grads in doc["models"].items():
-        total = sum(int(np.prod(g["shape"])) * 4 for g in grads)
-        print(f"{name:12} {len(grads):4} gradients  {total / 1e6:8.1f} MB", file=sys.stderr)
+    write(generate(), FILE)

@@ -11,9 +11,9 @@ prediction needs no TensorFlow.
 """
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
+
+from .model_grads import variables_of, write
 
 FILE = Path(__file__).with_name("model_grads_224.json")
 CLASSES = 1000
@@ -27,16 +27,10 @@ def generate() -> dict:
     models = {}
     for name, (cls, side) in APPLICATIONS.items():
         model = getattr(keras.applications, cls)(weights=None, input_shape=(side, side, 3), classes=CLASSES)
-        models[name] = [{"name": v.path, "shape": list(v.shape), "dtype": str(v.dtype)}
-                        for v in model.trainable_variables]
+        models[name] = variables_of(model)
         keras.backend.clear_session()
     return {"classes": CLASSES, "input": {n: [s, s, 3] for n, (_, s) in APPLICATIONS.items()}, "models": models}
 
 
 if __name__ == "__main__":
-    doc = generate()
-    FILE.write_text(json.dumps(doc, indent=0) + "\n")
-    for name, grads in doc["models"].items():
-        import numpy as np
-        total = sum(int(np.prod(g["shape"])) * 4 for g in grads)
-        print(f"{name:16} {len(grads):4} gradients  {total / 1e6:8.1f} MB", file=sys.stderr)
+    write(generate(), FILE)

@@ -48,7 +48,8 @@ def predict_parser() -> argparse.ArgumentParser:
                    help="the share of compute that is backprop, over which gradients become ready "
                         "(an assumption; default %(default).2f)")
     p.add_argument("--no-overlap", action="store_true", help="all-reduce after compute, every bucket in lockstep")
-    p.add_argument("--hierarchical", action="store_true", help="hierarchical all-reduce (HOROVOD_HIERARCHICAL_ALLREDUCE)")
+    p.add_argument("--hierarchical", action="store_true",
+                   help="hierarchical all-reduce (HOROVOD_HIERARCHICAL_ALLREDUCE)")
     p.add_argument("--fusion-threshold", type=_arg(sm.parse_size), default=None,
                    help="bytes per fusion bucket (0: none; default: tf_plugin's, 64M)")
     p.add_argument("--constants", default=DEFAULT_CONSTANTS, help="fitted constants (default %(default)s)")

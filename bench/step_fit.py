@@ -234,8 +234,8 @@ def _time_reduction(rounds: int, sync=None) -> list[dict]:
         n = size // 4
         a, b = rng.standard_normal(n, dtype=np.float32), rng.standard_normal(n, dtype=np.float32)
         dst = np.empty_like(a)
-        for kind, call in (("add", lambda: streaming.add(dst, a, b, np.float32(0.5))),
-                           ("copy", lambda: streaming.copy(dst, a))):
+        for kind, call in (("add", lambda dst=dst, a=a, b=b: streaming.add(dst, a, b, np.float32(0.5))),
+                           ("copy", lambda dst=dst, a=a: streaming.copy(dst, a))):
             call()
             reps = max(3, min(20000, int((64 << 20) // size)))
             times = []

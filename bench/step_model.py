@@ -208,7 +208,7 @@ def parse_size(text: str) -> int:
     try:
         value = int(t[:-1] if unit else t) * _UNITS[unit]
     except (ValueError, KeyError):
-        raise ValueError(f"bad size {text!r}: use e.g. 0, 8, 4K, 64M") from None
+        raise ValueError(f"bad size {text!r}: use e.g. 8, 4K, 64M") from None
     if value < 0:
         raise ValueError(f"bad size {text!r}: expected bytes >= 0")
     return value
@@ -331,17 +331,17 @@ def hierarchical_allreduce(sizes, hosts: int, per_host: int, cross: Link, local:
     sizes, tensors = _live(sizes, tensors)
     if hosts < 2 or per_host < 2:
         return ring_allreduce(sizes, hosts * per_host, cross if hosts > 1 else local, red, lockstep, tensors)
-    h, l, b, total = hosts, per_host, len(sizes), float(sum(sizes))
+    h, per, b, total = hosts, per_host, len(sizes), float(sum(sizes))
     lat = (1 if lockstep else b)
-    inner = Terms(latency=2 * (l - 1) * local.alpha * lat,
-                  bandwidth=2 * (l - 1) / l * total * local.duplex_eff,
-                  per_tensor=2 * (l - 1) * b * (2 * local.per_tensor + local.ring_step),
-                  reduction=(l - 1) / l * total * (red.add + red.copy) + reduction_calls(tensors, l, red))
+    inner = Terms(latency=2 * (per - 1) * local.alpha * lat,
+                  bandwidth=2 * (per - 1) / per * total * local.duplex_eff,
+                  per_tensor=2 * (per - 1) * b * (2 * local.per_tensor + local.ring_step),
+                  reduction=(per - 1) / per * total * (red.add + red.copy) + reduction_calls(tensors, per, red))
     # across hosts each ring's chunk is one piece of this host's output: one call per chunk
     outer = Terms(latency=2 * (h - 1) * cross.alpha * lat,
                   bandwidth=2 * (h - 1) / h * total * cross.duplex_eff,
                   per_tensor=2 * (h - 1) * b * (2 * cross.per_tensor + cross.ring_step),
-                  reduction=(h - 1) / h * total / l * (red.add + red.copy) + reduction_calls([1] * b, h, red))
+                  reduction=(h - 1) / h * total / per * (red.add + red.copy) + reduction_calls([1] * b, h, red))
     return inner + outer
 
 
@@ -511,7 +511,8 @@ def gradient_set(model: str) -> list[dict]:
 
 def model_names() -> list[str]:
     from . import model_grads, model_grads_224
-    return sorted(m for p in (model_grads.FILE, model_grads_224.FILE) for m in json.loads(Path(p).read_text())["models"])
+    return sorted(m for p in (model_grads.FILE, model_grads_224.FILE)
+                  for m in json.loads(Path(p).read_text())["models"])
 
 
 def synthetic_set(sizes) -> list[dict]:

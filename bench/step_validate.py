@@ -201,8 +201,9 @@ def _n(x: float) -> str:
 
 
 def prediction_table(preds: list[dict]) -> str:
-    lines = ["| provider | case | writes per step | MB | predicted ms | latency / bandwidth / per-tensor / reduction ms "
-             "| naive ms |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| provider | case | writes per step | MB | predicted ms "
+             "| latency / bandwidth / per-tensor / reduction ms | naive ms |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for p in preds:
         t = p["terms_ms"]
         lines.append(f"| {p['provider']} | {p['case']} | {p['writes_per_step']} | {p['bytes'] / 1e6:.2f} | "

@@ -130,7 +130,8 @@ def test_overlap_hides_communication_until_it_cannot():
 
 def _points(alpha, beta, c, duplex=None):
     spec = [("lat", 8, 1), ("lat", 65536, 1), ("bw", 4096, 1), ("bw", 1 << 23, 1), ("step", 256 * 64, 256),
-            ("step", 32 << 14, 32), ("step", 4 << 22, 4)] + ([("duplex", 1 << 16, 1), ("duplex", 1 << 23, 1)] if duplex else [])
+            ("step", 32 << 14, 32), ("step", 4 << 22, 4)]
+    spec += [("duplex", 1 << 16, 1), ("duplex", 1 << 23, 1)] if duplex else []
     points = [{"kind": k, "bytes": s, "tensors": n} for k, s, n in spec]
     for p in points:
         p["seconds"] = float(np.dot(step_fit.design_row(p["kind"], p["bytes"], p["tensors"]),
@@ -205,7 +206,8 @@ BW = (" #bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]   MsgRat
       " 65536      3000             2985.46              2980.00  \t\t   0.047680\n")
 LAT = (" #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    t_stdev[usec]   "
        "99% percentile[usec]   99.9% percentile[usec] \n"
-       " 8       1000          1.52           5.41         1.60     	       1.58        	0.10   		1.91    		5.41\n")
+       " 8       1000          1.52           5.41         1.60     	       1.58        	0.10   		1.91"
+       "    		5.41\n")
 
 
 def test_perftest_output_into_the_link():
