@@ -289,7 +289,8 @@ def connect(rank: int, peers: Mapping[int, str] | Sequence[str], plan: Plan, pro
     waits. Every `heartbeat` seconds each peer is pinged; one that misses two
     pings, or `peer_timeout` seconds of them, is reported as PeerLost to
     every call that involves it (peer_timeout: RDMATENSOR_PEER_TIMEOUT, else
-    10 s; a ping waits a fifth of it, at least 2 s, for its answer). `abort`, if given, is called a few times a
+    10 s; a ping waits a fifth of it, at least 2 s, for its answer, and a
+    longer timeout needs one missed ping per 5 s of it). `abort`, if given, is called a few times a
     second while setup waits for peers; what it raises ends the setup (a job
     that learns from elsewhere that a peer is gone need not wait `timeout`)."""
     return Session(rank, peers, plan, provider=provider, token=token, tls=tls, timeout=timeout,

@@ -1,8 +1,8 @@
 """Liveness: where a peer is declared lost, and the errors that stick.
 
 A peer is lost when its channel breaks (tcp, shm: at once), when it stops
-answering heartbeats (verbs, grpc: two missed pings, or `peer_timeout`
-seconds of silence), or after its goodbye once everything it sent is in.
+answering heartbeats (verbs, grpc: two missed pings in a row, one per 5 s of
+a peer timeout over 10 s, or `peer_timeout` seconds of silence), or after its goodbye once everything it sent is in.
 A heartbeat pings only a peer from which nothing arrived since the last one
 (verbs counts arrivals): while tensors flow, no RPC runs beside them.
 Errors stick: a peer's error fails every later call involving that peer, a
@@ -43,6 +43,13 @@ def peer_timeout_from_env() -> float:
     if not value >= 1.0:
         raise UsageError(f"RDMATENSOR_PEER_TIMEOUT={text!r}: give seconds, 1 or more")
     return value
+
+
+def misses_to_lose(peer_timeout: float) -> int:
+    """Pings missed in a row that lose a peer before its peer timeout: 2 at the
+    default 10 s, one per 5 s of a longer one (a starved host's gRPC may refuse
+    or time out a connection within a second, so a count of 2 would ignore it)."""
+    return max(2, round(peer_timeout / 5))
 
 
 def ping_timeout(heartbeat: float, peer_timeout: float) -> float:
@@ -176,7 +183,8 @@ class Liveness:
                     except RdmaTensorError as exc:
                         failures[peer] += 1
                         silent = time.monotonic() - last_ok[peer]
-                        if (failures[peer] >= 2 or silent >= self.peer_timeout) and not self._stop.is_set():
+                        if ((failures[peer] >= misses_to_lose(self.peer_timeout) or silent >= self.peer_timeout)
+                                and not self._stop.is_set()):
                             ctx.channels[peer].lost(PeerLost(
                                 f"rank {peer} stopped answering ({silent:.1f} s): {exc}", peer=peer))
         finally:
