@@ -79,14 +79,10 @@ def parse_sizes(text: str) -> list[int]:
 
 
 def parse_step(text: str) -> tuple:
-    out = []
-    for part in text.split(","):
-        count, _, size = part.partition("x")
-        try:
-            out += [parse_size(size)] * int(count)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"bad step tensors {part!r}: use COUNTxSIZE, e.g. 8x4K") from None
-    return tuple(out)
+    try:
+        return tuple(step_model.parse_tensors(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"bad step tensors: {exc}") from None
 
 
 def parse_endpoints(text: str) -> list[str]:
