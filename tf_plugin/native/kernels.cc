@@ -1,0 +1,324 @@
+// TensorFlow ops over the shared-memory all-reduce (shm_allreduce.c), kept thin:
+// the executor is plain C; this file only moves tensors and TensorFlow's `done`
+// callback to it and back.
+//
+//   RdtShmAllreduceLaunch(tensor) -> handle   allocates the output, queues the
+//       all-reduce on the group's executor thread, returns at once;
+//   RdtShmAllreduceDone(handle, tensor) -> reduced   waits asynchronously (its
+//       `done` is kept on the heap and called from the executor's completion),
+//       holding no inter-op thread; `tensor` is the launch's input, for the
+//       shape and the gradient (ops.py registers it).
+//
+// Both are stateful: never folded, and chained in program order inside a
+// tf.function, so the Python side emits every launch before any completion.
+// A group is named by the `group` attribute and looked up at run time in this
+// library's registry (ops.py adds and removes groups through the extern "C"
+// functions below): a graph traced over a group that is gone fails with
+// FailedPrecondition. A completion registers with the step's
+// CancellationManager: a cancelled step cancels the request, which aborts the
+// group (a collective left half done puts the ranks out of step).
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include "shm_allreduce.h"
+#include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+#ifndef RDT_TF_VERSION
+#error "build with -DRDT_TF_VERSION=\"<tf.__version__>\" (tf_plugin/native/build.py does)"
+#endif
+
+using namespace tensorflow;  // NOLINT
+
+REGISTER_OP("RdtShmAllreduceLaunch")
+    .Input("tensor: T")
+    .Output("handle: int64")
+    .Attr("T: {float, double, int32, int64}")
+    .Attr("group: string")
+    .Attr("bucket: int")
+    .Attr("reduce_op: {'sum', 'average', 'min', 'max', 'product'} = 'sum'")
+    .Attr("scale: float = 1.0")
+    .Attr("label: string = ''")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::ScalarShape);
+
+REGISTER_OP("RdtShmAllreduceDone")
+    .Input("handle: int64")
+    .Input("tensor: T")
+    .Output("reduced: T")
+    .Attr("T: {float, double, int32, int64}")
+    .Attr("group: string")
+    .Attr("bucket: int")
+    .Attr("reduce_op: {'sum', 'average', 'min', 'max', 'product'} = 'sum'")
+    .Attr("scale: float = 1.0")
+    .Attr("label: string = ''")
+    .SetIsStateful()
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      c->set_output(0, c->input(1));
+      return absl::OkStatus();
+    });
+
+namespace {
+
+// ---------------------------------------------------------------- groups
+struct GroupRef {
+  rdt_shm_group* g;
+  explicit GroupRef(rdt_shm_group* group) : g(group) { rdt_shm_group_retain(g); }
+  ~GroupRef() { rdt_shm_group_release(g); }
+};
+
+std::mutex groups_mu;
+std::unordered_map<std::string, std::shared_ptr<GroupRef>> groups;
+
+std::shared_ptr<GroupRef> FindGroup(const std::string& name) {
+  std::lock_guard<std::mutex> l(groups_mu);
+  auto it = groups.find(name);
+  return it == groups.end() ? nullptr : it->second;
+}
+
+// ---------------------------------------------------------------- requests
+struct Pending {
+  std::mutex mu;
+  bool finished = false;
+  int status = RDT_SHM_OK;
+  std::string message;
+  Tensor input, output;                 // input: kept alive while the executor reads it
+  std::function<void()> waiter;         // the completion's, once it waits
+  std::weak_ptr<GroupRef> group;
+  uint64_t request = 0;
+};
+
+std::mutex pending_mu;
+std::unordered_map<int64_t, std::shared_ptr<Pending>> pendings;
+std::atomic<int64_t> next_handle{1};
+
+std::shared_ptr<Pending> Take(int64_t handle) {
+  std::lock_guard<std::mutex> l(pending_mu);
+  auto it = pendings.find(handle);
+  if (it == pendings.end()) return nullptr;
+  auto p = std::move(it->second);
+  pendings.erase(it);
+  return p;
+}
+
+struct Ticket {
+  std::shared_ptr<Pending> p;
+};
+
+void OnDone(void* arg, int status, const char* message) {  // the executor thread
+  std::unique_ptr<Ticket> t(static_cast<Ticket*>(arg));
+  std::function<void()> waiter;
+  {
+    std::lock_guard<std::mutex> l(t->p->mu);
+    t->p->finished = true;
+    t->p->status = status;
+    t->p->message = message ? message : "";
+    waiter = std::move(t->p->waiter);
+    t->p->waiter = nullptr;
+  }
+  if (waiter) waiter();
+}
+
+absl::Status StatusOf(int status, const std::string& message) {
+  switch (status) {
+    case RDT_SHM_OK: return absl::OkStatus();
+    case RDT_SHM_INVALID: return errors::InvalidArgument(message);
+    case RDT_SHM_TIMEOUT: return errors::DeadlineExceeded(message);
+    case RDT_SHM_ABORTED: return errors::Aborted(message);
+    case RDT_SHM_PEER_ABORTED: return errors::Unavailable(message);
+    case RDT_SHM_CANCELLED: return errors::Cancelled(message);
+    case RDT_SHM_MISMATCH: return errors::FailedPrecondition(message);
+    case RDT_SHM_CLOSED: return errors::Aborted(message);
+    default: return errors::Internal(message);
+  }
+}
+
+int DtypeCode(DataType t) {
+  switch (t) {
+    case DT_FLOAT: return RDT_SHM_FLOAT32;
+    case DT_DOUBLE: return RDT_SHM_FLOAT64;
+    case DT_INT32: return RDT_SHM_INT32;
+    case DT_INT64: return RDT_SHM_INT64;
+    default: return 0;
+  }
+}
+
+int OpCode(const std::string& op) {
+  if (op == "sum") return RDT_SHM_SUM;
+  if (op == "average") return RDT_SHM_AVERAGE;
+  if (op == "min") return RDT_SHM_MIN;
+  if (op == "max") return RDT_SHM_MAX;
+  if (op == "product") return RDT_SHM_PRODUCT;
+  return 0;
+}
+
+struct Attrs {
+  std::string group, op, label;
+  int64_t bucket = 0;
+  float scale = 1.0f;
+
+  explicit Attrs(OpKernelConstruction* c) {
+    OP_REQUIRES_OK(c, c->GetAttr("group", &group));
+    OP_REQUIRES_OK(c, c->GetAttr("bucket", &bucket));
+    OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &op));
+    OP_REQUIRES_OK(c, c->GetAttr("scale", &scale));
+    OP_REQUIRES_OK(c, c->GetAttr("label", &label));
+    if (label.empty()) label = c->def().name();
+    OP_REQUIRES(c, bucket >= 0 && bucket <= UINT32_MAX,
+                errors::InvalidArgument("all-reduce of ", label, ": bucket ", bucket, " is out of range"));
+  }
+};
+
+// ---------------------------------------------------------------- the ops
+class LaunchOp : public OpKernel {
+ public:
+  explicit LaunchOp(OpKernelConstruction* c) : OpKernel(c), a_(c) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    std::shared_ptr<GroupRef> group = FindGroup(a_.group);
+    OP_REQUIRES(ctx, group != nullptr,
+                errors::FailedPrecondition("rdmatensor: the shm all-reduce group '", a_.group,
+                                           "' is not open in this process (closed, or never made); all-reduce of ",
+                                           a_.label, " cannot run"));
+    const Tensor& in = ctx->input(0);
+    int dtype = DtypeCode(in.dtype());
+    OP_REQUIRES(ctx, dtype != 0,
+                errors::InvalidArgument("all-reduce of ", a_.label, ": dtype ", DataTypeString(in.dtype()),
+                                        " is not supported"));
+    auto p = std::make_shared<Pending>();
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(in.dtype(), in.shape(), &p->output));
+    p->input = in;
+    p->group = group;
+    const int64_t handle = next_handle.fetch_add(1);
+    {
+      std::lock_guard<std::mutex> l(pending_mu);
+      pendings[handle] = p;
+    }
+    char err[RDT_SHM_MESSAGE] = {0};
+    auto* ticket = new Ticket{p};
+    const void* src = in.tensor_data().data();
+    void* dst = const_cast<char*>(p->output.tensor_data().data());
+    uint64_t request = rdt_shm_group_submit(group->g, static_cast<uint32_t>(a_.bucket), src, dst,
+                                            static_cast<uint64_t>(in.NumElements()), dtype, OpCode(a_.op),
+                                            static_cast<double>(a_.scale), a_.label.c_str(), OnDone, ticket, err,
+                                            sizeof err);
+    if (request == 0) {
+      delete ticket;
+      Take(handle);
+      ctx->SetStatus(errors::InvalidArgument(err));
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> l(p->mu);
+      p->request = request;
+    }
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<int64_t>()() = handle;
+  }
+
+ private:
+  Attrs a_;
+};
+
+class DoneOp : public AsyncOpKernel {
+ public:
+  explicit DoneOp(OpKernelConstruction* c) : AsyncOpKernel(c), a_(c) {}
+
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    const Tensor& h = ctx->input(0);
+    OP_REQUIRES_ASYNC(ctx, TensorShapeUtils::IsScalar(h.shape()),
+                      errors::InvalidArgument("all-reduce of ", a_.label, ": the handle must be a scalar"), done);
+    const int64_t handle = h.scalar<int64_t>()();
+    std::shared_ptr<Pending> p = Take(handle);
+    OP_REQUIRES_ASYNC(ctx, p != nullptr,
+                      errors::InvalidArgument("all-reduce of ", a_.label, ": handle ", handle,
+                                              " is unknown (completed already, or never launched)"),
+                      done);
+    CancellationManager* cm = ctx->cancellation_manager();
+    CancellationToken token = CancellationManager::kInvalidToken;
+    uint64_t request;
+    {
+      std::lock_guard<std::mutex> l(p->mu);
+      request = p->request;
+    }
+    const std::string why = "the step was cancelled (another op failed) while all-reducing " + a_.label;
+    if (cm != nullptr) {
+      token = cm->get_cancellation_token();
+      std::weak_ptr<GroupRef> weak = p->group;
+      bool registered = cm->RegisterCallback(token, [weak, request, why] {
+        if (auto g = weak.lock()) rdt_shm_group_cancel(g->g, request, why.c_str());
+      });
+      if (!registered) {  // cancelled already
+        token = CancellationManager::kInvalidToken;
+        if (auto g = p->group.lock()) rdt_shm_group_cancel(g->g, request, why.c_str());
+      }
+    }
+    std::function<void()> finish = [ctx, p, cm, token, done = std::move(done)]() {
+      if (cm != nullptr && token != CancellationManager::kInvalidToken) cm->TryDeregisterCallback(token);
+      if (p->status == RDT_SHM_OK) {
+        ctx->set_output(0, p->output);
+      } else {
+        ctx->SetStatus(StatusOf(p->status, p->message));
+      }
+      p->input = Tensor();
+      done();
+    };
+    std::unique_lock<std::mutex> l(p->mu);
+    if (p->finished) {
+      l.unlock();
+      finish();
+      return;
+    }
+    p->waiter = std::move(finish);
+  }
+
+ private:
+  Attrs a_;
+};
+
+}  // namespace
+
+REGISTER_KERNEL_BUILDER(Name("RdtShmAllreduceLaunch").Device(DEVICE_CPU), LaunchOp);
+REGISTER_KERNEL_BUILDER(Name("RdtShmAllreduceDone").Device(DEVICE_CPU), DoneOp);
+
+// ---------------------------------------------------------------- for ops.py (ctypes)
+extern "C" {
+
+// The TensorFlow version this library was built against.
+const char* rdt_tf_version() { return RDT_TF_VERSION; }
+
+// Registers `g` under `name` (the registry holds a reference of its own): 0, or
+// -1 when the name is taken.
+int rdt_tf_group_add(const char* name, rdt_shm_group* g) {
+  auto ref = std::make_shared<GroupRef>(g);
+  std::lock_guard<std::mutex> l(groups_mu);
+  return groups.emplace(name, std::move(ref)).second ? 0 : -1;
+}
+
+// Forgets `name`: ops naming it fail from now on. 0, or -1 when unknown.
+int rdt_tf_group_remove(const char* name) {
+  std::shared_ptr<GroupRef> gone;
+  {
+    std::lock_guard<std::mutex> l(groups_mu);
+    auto it = groups.find(name);
+    if (it == groups.end()) return -1;
+    gone = std::move(it->second);
+    groups.erase(it);
+  }
+  return 0;  // `gone` released here, outside the lock
+}
+
+// Launched all-reduces whose completion has not run yet.
+long rdt_tf_pending() {
+  std::lock_guard<std::mutex> l(pending_mu);
+  return static_cast<long>(pendings.size());
+}
+}

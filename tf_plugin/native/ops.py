@@ -1,0 +1,253 @@
+"""The shared-memory all-reduce as TensorFlow ops, eagerly and inside tf.function.
+
+    g = ops.group(fds, rank, ranks, bucket_bytes)      # fds: every rank's segment (segment.py)
+    y = ops.allreduce(x, g, bucket=0, op="average")
+    ys = ops.allreduce_many(xs, g, buckets)             # every launch, then every completion
+
+With the op library (build.py builds it on first use; RDMATENSOR_TF_OPS=native,
+the default when it builds) a group is registered in the library under its name
+and an all-reduce is two stateful ops: RdtShmAllreduceLaunch (queues it on the
+group's executor thread, returns a handle at once) and RdtShmAllreduceDone
+(waits asynchronously, holding no inter-op thread). Inside a tf.function
+stateful ops run in program order, so allreduce_many emits every launch before
+any completion: the executor works through the queue while the completions
+wait. Errors are TensorFlow's types: DeadlineExceeded (a peer did not arrive in
+time; the message names it), Aborted (the group was aborted, or broken by an
+earlier failure), Unavailable (a peer aborted), Cancelled (the step was
+cancelled), FailedPrecondition (ranks that disagree, or a group no longer open
+under a traced graph), InvalidArgument (a bad bucket or tensor, named).
+
+With RDMATENSOR_TF_OPS=python, or without a compiler, a group is the Python twin
+(shm_twin.py) and an all-reduce is one stateful tf.numpy_function calling it
+(eagerly, a direct call raising the same TensorFlow types; in a graph,
+TensorFlow turns its errors into UnknownError, the message kept).
+
+Both paths are differentiable as Horovod's all-reduce is: the gradient is the
+same all-reduce (same group, bucket, op and scale) of the upstream gradient.
+The scale is rounded to float32 first, as Horovod's op attributes hold it.
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+import threading
+from typing import NamedTuple
+
+import numpy as np
+import tensorflow as tf
+
+from rdmatensor.session.liveness import peer_timeout_from_env
+
+from ..core import scaling
+from . import build, contract, shm_c, shm_twin
+
+_TF_ERRORS = {contract.INVALID: tf.errors.InvalidArgumentError, contract.TIMEOUT: tf.errors.DeadlineExceededError,
+              contract.ABORTED: tf.errors.AbortedError, contract.PEER_ABORTED: tf.errors.UnavailableError,
+              contract.CANCELLED: tf.errors.CancelledError, contract.MISMATCH: tf.errors.FailedPreconditionError,
+              contract.CLOSED: tf.errors.AbortedError}
+
+
+class NativeLibrary:
+    """The loaded op library: its ops (`module`) and its C functions (`cdll`)."""
+
+    def __init__(self, built: build.Built):
+        if built.tensorflow != tf.__version__:
+            raise build.BuildError(f"{built.path} was built for TensorFlow {built.tensorflow}, this is "
+                                   f"{tf.__version__}")
+        self.path = built.path
+        cdll = ctypes.CDLL(str(built.path))       # the same handle tf.load_op_library gets
+        cdll.rdt_tf_version.restype = ctypes.c_char_p
+        recorded = cdll.rdt_tf_version().decode()
+        if recorded != tf.__version__:
+            raise build.BuildError(f"{built.path} records TensorFlow {recorded}, this is {tf.__version__}")
+        self.module = tf.load_op_library(str(built.path))
+        self.cdll = shm_c.bind(cdll)
+        cdll.rdt_tf_group_add.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+        cdll.rdt_tf_group_add.restype = ctypes.c_int
+        cdll.rdt_tf_group_remove.argtypes = [ctypes.c_char_p]
+        cdll.rdt_tf_group_remove.restype = ctypes.c_int
+        cdll.rdt_tf_pending.restype = ctypes.c_long
+
+    def pending(self) -> int:
+        """Launched all-reduces whose completion has not run yet."""
+        return self.cdll.rdt_tf_pending()
+
+
+_loading = threading.Lock()
+_library: list = []
+
+
+def native_library() -> NativeLibrary | None:
+    """The op library when RDMATENSOR_TF_OPS chooses it and it builds (once per
+    process), else None (the Python twin). RDMATENSOR_TF_OPS=native explicitly
+    and no library: an error."""
+    if build.choice() == "python":
+        return None
+    with _loading:
+        if not _library:
+            built = build.library("ops")
+            _library.append(NativeLibrary(built) if built is not None else None)
+        lib = _library[0]
+    if lib is None and os.environ.get(build.ENV, "").strip().lower() == "native":
+        raise build.BuildError(f"{build.ENV}=native, but the op library is not built (see the line above)")
+    return lib
+
+
+# ------------------------------------------------------------------ groups
+_names = itertools.count(1)
+_twins: dict = {}          # name -> PythonGroup, found at run time by the numpy_function
+
+
+class NativeGroup(shm_c.CGroup):
+    """A group run by the C executor and registered for the ops under `name`."""
+    kind = "native"
+
+    def __init__(self, lib: NativeLibrary, name: str, fds, rank, ranks, bucket_bytes, timeout):
+        super().__init__(lib.cdll, fds, rank, ranks, bucket_bytes, timeout)
+        self.native, self.name = lib, name
+        if lib.cdll.rdt_tf_group_add(name.encode(), self.handle) != 0:
+            super().close()
+            raise contract.ShmInvalid(f"a group named {name!r} is open already")
+
+    def close(self) -> None:
+        self.native.cdll.rdt_tf_group_remove(self.name.encode())
+        super().close()
+
+
+class PythonGroup(shm_twin.TwinGroup):
+    """A group run by the Python twin, found by its `name` when its numpy_function runs."""
+    kind = "python"
+
+    def __init__(self, name: str, fds, rank, ranks, bucket_bytes, timeout):
+        if name in _twins:
+            raise contract.ShmInvalid(f"a group named {name!r} is open already")
+        super().__init__(fds, rank, ranks, bucket_bytes, timeout)
+        self.name = name
+        _twins[name] = self
+
+    def close(self) -> None:
+        if _twins.get(self.name) is self:
+            del _twins[self.name]
+        super().close()
+
+
+def group(fds, rank: int, ranks: int, bucket_bytes, timeout: float | None = None, name: str | None = None,
+          kind: str | None = None) -> NativeGroup | PythonGroup:
+    """This rank's group over every rank's segment (fds in rank order; they may be
+    closed once this returns). `timeout`: seconds a wait may last (default
+    RDMATENSOR_PEER_TIMEOUT, else 10). `kind`: 'native' or 'python' (default: as
+    RDMATENSOR_TF_OPS chooses)."""
+    timeout = peer_timeout_from_env() if timeout is None else float(timeout)
+    name = name or f"shm-{os.getpid()}-{next(_names)}"
+    if kind not in (None, "native", "python"):
+        raise ValueError(f"kind {kind!r}: 'native' or 'python'")
+    lib = None if kind == "python" else native_library()
+    if kind == "native" and lib is None:
+        raise build.BuildError("the op library is not built (see the line above)")
+    if lib is not None:
+        return NativeGroup(lib, name, fds, rank, ranks, bucket_bytes, timeout)
+    return PythonGroup(name, fds, rank, ranks, bucket_bytes, timeout)
+
+
+# ------------------------------------------------------------------ the ops
+class Launched(NamedTuple):
+    """A launched all-reduce: complete() gives its result."""
+    handle: tf.Tensor | None       # None on the Python twin (its all-reduce runs at completion)
+    tensor: tf.Tensor
+    group: str
+    native: NativeLibrary | None
+    bucket: int
+    op: str
+    scale: float
+    label: str
+
+
+def _attrs(launched: Launched) -> dict:
+    return dict(group=launched.group, bucket=launched.bucket, reduce_op=launched.op, scale=launched.scale,
+                label=launched.label)
+
+
+def launch(tensor, group, bucket: int, op: str = "sum", scale: float = 1.0, label: str | None = None) -> Launched:
+    """Queue the all-reduce of `tensor` on `group`'s bucket `bucket` (see allreduce)."""
+    tensor = tf.convert_to_tensor(tensor)
+    if op not in contract.OPS:
+        raise ValueError(f"op {op!r}: one of {', '.join(contract.OPS)}")
+    native = group.native if isinstance(group, NativeGroup) else None
+    launched = Launched(None, tensor, group.name, native, int(bucket), op, scaling.factor(scale), label or "")
+    if native is not None:
+        handle = native.module.rdt_shm_allreduce_launch(tensor, **_attrs(launched))
+        launched = launched._replace(handle=handle)
+    return launched
+
+
+def complete(launched: Launched) -> tf.Tensor:
+    """The result of a launched all-reduce (waits for it)."""
+    if launched.native is not None:
+        return launched.native.module.rdt_shm_allreduce_done(launched.handle, launched.tensor, **_attrs(launched))
+    return _twin_allreduce(launched)
+
+
+def allreduce(tensor, group, bucket: int, op: str = "sum", scale: float = 1.0, label: str | None = None
+              ) -> tf.Tensor:
+    """`tensor` combined over the group's ranks by `op` (sum, average, min, max,
+    product), times `scale` (an average: times scale / ranks), through bucket
+    `bucket`, which must hold its bytes. Every rank calls the same all-reduces in
+    the same order."""
+    return complete(launch(tensor, group, bucket, op, scale, label))
+
+
+def allreduce_many(tensors, group, buckets, op: str = "sum", scale: float = 1.0, labels=None) -> list:
+    """Several all-reduces: every launch first, then every completion (they overlap)."""
+    tensors = list(tensors)
+    labels = list(labels) if labels is not None else [None] * len(tensors)
+    launched = [launch(t, group, b, op, scale, lab) for t, b, lab in zip(tensors, buckets, labels, strict=True)]
+    return [complete(x) for x in launched]
+
+
+# ------------------------------------------------------------------ the Python twin
+def _twin_call(name: str, bucket: int, op: str, scale: float, label: str, array: np.ndarray) -> np.ndarray:
+    twin = _twins.get(name)
+    if twin is None:
+        raise contract.ShmClosed(f"rdmatensor: the shm all-reduce group {name!r} is not open in this process "
+                                 f"(closed, or never made); all-reduce of {label or 'a tensor'} cannot run")
+    return twin.allreduce(bucket, array, op, scale, label or None)
+
+
+def _twin_allreduce(launched: Launched) -> tf.Tensor:
+    x = launched.tensor
+    args = (launched.group, launched.bucket, launched.op, launched.scale, launched.label)
+
+    @tf.custom_gradient
+    def reduced(t):
+        if tf.executing_eagerly():
+            try:
+                out = tf.convert_to_tensor(_twin_call(*args, t.numpy()))
+            except contract.ShmError as exc:
+                cls = tf.errors.FailedPreconditionError if isinstance(exc, contract.ShmClosed) \
+                    and launched.group not in _twins else _TF_ERRORS.get(exc.status, tf.errors.UnknownError)
+                raise cls(None, None, str(exc)) from exc
+        else:
+            out = tf.numpy_function(lambda a: _twin_call(*args, a), [t], t.dtype, stateful=True,
+                                    name="rdmatensor_shm_allreduce")
+            out.set_shape(t.shape)
+
+        def grad(upstream):
+            return _twin_allreduce(launched._replace(tensor=tf.convert_to_tensor(upstream),
+                                                     label=f"{launched.label or 'tensor'}/grad"))
+        return out, grad
+
+    return reduced(x)
+
+
+@tf.RegisterGradient("RdtShmAllreduceDone")
+def _done_gradient(op, grad):
+    """Horovod's gradient of an all-reduce: the same all-reduce of the upstream gradient."""
+    attrs = {k: op.get_attr(k) for k in ("group", "bucket", "reduce_op", "scale", "label")}
+    attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
+    attrs["label"] = f"{attrs['label'] or op.name}/grad"
+    lib = native_library()
+    if lib is None:
+        raise build.BuildError("the gradient of a native all-reduce needs the op library")
+    handle = lib.module.rdt_shm_allreduce_launch(grad, **attrs)
+    return [None, lib.module.rdt_shm_allreduce_done(handle, grad, **attrs)]

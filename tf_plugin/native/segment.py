@@ -1,0 +1,154 @@
+"""A rank's shared-memory segment for the all-reduce on one host, and handing
+segments' descriptors between local processes.
+
+The layout is shm_allreduce.h's (the C executor computes the same from the
+same bucket sizes and checks every header against it):
+
+    0      header: magic u64, version u32, rank u32, ranks u32, buckets u32,
+           total bytes u64, layout checksum u64 (FNV-1a of the buckets' sizes)
+    64     state u32 (0 live, else the status its rank aborted with)
+    128    sleeping u32 (1 while its executor sleeps in a futex wait)
+    192 + 128 b        bucket b: in_seq u64, count u64, dtype u32, op u32, scale f64
+    192 + 128 b + 64   bucket b: out_seq u64
+    data: per bucket an `in` then an `out` region, each 64-byte aligned
+
+A segment is a memfd sealed against shrinking and growing: a peer maps it
+read-only and can count on its size. It serves one group: its sequence
+numbers start at 0.
+
+How the descriptors travel: here between local processes over a Unix socket
+(socket.send_fds), for tests and tools; the product is to hand them over its
+authenticated session. No TensorFlow here.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import struct
+
+MAGIC = 0x31524448534D4452          # "RDMSHDR1"
+VERSION = 1
+LINE = 64
+OFF_STATE, OFF_SLEEPING, OFF_BUCKETS, BUCKET_STRIDE = 64, 128, 192, 128
+HEADER = struct.Struct("<QIIIIQQ")  # magic, version, rank, ranks, buckets, total, checksum
+
+
+def align64(n: int) -> int:
+    return (n + 63) & ~63
+
+
+def checksum(bucket_bytes) -> int:
+    """FNV-1a over the buckets' sizes, 8 bytes each, little-endian."""
+    h = 1469598103934665603
+    for size in bucket_bytes:
+        for byte in int(size).to_bytes(8, "little"):
+            h = ((h ^ byte) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+class Layout:
+    """Where everything of a segment is, for these bucket sizes (bytes)."""
+
+    def __init__(self, bucket_bytes):
+        self.bucket_bytes = tuple(int(b) for b in bucket_bytes)
+        if any(b < 0 for b in self.bucket_bytes):
+            raise ValueError(f"bucket sizes must be 0 or more bytes: {self.bucket_bytes}")
+        off = align64(OFF_BUCKETS + BUCKET_STRIDE * len(self.bucket_bytes))
+        self.in_off = []
+        for size in self.bucket_bytes:
+            self.in_off.append(off)
+            off += 2 * align64(size)
+        self.total = off
+        self.checksum = checksum(self.bucket_bytes)
+
+    def in_seq(self, b: int) -> int:
+        return OFF_BUCKETS + BUCKET_STRIDE * b
+
+    def out_seq(self, b: int) -> int:
+        return OFF_BUCKETS + BUCKET_STRIDE * b + LINE
+
+    def out_off(self, b: int) -> int:
+        return self.in_off[b] + align64(self.bucket_bytes[b])
+
+
+def create_segment(rank: int, ranks: int, bucket_bytes) -> int:
+    """A new segment for `rank` of `ranks` (its header written, sealed): its fd,
+    which the caller owns (close it once every group over it is made)."""
+    layout = Layout(bucket_bytes)
+    if not 0 <= rank < ranks:
+        raise ValueError(f"rank {rank} of {ranks}")
+    fd = os.memfd_create(f"rdmatensor-shm-allreduce-{rank}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, layout.total)
+        header = HEADER.pack(MAGIC, VERSION, rank, ranks, len(layout.bucket_bytes), layout.total, layout.checksum)
+        os.pwrite(fd, header, 0)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_segment(fd: int, rank: int, ranks: int, layout: Layout) -> None:
+    """Raise ValueError unless `fd` is rank `rank`'s segment for this layout (as the C side checks)."""
+    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    if os.fstat(fd).st_size < layout.total or not seals & fcntl.F_SEAL_SHRINK:
+        raise ValueError(f"rank {rank}'s segment (fd {fd}) is not a memfd of at least {layout.total} bytes "
+                         "sealed against shrinking")
+    magic, version, r, n, buckets, total, sums = HEADER.unpack(os.pread(fd, HEADER.size, 0))
+    if magic != MAGIC or version != VERSION:
+        raise ValueError(f"rank {rank}'s segment is not an rdmatensor shm all-reduce segment of version {VERSION}")
+    if r != rank or n != ranks:
+        raise ValueError(f"the segment given as rank {rank}'s belongs to rank {r} of {n} (this group: {ranks} ranks)")
+    if buckets != len(layout.bucket_bytes) or total != layout.total or sums != layout.checksum:
+        raise ValueError(f"rank {rank}'s segment is laid out for {buckets} buckets in {total} bytes, this rank's "
+                         f"layout {len(layout.bucket_bytes)} buckets in {layout.total} bytes (or the bucket sizes "
+                         "differ): every rank must give the same buckets")
+
+
+# ------------------------------------------------- descriptors between processes
+def send_fd(sock: socket.socket, rank: int, fd: int) -> None:
+    """Send rank `rank`'s segment descriptor over a Unix socket."""
+    socket.send_fds(sock, [struct.pack("<i", rank)], [fd])
+
+
+def recv_fd(sock: socket.socket) -> tuple[int, int]:
+    """(rank, fd) sent by send_fd; the fd is new in this process (the caller closes it)."""
+    data, fds, _flags, _addr = socket.recv_fds(sock, 4, 1)
+    if len(data) != 4 or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise ConnectionError("expected one rank and one segment descriptor")
+    return struct.unpack("<i", data)[0], fds[0]
+
+
+def relay(socks: list[socket.socket]) -> None:
+    """One rank's segment in from each of `socks` (one socket per rank, any
+    order), then every segment out to every socket, in rank order: what a local
+    launcher does so that each rank gets all the fds (exchange() is the rank's side)."""
+    got = {}
+    try:
+        for sock in socks:
+            rank, fd = recv_fd(sock)
+            if rank in got or not 0 <= rank < len(socks):
+                os.close(fd)
+                raise ValueError(f"a second or impossible rank {rank}")
+            got[rank] = fd
+        for sock in socks:
+            for rank in range(len(socks)):
+                send_fd(sock, rank, got[rank])
+    finally:
+        for fd in got.values():
+            os.close(fd)
+
+
+def exchange(sock: socket.socket, rank: int, ranks: int, fd: int) -> list[int]:
+    """Send my segment to the relay, receive every rank's: fds in rank order
+    (my own a new descriptor too; the caller closes them all once the group is made)."""
+    send_fd(sock, rank, fd)
+    fds = {}
+    for _ in range(ranks):
+        r, got = recv_fd(sock)
+        fds[r] = got
+    return [fds[r] for r in range(ranks)]

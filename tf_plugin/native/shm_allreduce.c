@@ -1,0 +1,767 @@
+/* The all-reduce of ranks on one host over shared memory: the compiled executor.
+ * The protocol and the segment layout are in shm_allreduce.h; the Python twin
+ * (shm_twin.py) implements the same, byte for byte.
+ *
+ * Why a region is safe to reuse at call k + 1 of a bucket, with no extra wait:
+ * - my `in` region: peers read it in step 2 of call k, and each publishes its
+ *   out_seq = k only after that read. I leave call k only after seeing every
+ *   peer's out_seq >= k (step 3), so when I overwrite `in` at call k + 1 no peer
+ *   still reads it for call k. No peer reads it for call k + 1 before I publish
+ *   in_seq = k + 1, which I do after the copy.
+ * - my `out` region: peers read slice r of it in step 3 of call k. I write it
+ *   again in step 2 of call k + 1, after seeing every peer's in_seq >= k + 1;
+ *   a peer publishes that in step 1 of call k + 1, after it left call k (its
+ *   step 3 included). So every peer's reads of call k come first.
+ * - my descriptor (count, dtype, op, scale beside in_seq): written at call
+ *   k + 1 under the same argument as `in`; a peer reads it in step 2 of call k,
+ *   before its out_seq = k.
+ * The order is carried by release stores of the sequence numbers and acquire
+ * loads of them: every write of call k (data, descriptor) is visible to whoever
+ * sees the sequence number k.
+ *
+ * Waits spin for SPIN_SECONDS, then sleep in futex waits on the peer's sequence
+ * word (its low 32 bits), in slices of at most SLICE_SECONDS, checking between
+ * slices this group's abort, the peer's state word and the timeout. A sleeper
+ * sets its segment's `sleeping` word first; a publisher, after its store, reads
+ * its peers' `sleeping` words and wakes the word it published if one is set
+ * (both sides separated by a sequentially consistent fence, so a sleeper either
+ * sees the new value or is woken). The Python twin never sleeps in a futex
+ * (it polls), and wakes after every publication.
+ */
+#define _GNU_SOURCE
+#include "shm_allreduce.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define LINE 64u
+#define OFF_STATE 64u
+#define OFF_SLEEPING 128u
+#define OFF_BUCKETS 192u
+#define BUCKET_STRIDE 128u
+#define SPIN_SECONDS 50e-6
+#define IDLE_SPIN_SECONDS 50e-6
+#define SLICE_SECONDS 0.05
+
+typedef struct request {
+  struct request *next;
+  uint64_t id;
+  uint32_t bucket;
+  const void *in;
+  void *out;
+  uint64_t count;
+  int dtype, op;
+  double scale;
+  char label[96];
+  rdt_shm_done_fn done;
+  void *arg;
+} request;
+
+struct rdt_shm_group {
+  int rank, ranks;
+  uint32_t buckets;
+  double timeout;
+  uint64_t total;
+  uint64_t *bucket_bytes;
+  uint64_t *in_off; /* the `in` region of bucket b; `out` follows at align64(bytes) */
+  unsigned char **base;
+  uint64_t *calls; /* calls made per bucket: the executor thread's alone */
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  request *head, *tail;
+  request *running;
+  uint64_t next_id;
+  int closing;
+  _Atomic int queued;
+  _Atomic int aborted; /* 0, or the status the group was aborted with */
+  char why[RDT_SHM_MESSAGE];
+  _Atomic(uint32_t *) wait_addr;
+  _Atomic int refs;
+  pthread_t thread;
+  int started;
+};
+
+/* ----------------------------------------------------------------- helpers */
+static uint64_t align64(uint64_t x) { return (x + 63u) & ~(uint64_t)63u; }
+
+static double now_seconds(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void say(char *buf, size_t len, const char *fmt, ...) {
+  if (buf == NULL || len == 0) return;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, len, fmt, ap);
+  va_end(ap);
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#else
+  atomic_signal_fence(memory_order_seq_cst);
+#endif
+}
+
+static void futex_wait(uint32_t *addr, uint32_t value, double seconds) {
+  struct timespec ts;
+  ts.tv_sec = (time_t)seconds;
+  ts.tv_nsec = (long)((seconds - (double)ts.tv_sec) * 1e9);
+  syscall(SYS_futex, addr, FUTEX_WAIT, value, &ts, NULL, 0);
+}
+
+static void futex_wake(uint32_t *addr) { syscall(SYS_futex, addr, FUTEX_WAKE, INT_MAX, NULL, NULL, 0); }
+
+static size_t dtype_size(int dtype) {
+  switch (dtype) {
+    case RDT_SHM_FLOAT32: return 4;
+    case RDT_SHM_FLOAT64: return 8;
+    case RDT_SHM_INT32: return 4;
+    case RDT_SHM_INT64: return 8;
+    default: return 0;
+  }
+}
+
+static const char *dtype_name(int dtype) {
+  switch (dtype) {
+    case RDT_SHM_FLOAT32: return "float32";
+    case RDT_SHM_FLOAT64: return "float64";
+    case RDT_SHM_INT32: return "int32";
+    case RDT_SHM_INT64: return "int64";
+    default: return "an unknown dtype";
+  }
+}
+
+static const char *op_name(int op) {
+  switch (op) {
+    case RDT_SHM_SUM: return "sum";
+    case RDT_SHM_AVERAGE: return "average";
+    case RDT_SHM_MIN: return "min";
+    case RDT_SHM_MAX: return "max";
+    case RDT_SHM_PRODUCT: return "product";
+    default: return "an unknown op";
+  }
+}
+
+/* --------------------------------------------------------------- the layout */
+static uint64_t layout_checksum(uint32_t buckets, const uint64_t *bytes) {
+  uint64_t h = 1469598103934665603ULL; /* FNV-1a over the sizes, 8 bytes each, little-endian */
+  for (uint32_t b = 0; b < buckets; b++)
+    for (int i = 0; i < 8; i++) {
+      h ^= (bytes[b] >> (8 * i)) & 0xffu;
+      h *= 1099511628211ULL;
+    }
+  return h;
+}
+
+uint64_t rdt_shm_segment_bytes(uint32_t buckets, const uint64_t *bucket_bytes) {
+  uint64_t off = align64(OFF_BUCKETS + (uint64_t)BUCKET_STRIDE * buckets);
+  for (uint32_t b = 0; b < buckets; b++) {
+    if (bucket_bytes[b] > (UINT64_MAX >> 4)) return 0;
+    uint64_t region = align64(bucket_bytes[b]);
+    if (off > UINT64_MAX - 2 * region) return 0;
+    off += 2 * region;
+  }
+  return off;
+}
+
+static unsigned char *in_line(const rdt_shm_group *g, int r, uint32_t b) {
+  return g->base[r] + OFF_BUCKETS + (uint64_t)BUCKET_STRIDE * b;
+}
+static _Atomic uint64_t *in_seq(const rdt_shm_group *g, int r, uint32_t b) {
+  return (_Atomic uint64_t *)in_line(g, r, b);
+}
+static _Atomic uint64_t *out_seq(const rdt_shm_group *g, int r, uint32_t b) {
+  return (_Atomic uint64_t *)(in_line(g, r, b) + LINE);
+}
+static _Atomic uint32_t *state_word(const rdt_shm_group *g, int r) {
+  return (_Atomic uint32_t *)(g->base[r] + OFF_STATE);
+}
+static _Atomic uint32_t *sleeping_word(const rdt_shm_group *g, int r) {
+  return (_Atomic uint32_t *)(g->base[r] + OFF_SLEEPING);
+}
+static unsigned char *in_region(const rdt_shm_group *g, int r, uint32_t b) { return g->base[r] + g->in_off[b]; }
+static unsigned char *out_region(const rdt_shm_group *g, int r, uint32_t b) {
+  return g->base[r] + g->in_off[b] + align64(g->bucket_bytes[b]);
+}
+
+/* [lo, hi) of slice `r` of `count` elements cut into `n` (as schedule.ring_bounds) */
+static void slice_of(uint64_t count, int n, int r, uint64_t *lo, uint64_t *hi) {
+  uint64_t q = count / (uint64_t)n, rem = count % (uint64_t)n, ur = (uint64_t)r;
+  *lo = ur * q + (ur < rem ? ur : rem);
+  *hi = *lo + q + (ur < rem ? 1 : 0);
+}
+
+/* ---------------------------------------------------------------- reducing */
+/* out[i] = combine(out[i], x[i]), in the element's own precision, as numpy's
+ * np.add / np.minimum / np.maximum / np.multiply compute it (integers wrap). */
+#define COMBINE_FLOAT(T, SUFFIX)                                                          \
+  static void combine_##SUFFIX(T *restrict out, const T *restrict x, uint64_t n, int op) { \
+    switch (op) {                                                                         \
+      case RDT_SHM_SUM:                                                                   \
+      case RDT_SHM_AVERAGE:                                                               \
+        for (uint64_t i = 0; i < n; i++) out[i] = out[i] + x[i];                          \
+        break;                                                                            \
+      case RDT_SHM_PRODUCT:                                                               \
+        for (uint64_t i = 0; i < n; i++) out[i] = out[i] * x[i];                          \
+        break;                                                                            \
+      case RDT_SHM_MIN: /* a NaN on either side wins, as np.minimum */                    \
+        for (uint64_t i = 0; i < n; i++) out[i] = (out[i] < x[i] || out[i] != out[i]) ? out[i] : x[i]; \
+        break;                                                                            \
+      case RDT_SHM_MAX:                                                                   \
+        for (uint64_t i = 0; i < n; i++) out[i] = (out[i] > x[i] || out[i] != out[i]) ? out[i] : x[i]; \
+        break;                                                                            \
+    }                                                                                     \
+  }
+#define COMBINE_INT(T, U, SUFFIX)                                                         \
+  static void combine_##SUFFIX(T *restrict out, const T *restrict x, uint64_t n, int op) { \
+    switch (op) {                                                                         \
+      case RDT_SHM_SUM:                                                                   \
+      case RDT_SHM_AVERAGE:                                                               \
+        for (uint64_t i = 0; i < n; i++) out[i] = (T)((U)out[i] + (U)x[i]);               \
+        break;                                                                            \
+      case RDT_SHM_PRODUCT:                                                               \
+        for (uint64_t i = 0; i < n; i++) out[i] = (T)((U)out[i] * (U)x[i]);               \
+        break;                                                                            \
+      case RDT_SHM_MIN:                                                                   \
+        for (uint64_t i = 0; i < n; i++) out[i] = out[i] < x[i] ? out[i] : x[i];          \
+        break;                                                                            \
+      case RDT_SHM_MAX:                                                                   \
+        for (uint64_t i = 0; i < n; i++) out[i] = out[i] > x[i] ? out[i] : x[i];          \
+        break;                                                                            \
+    }                                                                                     \
+  }
+COMBINE_FLOAT(float, f32)
+COMBINE_FLOAT(double, f64)
+COMBINE_INT(int32_t, uint32_t, i32)
+COMBINE_INT(int64_t, uint64_t, i64)
+
+/* As tf_plugin/core/scaling.py: float32 times the factor rounded to float32, in
+ * float32; float64 in double; integers in double, truncated toward zero. */
+static void scale_slice(void *p, uint64_t n, int dtype, double factor) {
+  switch (dtype) {
+    case RDT_SHM_FLOAT32: {
+      float *x = p, f = (float)factor;
+      for (uint64_t i = 0; i < n; i++) x[i] = x[i] * f;
+      break;
+    }
+    case RDT_SHM_FLOAT64: {
+      double *x = p;
+      for (uint64_t i = 0; i < n; i++) x[i] = x[i] * factor;
+      break;
+    }
+    case RDT_SHM_INT32: {
+      int32_t *x = p;
+      for (uint64_t i = 0; i < n; i++) x[i] = (int32_t)((double)x[i] * factor);
+      break;
+    }
+    case RDT_SHM_INT64: {
+      int64_t *x = p;
+      for (uint64_t i = 0; i < n; i++) x[i] = (int64_t)((double)x[i] * factor);
+      break;
+    }
+  }
+}
+
+static void combine(void *out, const void *x, uint64_t n, int dtype, int op) {
+  switch (dtype) {
+    case RDT_SHM_FLOAT32: combine_f32(out, x, n, op); break;
+    case RDT_SHM_FLOAT64: combine_f64(out, x, n, op); break;
+    case RDT_SHM_INT32: combine_i32(out, x, n, op); break;
+    case RDT_SHM_INT64: combine_i64(out, x, n, op); break;
+  }
+}
+
+/* --------------------------------------------------------- abort and waits */
+static void wake_everyone(rdt_shm_group *g) {
+  uint32_t *w = atomic_load(&g->wait_addr);
+  if (w != NULL) futex_wake(w);
+  for (uint32_t b = 0; b < g->buckets; b++) {
+    futex_wake((uint32_t *)in_seq(g, g->rank, b));
+    futex_wake((uint32_t *)out_seq(g, g->rank, b));
+  }
+}
+
+void rdt_shm_group_abort(rdt_shm_group *g, int status, const char *why) {
+  if (status == RDT_SHM_OK) status = RDT_SHM_ABORTED;
+  pthread_mutex_lock(&g->mu);
+  int first = atomic_load(&g->aborted) == 0;
+  if (first) {
+    say(g->why, sizeof g->why, "%s", why ? why : "aborted");
+    atomic_store(&g->aborted, status);
+  }
+  pthread_cond_broadcast(&g->cv);
+  pthread_mutex_unlock(&g->mu);
+  if (!first) return;
+  atomic_store_explicit(state_word(g, g->rank), (uint32_t)status, memory_order_release);
+  atomic_thread_fence(memory_order_seq_cst);
+  wake_everyone(g);
+}
+
+int rdt_shm_group_status(rdt_shm_group *g) { return atomic_load(&g->aborted); }
+
+/* The status a request fails with once the group is aborted, and its message. */
+static int aborted_status(rdt_shm_group *g, const request *r, char *msg) {
+  pthread_mutex_lock(&g->mu);
+  int st = atomic_load(&g->aborted);
+  say(msg, RDT_SHM_MESSAGE, "rdmatensor shm all-reduce of %s (bucket %u) not done: %s", r->label, r->bucket,
+      g->why);
+  pthread_mutex_unlock(&g->mu);
+  return st;
+}
+
+/* Wait until `seq` (in peer's segment) reaches k, or fail: the group aborted, the
+ * peer aborted, or the deadline passed. */
+static int wait_for(rdt_shm_group *g, const request *r, int peer, _Atomic uint64_t *seq, uint64_t k,
+                    const char *what, double deadline, char *msg) {
+  if (atomic_load_explicit(seq, memory_order_acquire) >= k) return RDT_SHM_OK;
+  double start = now_seconds();
+  for (unsigned i = 1;; i++) {
+    if (atomic_load_explicit(seq, memory_order_acquire) >= k) return RDT_SHM_OK;
+    if ((i & 31u) == 0) {
+      if (atomic_load_explicit(&g->aborted, memory_order_relaxed)) break;
+      if (now_seconds() - start > SPIN_SECONDS) break;
+    }
+    cpu_relax();
+  }
+  _Atomic uint32_t *sleeping = sleeping_word(g, g->rank);
+  for (;;) {
+    uint64_t v = atomic_load_explicit(seq, memory_order_acquire);
+    if (v >= k) return RDT_SHM_OK;
+    if (atomic_load(&g->aborted)) return aborted_status(g, r, msg);
+    uint32_t peer_state = atomic_load_explicit(state_word(g, peer), memory_order_acquire);
+    if (peer_state != 0) {
+      say(msg, RDT_SHM_MESSAGE,
+          "rdmatensor shm all-reduce of %s (bucket %u, call %llu): rank %d aborted its group (status %u) "
+          "while rank %d waited for its %s",
+          r->label, r->bucket, (unsigned long long)k, peer, peer_state, g->rank, what);
+      return RDT_SHM_PEER_ABORTED;
+    }
+    double left = deadline - now_seconds();
+    if (left <= 0) {
+      say(msg, RDT_SHM_MESSAGE,
+          "rdmatensor shm all-reduce of %s (bucket %u, call %llu): rank %d did not arrive within %g s "
+          "(rank %d waited for its %s)",
+          r->label, r->bucket, (unsigned long long)k, peer, g->timeout, g->rank, what);
+      return RDT_SHM_TIMEOUT;
+    }
+    atomic_store_explicit(sleeping, 1, memory_order_relaxed);
+    atomic_thread_fence(memory_order_seq_cst);
+    v = atomic_load_explicit(seq, memory_order_acquire);
+    if (v < k && !atomic_load(&g->aborted)) {
+      atomic_store(&g->wait_addr, (uint32_t *)seq);
+      futex_wait((uint32_t *)seq, (uint32_t)v, left < SLICE_SECONDS ? left : SLICE_SECONDS);
+      atomic_store(&g->wait_addr, NULL);
+    }
+    atomic_store_explicit(sleeping, 0, memory_order_relaxed);
+  }
+}
+
+/* Store k, then wake a peer that sleeps (on this word or any other). */
+static void publish(rdt_shm_group *g, _Atomic uint64_t *seq, uint64_t k) {
+  atomic_store_explicit(seq, k, memory_order_release);
+  atomic_thread_fence(memory_order_seq_cst);
+  for (int p = 0; p < g->ranks; p++)
+    if (p != g->rank && atomic_load_explicit(sleeping_word(g, p), memory_order_relaxed)) {
+      futex_wake((uint32_t *)seq);
+      return;
+    }
+}
+
+/* --------------------------------------------------------- one all-reduce */
+struct descriptor {
+  uint64_t count;
+  uint32_t dtype, op;
+  double scale;
+};
+
+static struct descriptor descriptor_of(const rdt_shm_group *g, int r, uint32_t b) {
+  struct descriptor d;
+  memcpy(&d, in_line(g, r, b) + 8, sizeof d);
+  return d;
+}
+
+static int run(rdt_shm_group *g, request *r, char *msg) {
+  const uint32_t b = r->bucket;
+  const int me = g->rank, n = g->ranks;
+  const size_t esize = dtype_size(r->dtype);
+  const uint64_t k = ++g->calls[b];
+  int st;
+
+  /* 1. my input into my `in`, the descriptor, in_seq = k */
+  if (r->count) memcpy(in_region(g, me, b), r->in, r->count * esize);
+  struct descriptor mine = {r->count, (uint32_t)r->dtype, (uint32_t)r->op, r->scale};
+  memcpy(in_line(g, me, b) + 8, &mine, sizeof mine);
+  publish(g, in_seq(g, me, b), k);
+
+  /* 2. every peer's input, then my slice of the result into my `out` */
+  double deadline = now_seconds() + g->timeout;
+  for (int p = 0; p < n; p++) {
+    if (p == me) continue;
+    if ((st = wait_for(g, r, p, in_seq(g, p, b), k, "input", deadline, msg)) != RDT_SHM_OK) return st;
+    struct descriptor theirs = descriptor_of(g, p, b);
+    if (theirs.count != mine.count || theirs.dtype != mine.dtype || theirs.op != mine.op ||
+        memcmp(&theirs.scale, &mine.scale, sizeof mine.scale) != 0) {
+      say(msg, RDT_SHM_MESSAGE,
+          "rdmatensor shm all-reduce of %s (bucket %u, call %llu): rank %d all-reduces %llu elements of %s "
+          "(%s, scale %g), rank %d %llu elements of %s (%s, scale %g): every rank must call the same "
+          "all-reduces in the same order",
+          r->label, b, (unsigned long long)k, p, (unsigned long long)theirs.count, dtype_name((int)theirs.dtype),
+          op_name((int)theirs.op), theirs.scale, me, (unsigned long long)mine.count, dtype_name(r->dtype),
+          op_name(r->op), r->scale);
+      return RDT_SHM_MISMATCH;
+    }
+  }
+  uint64_t lo, hi;
+  slice_of(r->count, n, me, &lo, &hi);
+  unsigned char *mine_out = out_region(g, me, b) + lo * esize;
+  if (hi > lo) {
+    memcpy(mine_out, in_region(g, 0, b) + lo * esize, (hi - lo) * esize);
+    for (int p = 1; p < n; p++) combine(mine_out, in_region(g, p, b) + lo * esize, hi - lo, r->dtype, r->op);
+    double factor = r->op == RDT_SHM_AVERAGE ? r->scale / (double)n : r->scale;
+    if (factor != 1.0) scale_slice(mine_out, hi - lo, r->dtype, factor);
+  }
+  publish(g, out_seq(g, me, b), k);
+
+  /* 3. every rank's slice of the result into the output */
+  if (hi > lo) memcpy((unsigned char *)r->out + lo * esize, mine_out, (hi - lo) * esize);
+  deadline = now_seconds() + g->timeout;
+  for (int p = 0; p < n; p++) {
+    if (p == me) continue;
+    if ((st = wait_for(g, r, p, out_seq(g, p, b), k, "result", deadline, msg)) != RDT_SHM_OK) return st;
+    slice_of(r->count, n, p, &lo, &hi);
+    if (hi > lo) memcpy((unsigned char *)r->out + lo * esize, out_region(g, p, b) + lo * esize, (hi - lo) * esize);
+  }
+  return RDT_SHM_OK;
+}
+
+/* --------------------------------------------------------- the executor */
+static request *next_request(rdt_shm_group *g) {
+  /* a step submits in bursts: spin a little before sleeping on the condition */
+  double start = 0;
+  for (unsigned i = 1; atomic_load_explicit(&g->queued, memory_order_acquire) == 0; i++) {
+    if ((i & 31u) == 0) {
+      double t = now_seconds();
+      if (start == 0) start = t;
+      else if (t - start > IDLE_SPIN_SECONDS) break;
+    }
+    cpu_relax();
+  }
+  pthread_mutex_lock(&g->mu);
+  while (g->head == NULL && !g->closing) pthread_cond_wait(&g->cv, &g->mu);
+  request *r = g->head;
+  if (r != NULL) {
+    g->head = r->next;
+    if (g->head == NULL) g->tail = NULL;
+    atomic_fetch_sub(&g->queued, 1);
+    g->running = r;
+  }
+  pthread_mutex_unlock(&g->mu);
+  return r;
+}
+
+static void *executor(void *arg) {
+  rdt_shm_group *g = arg;
+  char msg[RDT_SHM_MESSAGE];
+  request *r;
+  while ((r = next_request(g)) != NULL) {
+    msg[0] = '\0';
+    int st;
+    if (atomic_load(&g->aborted)) {
+      st = aborted_status(g, r, msg);
+    } else {
+      st = run(g, r, msg);
+      if (st != RDT_SHM_OK && !atomic_load(&g->aborted)) {
+        /* a call left half done puts the ranks out of step: no later one may run */
+        char why[RDT_SHM_MESSAGE];
+        say(why, sizeof why, "an earlier all-reduce failed (%.250s)", msg);
+        rdt_shm_group_abort(g, RDT_SHM_ABORTED, why);
+      }
+    }
+    pthread_mutex_lock(&g->mu);
+    g->running = NULL;
+    pthread_mutex_unlock(&g->mu);
+    r->done(r->arg, st, msg);
+    free(r);
+  }
+  return NULL;
+}
+
+/* --------------------------------------------------------- create, release */
+static void unmap_all(rdt_shm_group *g) {
+  if (g->base != NULL)
+    for (int i = 0; i < g->ranks; i++)
+      if (g->base[i] != NULL && g->base[i] != MAP_FAILED) munmap(g->base[i], g->total);
+}
+
+static void free_group(rdt_shm_group *g) {
+  unmap_all(g);
+  free(g->base);
+  free(g->bucket_bytes);
+  free(g->in_off);
+  free(g->calls);
+  pthread_mutex_destroy(&g->mu);
+  pthread_cond_destroy(&g->cv);
+  free(g);
+}
+
+static int check_header(const rdt_shm_group *g, int r, uint64_t checksum, char *err, size_t errlen) {
+  const unsigned char *h = g->base[r];
+  uint64_t magic, total, sum;
+  uint32_t version, rank, ranks, buckets;
+  memcpy(&magic, h, 8);
+  memcpy(&version, h + 8, 4);
+  memcpy(&rank, h + 12, 4);
+  memcpy(&ranks, h + 16, 4);
+  memcpy(&buckets, h + 20, 4);
+  memcpy(&total, h + 24, 8);
+  memcpy(&sum, h + 32, 8);
+  if (magic != RDT_SHM_MAGIC || version != RDT_SHM_VERSION) {
+    say(err, errlen, "rank %d's segment is not an rdmatensor shm all-reduce segment of version %u", r,
+        RDT_SHM_VERSION);
+    return -1;
+  }
+  if (rank != (uint32_t)r || ranks != (uint32_t)g->ranks) {
+    say(err, errlen, "the segment given as rank %d's belongs to rank %u of %u (this group: %d ranks)", r, rank,
+        ranks, g->ranks);
+    return -1;
+  }
+  if (buckets != g->buckets || total != g->total || sum != checksum) {
+    say(err, errlen,
+        "rank %d's segment is laid out for %u buckets in %llu bytes, this rank's layout %u buckets in %llu bytes "
+        "(or the bucket sizes differ): every rank must give the same buckets",
+        r, buckets, (unsigned long long)total, g->buckets, (unsigned long long)g->total);
+    return -1;
+  }
+  return 0;
+}
+
+rdt_shm_group *rdt_shm_group_create(const int *fds, int rank, int ranks, uint32_t buckets,
+                                    const uint64_t *bucket_bytes, double timeout_seconds, char *err,
+                                    size_t errlen) {
+  if (ranks < 1 || ranks > RDT_SHM_MAX_RANKS || rank < 0 || rank >= ranks) {
+    say(err, errlen, "rank %d of %d ranks: give 0 <= rank < ranks <= %d", rank, ranks, RDT_SHM_MAX_RANKS);
+    return NULL;
+  }
+  if (!(timeout_seconds > 0)) {
+    say(err, errlen, "timeout %g s: give a positive number of seconds", timeout_seconds);
+    return NULL;
+  }
+  uint64_t total = rdt_shm_segment_bytes(buckets, bucket_bytes);
+  if (total == 0 || total > (uint64_t)SIZE_MAX) {
+    say(err, errlen, "the buckets do not fit in one segment");
+    return NULL;
+  }
+  rdt_shm_group *g = calloc(1, sizeof *g);
+  if (g == NULL) {
+    say(err, errlen, "out of memory");
+    return NULL;
+  }
+  g->rank = rank;
+  g->ranks = ranks;
+  g->buckets = buckets;
+  g->timeout = timeout_seconds;
+  g->total = total;
+  g->next_id = 1;
+  atomic_init(&g->refs, 1);
+  pthread_mutex_init(&g->mu, NULL);
+  pthread_cond_init(&g->cv, NULL);
+  g->bucket_bytes = calloc(buckets ? buckets : 1, sizeof(uint64_t));
+  g->in_off = calloc(buckets ? buckets : 1, sizeof(uint64_t));
+  g->calls = calloc(buckets ? buckets : 1, sizeof(uint64_t));
+  g->base = calloc((size_t)ranks, sizeof(unsigned char *));
+  if (!g->bucket_bytes || !g->in_off || !g->calls || !g->base) {
+    say(err, errlen, "out of memory");
+    free_group(g);
+    return NULL;
+  }
+  uint64_t off = align64(OFF_BUCKETS + (uint64_t)BUCKET_STRIDE * buckets);
+  for (uint32_t b = 0; b < buckets; b++) {
+    g->bucket_bytes[b] = bucket_bytes[b];
+    g->in_off[b] = off;
+    off += 2 * align64(bucket_bytes[b]);
+  }
+  uint64_t checksum = layout_checksum(buckets, bucket_bytes);
+  for (int r = 0; r < ranks; r++) {
+    struct stat st;
+    if (fstat(fds[r], &st) != 0) {
+      say(err, errlen, "rank %d's segment (fd %d): %s", r, fds[r], strerror(errno));
+      free_group(g);
+      return NULL;
+    }
+    int seals = fcntl(fds[r], F_GET_SEALS);
+    if ((uint64_t)st.st_size < total || seals < 0 || !(seals & F_SEAL_SHRINK)) {
+      say(err, errlen, "rank %d's segment (fd %d) is not a memfd of at least %llu bytes sealed against shrinking", r,
+          fds[r], (unsigned long long)total);
+      free_group(g);
+      return NULL;
+    }
+    int prot = r == rank ? PROT_READ | PROT_WRITE : PROT_READ;
+    g->base[r] = mmap(NULL, (size_t)total, prot, MAP_SHARED, fds[r], 0);
+    if (g->base[r] == MAP_FAILED) {
+      say(err, errlen, "mapping rank %d's segment: %s", r, strerror(errno));
+      g->base[r] = NULL;
+      free_group(g);
+      return NULL;
+    }
+    if (check_header(g, r, checksum, err, errlen) != 0) {
+      free_group(g);
+      return NULL;
+    }
+  }
+  sigset_t all, old;
+  sigfillset(&all);
+  pthread_sigmask(SIG_SETMASK, &all, &old); /* the executor takes no signal */
+  int rc = pthread_create(&g->thread, NULL, executor, g);
+  pthread_sigmask(SIG_SETMASK, &old, NULL);
+  if (rc != 0) {
+    say(err, errlen, "starting the executor thread: %s", strerror(rc));
+    free_group(g);
+    return NULL;
+  }
+  g->started = 1;
+  return g;
+}
+
+void rdt_shm_group_retain(rdt_shm_group *g) { atomic_fetch_add(&g->refs, 1); }
+
+void rdt_shm_group_release(rdt_shm_group *g) {
+  if (atomic_fetch_sub(&g->refs, 1) != 1) return;
+  rdt_shm_group_abort(g, RDT_SHM_CLOSED, "the group was closed");
+  pthread_mutex_lock(&g->mu);
+  g->closing = 1;
+  pthread_cond_broadcast(&g->cv);
+  pthread_mutex_unlock(&g->mu);
+  if (g->started) {
+    if (pthread_equal(pthread_self(), g->thread)) {
+      pthread_detach(g->thread); /* misuse (from a done callback): leak rather than deadlock */
+      return;
+    }
+    pthread_join(g->thread, NULL);
+  }
+  free_group(g);
+}
+
+/* --------------------------------------------------------- submitting */
+uint64_t rdt_shm_group_submit(rdt_shm_group *g, uint32_t bucket, const void *in, void *out, uint64_t count,
+                              int dtype, int op, double scale, const char *label, rdt_shm_done_fn done,
+                              void *arg, char *err, size_t errlen) {
+  const char *name = label && label[0] ? label : "a tensor";
+  size_t esize = dtype_size(dtype);
+  if (esize == 0) {
+    say(err, errlen, "all-reduce of %s: dtype code %d is not one of float32, float64, int32, int64", name, dtype);
+    return 0;
+  }
+  if (op < RDT_SHM_SUM || op > RDT_SHM_PRODUCT) {
+    say(err, errlen, "all-reduce of %s: op code %d is not one of sum, average, min, max, product", name, op);
+    return 0;
+  }
+  if (bucket >= g->buckets) {
+    say(err, errlen, "all-reduce of %s: bucket %u does not exist (the group has %u)", name, bucket, g->buckets);
+    return 0;
+  }
+  if (count > g->bucket_bytes[bucket] / esize) {
+    say(err, errlen, "all-reduce of %s: %llu elements of %s (%llu bytes) do not fit in bucket %u (%llu bytes)", name,
+        (unsigned long long)count, dtype_name(dtype), (unsigned long long)(count * esize), bucket,
+        (unsigned long long)g->bucket_bytes[bucket]);
+    return 0;
+  }
+  if (count && (in == NULL || out == NULL)) {
+    say(err, errlen, "all-reduce of %s: no buffer", name);
+    return 0;
+  }
+  if (done == NULL) {
+    say(err, errlen, "all-reduce of %s: no completion callback", name);
+    return 0;
+  }
+  request *r = calloc(1, sizeof *r);
+  if (r == NULL) {
+    say(err, errlen, "out of memory");
+    return 0;
+  }
+  r->bucket = bucket;
+  r->in = in;
+  r->out = out;
+  r->count = count;
+  r->dtype = dtype;
+  r->op = op;
+  r->scale = scale;
+  say(r->label, sizeof r->label, "%s", name);
+  r->done = done;
+  r->arg = arg;
+  pthread_mutex_lock(&g->mu);
+  r->id = g->next_id++;
+  if (g->tail) g->tail->next = r;
+  else g->head = r;
+  g->tail = r;
+  atomic_fetch_add_explicit(&g->queued, 1, memory_order_release);
+  pthread_cond_signal(&g->cv);
+  uint64_t id = r->id;
+  pthread_mutex_unlock(&g->mu);
+  return id;
+}
+
+int rdt_shm_group_cancel(rdt_shm_group *g, uint64_t id, const char *why) {
+  int pending = 0;
+  pthread_mutex_lock(&g->mu);
+  if (g->running && g->running->id == id) pending = 1;
+  for (request *r = g->head; r && !pending; r = r->next)
+    if (r->id == id) pending = 1;
+  pthread_mutex_unlock(&g->mu);
+  if (pending) rdt_shm_group_abort(g, RDT_SHM_CANCELLED, why ? why : "cancelled");
+  return pending;
+}
+
+struct sync_wait {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int done, status;
+  char *msg;
+  size_t msglen;
+};
+
+static void sync_done(void *arg, int status, const char *message) {
+  struct sync_wait *w = arg;
+  pthread_mutex_lock(&w->mu);
+  w->status = status;
+  say(w->msg, w->msglen, "%s", message);
+  w->done = 1;
+  pthread_cond_signal(&w->cv);
+  pthread_mutex_unlock(&w->mu);
+}
+
+int rdt_shm_group_allreduce(rdt_shm_group *g, uint32_t bucket, const void *in, void *out, uint64_t count,
+                            int dtype, int op, double scale, const char *label, char *err, size_t errlen) {
+  struct sync_wait w = {.done = 0, .status = RDT_SHM_OK, .msg = err, .msglen = errlen};
+  pthread_mutex_init(&w.mu, NULL);
+  pthread_cond_init(&w.cv, NULL);
+  if (err && errlen) err[0] = '\0';
+  if (rdt_shm_group_submit(g, bucket, in, out, count, dtype, op, scale, label, sync_done, &w, err, errlen) == 0) {
+    pthread_mutex_destroy(&w.mu);
+    pthread_cond_destroy(&w.cv);
+    return RDT_SHM_INVALID;
+  }
+  pthread_mutex_lock(&w.mu);
+  while (!w.done) pthread_cond_wait(&w.cv, &w.mu);
+  pthread_mutex_unlock(&w.mu);
+  pthread_mutex_destroy(&w.mu);
+  pthread_cond_destroy(&w.cv);
+  return w.status;
+}

@@ -1,0 +1,126 @@
+/* The all-reduce of ranks on one host over shared memory: the compiled executor.
+ *
+ * Plain C11, framework-free (no Python, no TensorFlow). tf_plugin/native/shm_twin.py
+ * is its Python twin: both speak exactly the protocol below, so a C rank and a
+ * Python rank can run in one group.
+ *
+ * Each rank owns one memfd segment that only it writes; its peers map it
+ * read-only. Layout (every offset a multiple of 64, numbers little-endian):
+ *
+ *   0      header: magic u64, version u32, rank u32, ranks u32, buckets u32,
+ *                  total bytes u64, layout checksum u64 (FNV-1a of the buckets' sizes)
+ *   64     state u32: 0 while live, else the status this rank aborted with
+ *   128    sleeping u32: 1 while this rank's executor sleeps in a futex wait
+ *   192 + 128 b        bucket b's input line: in_seq u64, count u64, dtype u32, op u32, scale f64
+ *   192 + 128 b + 64   bucket b's output line: out_seq u64
+ *   data = align64(192 + 128 buckets), then per bucket its `in` region and its
+ *   `out` region, each align64(the bucket's bytes).
+ *
+ * Call k (1, 2, ...) of bucket b on rank r of n (its elements cut into n nearly
+ * equal contiguous slices, the first count % n one element longer):
+ *   1. copy the input into my `in`, write the descriptor, publish in_seq = k;
+ *   2. wait for every peer's in_seq >= k, check its descriptor against mine,
+ *      reduce slice r over every rank's `in` (in rank order) into my `out`,
+ *      scale it, publish out_seq = k;
+ *   3. wait for every peer's out_seq >= k, copy slice j of rank j's `out` into
+ *      the output, for every j.
+ * See shm_allreduce.c for why regions are safe to reuse at call k + 1.
+ */
+#ifndef RDT_SHM_ALLREDUCE_H
+#define RDT_SHM_ALLREDUCE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define RDT_SHM_MAGIC 0x31524448534d4452ULL /* "RDMSHDR1" */
+#define RDT_SHM_VERSION 1u
+#define RDT_SHM_MAX_RANKS 1024
+#define RDT_SHM_MESSAGE 320 /* bytes of an error message, with its NUL */
+
+enum rdt_shm_dtype {
+  RDT_SHM_FLOAT32 = 1,
+  RDT_SHM_FLOAT64 = 2,
+  RDT_SHM_INT32 = 3,
+  RDT_SHM_INT64 = 4,
+};
+
+/* AVERAGE is SUM whose scale is divided by the number of ranks (in double). */
+enum rdt_shm_op {
+  RDT_SHM_SUM = 1,
+  RDT_SHM_AVERAGE = 2,
+  RDT_SHM_MIN = 3,
+  RDT_SHM_MAX = 4,
+  RDT_SHM_PRODUCT = 5,
+};
+
+enum rdt_shm_status {
+  RDT_SHM_OK = 0,
+  RDT_SHM_INVALID = 1,      /* a bad argument: nothing was started */
+  RDT_SHM_TIMEOUT = 2,      /* a peer did not arrive within the timeout */
+  RDT_SHM_ABORTED = 3,      /* this rank aborted the group (or a failure broke it) */
+  RDT_SHM_PEER_ABORTED = 4, /* a peer aborted its group */
+  RDT_SHM_CANCELLED = 5,    /* the caller cancelled a pending all-reduce */
+  RDT_SHM_MISMATCH = 6,     /* the ranks all-reduce different things on one bucket */
+  RDT_SHM_CLOSED = 7,       /* the group was closed */
+  RDT_SHM_SYSTEM = 8,       /* a system call failed */
+};
+
+typedef struct rdt_shm_group rdt_shm_group;
+
+/* Called once per submitted request, from the group's executor thread (or from
+ * rdt_shm_group_release's thread for requests still queued then), with no lock
+ * held. `message` is empty on success and valid only during the call. */
+typedef void (*rdt_shm_done_fn)(void *arg, int status, const char *message);
+
+/* Bytes of a segment for these buckets; 0 if they do not fit in 64 bits. */
+uint64_t rdt_shm_segment_bytes(uint32_t buckets, const uint64_t *bucket_bytes);
+
+/* A group over `ranks` segments, fds[i] being rank i's (fds[rank] mine, mapped
+ * read-write; the others read-only). Every segment must already hold its header
+ * (tf_plugin/native/segment.py writes it), be sealed against shrinking, and be
+ * laid out for these buckets. The fds may be closed once this returns. Starts
+ * the executor thread. NULL on failure, with why in err. The group holds one
+ * reference, the caller's. */
+rdt_shm_group *rdt_shm_group_create(const int *fds, int rank, int ranks, uint32_t buckets,
+                                    const uint64_t *bucket_bytes, double timeout_seconds, char *err,
+                                    size_t errlen);
+
+void rdt_shm_group_retain(rdt_shm_group *g);
+/* Drops a reference; the last one aborts (RDT_SHM_CLOSED), joins the executor
+ * thread, fails what is still queued and unmaps. Never from a done callback. */
+void rdt_shm_group_release(rdt_shm_group *g);
+
+/* Queues one all-reduce (FIFO: every rank must submit a group's requests in the
+ * same order). `in` is read and `out` written by the executor thread until
+ * `done` is called; they may be the same buffer. Returns a request id (> 0), or
+ * 0 with nothing queued and why in err (RDT_SHM_INVALID: a bad bucket, dtype,
+ * op or a count beyond the bucket). `label` names the tensor in messages. */
+uint64_t rdt_shm_group_submit(rdt_shm_group *g, uint32_t bucket, const void *in, void *out, uint64_t count,
+                              int dtype, int op, double scale, const char *label, rdt_shm_done_fn done,
+                              void *arg, char *err, size_t errlen);
+
+/* submit, then wait for it: its status, and the message in err. */
+int rdt_shm_group_allreduce(rdt_shm_group *g, uint32_t bucket, const void *in, void *out, uint64_t count,
+                            int dtype, int op, double scale, const char *label, char *err, size_t errlen);
+
+/* Breaks the group: every wait wakes, the running and queued requests and every
+ * later one fail with `status` (RDT_SHM_ABORTED, RDT_SHM_CANCELLED, RDT_SHM_CLOSED...),
+ * and the peers see this rank's segment as aborted. The first abort wins. */
+void rdt_shm_group_abort(rdt_shm_group *g, int status, const char *why);
+
+/* Cancels request `id` if still queued or running: a collective left half done
+ * leaves the ranks out of step, so this aborts the group (RDT_SHM_CANCELLED).
+ * Returns 1 if it was pending, 0 if already done (nothing happens then). */
+int rdt_shm_group_cancel(rdt_shm_group *g, uint64_t id, const char *why);
+
+/* 0 while live, else the status the group was aborted with. */
+int rdt_shm_group_status(rdt_shm_group *g);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,116 @@
+"""The C executor (shm_allreduce.c) behind the contract (contract.ShmGroup), through
+ctypes: either the framework-free library (build.library("c")) or the TensorFlow
+op library, which holds the same executor (ops.py registers its groups for the
+ops). A blocking all-reduce releases the GIL while the executor thread runs it.
+No TensorFlow.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import numpy as np
+
+from . import contract
+from .contract import DTYPES, OPS, ShmGroup, check_args, error_for
+
+MESSAGE = 320
+_P, _U32, _U64, _INT, _DBL, _STR = (ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int, ctypes.c_double,
+                                    ctypes.c_char_p)
+_bound: set = set()
+_binding = threading.Lock()
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the executor's functions on `lib` (once)."""
+    with _binding:
+        if id(lib) in _bound:
+            return lib
+        lib.rdt_shm_segment_bytes.argtypes = [_U32, ctypes.POINTER(_U64)]
+        lib.rdt_shm_segment_bytes.restype = _U64
+        lib.rdt_shm_group_create.argtypes = [ctypes.POINTER(_INT), _INT, _INT, _U32, ctypes.POINTER(_U64), _DBL,
+                                             ctypes.c_char_p, ctypes.c_size_t]
+        lib.rdt_shm_group_create.restype = _P
+        lib.rdt_shm_group_retain.argtypes = [_P]
+        lib.rdt_shm_group_retain.restype = None
+        lib.rdt_shm_group_release.argtypes = [_P]
+        lib.rdt_shm_group_release.restype = None
+        lib.rdt_shm_group_allreduce.argtypes = [_P, _U32, _P, _P, _U64, _INT, _INT, _DBL, _STR, ctypes.c_char_p,
+                                                ctypes.c_size_t]
+        lib.rdt_shm_group_allreduce.restype = _INT
+        lib.rdt_shm_group_abort.argtypes = [_P, _INT, _STR]
+        lib.rdt_shm_group_abort.restype = None
+        lib.rdt_shm_group_status.argtypes = [_P]
+        lib.rdt_shm_group_status.restype = _INT
+        _bound.add(id(lib))
+    return lib
+
+
+def _u64s(values):
+    values = list(values)
+    return (_U64 * max(1, len(values)))(*values)
+
+
+class CGroup(ShmGroup):
+    """One rank's side of a group, run by the C executor of `lib`."""
+
+    def __init__(self, lib: ctypes.CDLL, fds, rank: int, ranks: int, bucket_bytes, timeout: float):
+        self.lib = bind(lib)
+        self.rank, self.ranks, self.timeout = rank, ranks, float(timeout)
+        self.bucket_bytes = tuple(int(b) for b in bucket_bytes)
+        if len(fds) != ranks:
+            raise contract.ShmInvalid(f"{len(fds)} segments for {ranks} ranks")
+        err = ctypes.create_string_buffer(MESSAGE)
+        fd_array = (_INT * max(1, ranks))(*fds)
+        handle = self.lib.rdt_shm_group_create(fd_array, rank, ranks, len(self.bucket_bytes),
+                                               _u64s(self.bucket_bytes), self.timeout, err, MESSAGE)
+        if not handle:
+            raise contract.ShmInvalid(err.value.decode(errors="replace"))
+        self.handle = handle
+        self._busy = threading.Condition()
+        self._calls = 0
+        self._closed = False
+
+    def allreduce(self, bucket: int, array, op: str = "sum", scale: float = 1.0, label: str | None = None
+                  ) -> np.ndarray:
+        array = np.ascontiguousarray(array)
+        label = label or "a tensor"
+        check_args(self.bucket_bytes, bucket, array, op, label)
+        out = np.empty_like(array)
+        err = ctypes.create_string_buffer(MESSAGE)
+        with self._busy:
+            if self._closed:
+                raise contract.ShmClosed(f"rdmatensor shm all-reduce of {label} (bucket {bucket}): the group "
+                                         "was closed")
+            self._calls += 1
+        try:
+            status = self.lib.rdt_shm_group_allreduce(self.handle, bucket, array.ctypes.data, out.ctypes.data,
+                                                      array.size, DTYPES[array.dtype], OPS[op], float(scale),
+                                                      label.encode(), err, MESSAGE)
+        finally:
+            with self._busy:
+                self._calls -= 1
+                self._busy.notify_all()
+        if status:
+            raise error_for(status, err.value.decode(errors="replace"))
+        return out
+
+    def abort(self, why: str = "aborted by the caller") -> None:
+        with self._busy:
+            if self.handle is not None:
+                self.lib.rdt_shm_group_abort(self.handle, contract.ABORTED, why.encode())
+
+    def status(self) -> int:
+        with self._busy:
+            return self.lib.rdt_shm_group_status(self.handle) if self.handle is not None else contract.CLOSED
+
+    def close(self) -> None:
+        with self._busy:
+            if self._closed:
+                return
+            self._closed = True
+            self.lib.rdt_shm_group_abort(self.handle, contract.CLOSED, b"the group was closed")
+            while self._calls:
+                self._busy.wait()
+            handle, self.handle = self.handle, None
+        self.lib.rdt_shm_group_release(handle)

@@ -1,0 +1,217 @@
+"""The Python twin of the shared-memory all-reduce (shm_allreduce.c): numpy over
+the same segments, the same protocol, the same contract (contract.ShmGroup). It
+runs where the C executor is not built or RDMATENSOR_TF_OPS=python, and a twin
+rank and a C rank can be in one group.
+
+It runs each all-reduce on the calling thread (one at a time per group). Its
+waits poll with a backoff (50 us of spinning, then sleeps from 20 us up to 1 ms)
+and never sleep in a futex, so a C peer never has to wake it; after each
+publication it wakes the word it stored (a futex wake), since a C peer may sleep
+on it. Ordering: numpy's 8-byte stores and loads of aligned words are single
+instructions, and x86-64 keeps stores in order and loads in order, which is
+the release/acquire the protocol needs (the compiled parts rely on x86-64 too).
+No TensorFlow.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import platform
+import struct
+import threading
+import time
+
+import numpy as np
+
+from ..core import scaling
+from . import contract
+from .contract import OPS, ShmGroup, check_args, error_for
+from .segment import OFF_BUCKETS, OFF_STATE, Layout, check_segment
+
+DESCRIPTOR = struct.Struct("<QIId")     # count, dtype, op, scale (after in_seq)
+_UFUNCS = {"sum": np.add, "average": np.add, "min": np.minimum, "max": np.maximum, "product": np.multiply}
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
+_FUTEX_WAKE = 1
+
+
+def _libc():
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+
+
+def bounds(count: int, ranks: int, r: int) -> tuple[int, int]:
+    """[lo, hi) of slice r (as schedule.ring_bounds cuts)."""
+    q, rem = divmod(count, ranks)
+    lo = r * q + min(r, rem)
+    return lo, lo + q + (1 if r < rem else 0)
+
+
+class TwinGroup(ShmGroup):
+    """One rank's side of a group, in Python (contract.py)."""
+
+    def __init__(self, fds, rank: int, ranks: int, bucket_bytes, timeout: float):
+        if not 0 <= rank < ranks or len(fds) != ranks:
+            raise contract.ShmInvalid(f"rank {rank} of {ranks} ranks with {len(fds)} segments")
+        if not timeout > 0:
+            raise contract.ShmInvalid(f"timeout {timeout} s: give a positive number of seconds")
+        self.rank, self.ranks, self.timeout = rank, ranks, float(timeout)
+        self.layout = Layout(bucket_bytes)
+        self.bucket_bytes = self.layout.bucket_bytes
+        self._maps, self._words, self._states = [], [], []
+        words = (OFF_BUCKETS + 128 * len(self.bucket_bytes)) // 8
+        try:
+            for r, fd in enumerate(fds):
+                check_segment(fd, r, ranks, self.layout)
+                prot = mmap.PROT_READ | (mmap.PROT_WRITE if r == rank else 0)
+                m = mmap.mmap(fd, self.layout.total, mmap.MAP_SHARED, prot)
+                self._maps.append(m)
+                self._words.append(np.frombuffer(m, "<u8", words))
+                self._states.append(np.frombuffer(m, "<u4", 1, OFF_STATE))
+        except ValueError as exc:
+            self._unmap()
+            raise contract.ShmInvalid(str(exc)) from exc
+        self._base = self._words[rank].ctypes.data
+        self._calls = [0] * len(self.bucket_bytes)
+        self._lock = threading.Lock()
+        self._aborted, self._why = 0, ""
+        self._closed = False
+
+    # --------------------------------------------------------------- contract
+    def allreduce(self, bucket: int, array, op: str = "sum", scale: float = 1.0, label: str | None = None
+                  ) -> np.ndarray:
+        array = np.ascontiguousarray(array)
+        label = label or "a tensor"
+        check_args(self.bucket_bytes, bucket, array, op, label)
+        with self._lock:
+            if self._aborted:
+                raise error_for(self._aborted, self._failed(bucket, label))
+            try:
+                return self._run(bucket, array, op, float(scale), label)
+            except contract.ShmError as exc:
+                if not self._aborted:     # a call left half done puts the ranks out of step
+                    self.abort(f"an earlier all-reduce failed ({str(exc)[:250]})")
+                raise
+
+    def abort(self, why: str = "aborted by the caller", status: int = contract.ABORTED) -> None:
+        if self._aborted or self._closed and not self._maps:
+            return
+        self._why, self._aborted = why, status
+        self._states[self.rank][0] = status
+        for b in range(len(self.bucket_bytes)):
+            self._wake(self.layout.in_seq(b))
+            self._wake(self.layout.out_seq(b))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.abort("the group was closed", contract.CLOSED)
+        with self._lock:
+            self._unmap()
+
+    # --------------------------------------------------------------- protocol
+    def _run(self, b: int, array: np.ndarray, op: str, scale: float, label: str) -> np.ndarray:
+        me, n, lay = self.rank, self.ranks, self.layout
+        dtype, count = array.dtype, array.size
+        k = self._calls[b] = self._calls[b] + 1
+        in_idx, out_idx = lay.in_seq(b) // 8, lay.out_seq(b) // 8
+        own = self._maps[me]
+        # 1. my input, my descriptor, in_seq = k
+        np.frombuffer(own, dtype, count, lay.in_off[b])[:] = array.reshape(-1)
+        DESCRIPTOR.pack_into(own, lay.in_seq(b) + 8, count, contract.DTYPES[dtype], OPS[op], scale)
+        self._words[me][in_idx] = k
+        self._wake(lay.in_seq(b))
+        # 2. every peer's input; my slice of the result into my `out`
+        deadline = time.monotonic() + self.timeout
+        mine = (count, contract.DTYPES[dtype], OPS[op], scale)
+        for p in range(n):
+            if p != me:
+                self._wait(p, in_idx, k, "input", deadline, b, label)
+                theirs = DESCRIPTOR.unpack_from(self._maps[p], lay.in_seq(b) + 8)
+                if theirs[:3] != mine[:3] or struct.pack("<d", theirs[3]) != struct.pack("<d", scale):
+                    raise contract.ShmMismatch(
+                        f"rdmatensor shm all-reduce of {label} (bucket {b}, call {k}): rank {p} all-reduces "
+                        f"{theirs[0]} elements of {_dtype_name(theirs[1])} ({_op_name(theirs[2])}, scale "
+                        f"{theirs[3]:g}), rank {me} {count} elements of {dtype} ({op}, scale {scale:g}): every "
+                        "rank must call the same all-reduces in the same order")
+        lo, hi = bounds(count, n, me)
+        result = np.empty(count, dtype)
+        if hi > lo:
+            acc = result[lo:hi]
+            acc[:] = np.frombuffer(self._maps[0], dtype, count, lay.in_off[b])[lo:hi]
+            combine = _UFUNCS[op]
+            for p in range(1, n):
+                combine(acc, np.frombuffer(self._maps[p], dtype, count, lay.in_off[b])[lo:hi], out=acc)
+            f = contract.factor(op, scale, n)
+            if f != 1.0:
+                scaling.scale_into(acc, acc, f)
+            np.frombuffer(own, dtype, count, lay.out_off(b))[lo:hi] = acc
+        self._words[me][out_idx] = k
+        self._wake(lay.out_seq(b))
+        # 3. every rank's slice of the result
+        deadline = time.monotonic() + self.timeout
+        for p in range(n):
+            if p != me:
+                self._wait(p, out_idx, k, "result", deadline, b, label)
+                plo, phi = bounds(count, n, p)
+                if phi > plo:
+                    result[plo:phi] = np.frombuffer(self._maps[p], dtype, count, lay.out_off(b))[plo:phi]
+        return result.reshape(array.shape)
+
+    def _wait(self, peer: int, index: int, k: int, what: str, deadline: float, b: int, label: str) -> None:
+        words = self._words[peer]
+        if words[index] >= k:
+            return
+        start = time.perf_counter()
+        while time.perf_counter() - start < 50e-6:
+            if words[index] >= k:
+                return
+        delay = 20e-6
+        while True:
+            if words[index] >= k:
+                return
+            if self._aborted:
+                raise error_for(self._aborted, self._failed(b, label))
+            state = int(self._states[peer][0])
+            if state:
+                raise contract.ShmPeerAborted(
+                    f"rdmatensor shm all-reduce of {label} (bucket {b}, call {k}): rank {peer} aborted its group "
+                    f"(status {state}) while rank {self.rank} waited for its {what}")
+            if time.monotonic() > deadline:
+                raise contract.ShmTimeout(
+                    f"rdmatensor shm all-reduce of {label} (bucket {b}, call {k}): rank {peer} did not arrive "
+                    f"within {self.timeout:g} s (rank {self.rank} waited for its {what})")
+            time.sleep(delay)
+            delay = min(2 * delay, 1e-3)
+
+    def _wake(self, offset: int) -> None:
+        """Wake whatever C peer sleeps on my word at `offset`."""
+        if _LIBC is not None and _SYS_FUTEX is not None and self._maps:
+            _LIBC.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(self._base + offset), ctypes.c_int(_FUTEX_WAKE),
+                          ctypes.c_int(0x7FFFFFFF), None, None, ctypes.c_int(0))
+
+    def _failed(self, b: int, label: str) -> str:
+        return f"rdmatensor shm all-reduce of {label} (bucket {b}) not done: {self._why}"
+
+    def _unmap(self) -> None:
+        self._words, self._states = [], []
+        for m in self._maps:
+            try:
+                m.close()
+            except BufferError:     # a view still held (a traceback's frame): unmapped when it goes
+                pass
+        self._maps = []
+
+
+def _dtype_name(code: int) -> str:
+    return next((str(d) for d, c in contract.DTYPES.items() if c == code), "an unknown dtype")
+
+
+def _op_name(code: int) -> str:
+    return next((o for o, c in OPS.items() if c == code), "an unknown op")
+
