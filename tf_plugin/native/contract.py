@@ -15,6 +15,8 @@ scale, in the same order (a difference raises ShmMismatch on every rank).
   number of ranks for an average, as tf_plugin/core/scaling.py multiplies
   (float32 by the factor rounded to float32, integers in double truncated).
   Nothing is multiplied when the factor is 1.
+- `allreduce_many(buckets, arrays, op, scale, labels)`: several, in order (the
+  C executor queues them all, then runs them in waves).
 - `abort(why)`: every wait wakes; the running and later all-reduces raise
   ShmAborted, and the peers see this rank aborted (ShmPeerAborted) at once.
 - `close()`: abort, then let go of the memory. Arrays already returned stay
@@ -114,6 +116,12 @@ class ShmGroup(ABC):
     def allreduce(self, bucket: int, array, op: str = "sum", scale: float = 1.0, label: str | None = None
                   ) -> np.ndarray:
         """The ranks' `array`s combined (a new array of its shape and dtype)."""
+
+    def allreduce_many(self, buckets, arrays, op: str = "sum", scale: float = 1.0, labels=None) -> list:
+        """Several all-reduces in this order, as allreduce would run them one by one
+        (the C executor queues them all first and runs them in waves)."""
+        labels = list(labels) if labels is not None else [None] * len(arrays)
+        return [self.allreduce(b, a, op, scale, lab) for b, a, lab in zip(buckets, arrays, labels, strict=True)]
 
     @abstractmethod
     def abort(self, why: str = "aborted by the caller") -> None:

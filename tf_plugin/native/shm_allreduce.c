@@ -19,7 +19,8 @@
  * loads of them: every write of call k (data, descriptor) is visible to whoever
  * sees the sequence number k.
  *
- * Waits spin for SPIN_SECONDS, then sleep in futex waits on the peer's sequence
+ * Waits spin for SPIN_SECONDS, then yield the core until YIELD_SECONDS (a peer
+ * sharing this core runs then), then sleep in futex waits on the peer's sequence
  * word (its low 32 bits), in slices of at most SLICE_SECONDS, checking between
  * slices this group's abort, the peer's state word and the timeout. A sleeper
  * sets its segment's `sleeping` word first; a publisher, after its store, reads
@@ -36,6 +37,7 @@
 #include <limits.h>
 #include <linux/futex.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -53,7 +55,8 @@
 #define OFF_SLEEPING 128u
 #define OFF_BUCKETS 192u
 #define BUCKET_STRIDE 128u
-#define SPIN_SECONDS 50e-6
+#define SPIN_SECONDS 5e-6
+#define YIELD_SECONDS 1e-3
 #define IDLE_SPIN_SECONDS 50e-6
 #define SLICE_SECONDS 0.05
 
@@ -69,6 +72,9 @@ typedef struct request {
   char label[96];
   rdt_shm_done_fn done;
   void *arg;
+  uint64_t k; /* its call number on its bucket, once step 1 ran */
+  int status;
+  char msg[RDT_SHM_MESSAGE];
 } request;
 
 struct rdt_shm_group {
@@ -82,8 +88,9 @@ struct rdt_shm_group {
   uint64_t *calls; /* calls made per bucket: the executor thread's alone */
   pthread_mutex_t mu;
   pthread_cond_t cv;
-  request *head, *tail;
-  request *running;
+  request *head, *tail; /* queued */
+  request *wave;        /* taken by the executor, not completed yet */
+  unsigned char *in_wave;
   uint64_t next_id;
   int closing;
   _Atomic int queued;
@@ -337,7 +344,12 @@ static int wait_for(rdt_shm_group *g, const request *r, int peer, _Atomic uint64
     if (atomic_load_explicit(seq, memory_order_acquire) >= k) return RDT_SHM_OK;
     if ((i & 31u) == 0) {
       if (atomic_load_explicit(&g->aborted, memory_order_relaxed)) break;
-      if (now_seconds() - start > SPIN_SECONDS) break;
+      double waited = now_seconds() - start;
+      if (waited > YIELD_SECONDS) break;
+      if (waited > SPIN_SECONDS) { /* a peer on this core gets to run */
+        sched_yield();
+        continue;
+      }
     }
     cpu_relax();
   }
@@ -398,54 +410,66 @@ static struct descriptor descriptor_of(const rdt_shm_group *g, int r, uint32_t b
   return d;
 }
 
-static int run(rdt_shm_group *g, request *r, char *msg) {
+/* Step 1 of request r: my input into my `in`, the descriptor, in_seq = k. */
+static void step_in(rdt_shm_group *g, request *r) {
+  const uint32_t b = r->bucket;
+  r->k = ++g->calls[b];
+  if (r->count) memcpy(in_region(g, g->rank, b), r->in, r->count * dtype_size(r->dtype));
+  struct descriptor mine = {r->count, (uint32_t)r->dtype, (uint32_t)r->op, r->scale};
+  memcpy(in_line(g, g->rank, b) + 8, &mine, sizeof mine);
+  publish(g, in_seq(g, g->rank, b), r->k);
+}
+
+/* Step 2: every peer's input, then my slice of the result into my `out`, out_seq = k. */
+static int step_reduce(rdt_shm_group *g, request *r) {
   const uint32_t b = r->bucket;
   const int me = g->rank, n = g->ranks;
   const size_t esize = dtype_size(r->dtype);
-  const uint64_t k = ++g->calls[b];
-  int st;
-
-  /* 1. my input into my `in`, the descriptor, in_seq = k */
-  if (r->count) memcpy(in_region(g, me, b), r->in, r->count * esize);
-  struct descriptor mine = {r->count, (uint32_t)r->dtype, (uint32_t)r->op, r->scale};
-  memcpy(in_line(g, me, b) + 8, &mine, sizeof mine);
-  publish(g, in_seq(g, me, b), k);
-
-  /* 2. every peer's input, then my slice of the result into my `out` */
+  const uint64_t k = r->k;
   double deadline = now_seconds() + g->timeout;
+  int st;
   for (int p = 0; p < n; p++) {
     if (p == me) continue;
-    if ((st = wait_for(g, r, p, in_seq(g, p, b), k, "input", deadline, msg)) != RDT_SHM_OK) return st;
+    if ((st = wait_for(g, r, p, in_seq(g, p, b), k, "input", deadline, r->msg)) != RDT_SHM_OK) return st;
     struct descriptor theirs = descriptor_of(g, p, b);
-    if (theirs.count != mine.count || theirs.dtype != mine.dtype || theirs.op != mine.op ||
-        memcmp(&theirs.scale, &mine.scale, sizeof mine.scale) != 0) {
-      say(msg, RDT_SHM_MESSAGE,
+    if (theirs.count != r->count || theirs.dtype != (uint32_t)r->dtype || theirs.op != (uint32_t)r->op ||
+        memcmp(&theirs.scale, &r->scale, sizeof r->scale) != 0) {
+      say(r->msg, RDT_SHM_MESSAGE,
           "rdmatensor shm all-reduce of %s (bucket %u, call %llu): rank %d all-reduces %llu elements of %s "
           "(%s, scale %g), rank %d %llu elements of %s (%s, scale %g): every rank must call the same "
           "all-reduces in the same order",
           r->label, b, (unsigned long long)k, p, (unsigned long long)theirs.count, dtype_name((int)theirs.dtype),
-          op_name((int)theirs.op), theirs.scale, me, (unsigned long long)mine.count, dtype_name(r->dtype),
+          op_name((int)theirs.op), theirs.scale, me, (unsigned long long)r->count, dtype_name(r->dtype),
           op_name(r->op), r->scale);
       return RDT_SHM_MISMATCH;
     }
   }
   uint64_t lo, hi;
   slice_of(r->count, n, me, &lo, &hi);
-  unsigned char *mine_out = out_region(g, me, b) + lo * esize;
+  unsigned char *mine = out_region(g, me, b) + lo * esize;
   if (hi > lo) {
-    memcpy(mine_out, in_region(g, 0, b) + lo * esize, (hi - lo) * esize);
-    for (int p = 1; p < n; p++) combine(mine_out, in_region(g, p, b) + lo * esize, hi - lo, r->dtype, r->op);
+    memcpy(mine, in_region(g, 0, b) + lo * esize, (hi - lo) * esize);
+    for (int p = 1; p < n; p++) combine(mine, in_region(g, p, b) + lo * esize, hi - lo, r->dtype, r->op);
     double factor = r->op == RDT_SHM_AVERAGE ? r->scale / (double)n : r->scale;
-    if (factor != 1.0) scale_slice(mine_out, hi - lo, r->dtype, factor);
+    if (factor != 1.0) scale_slice(mine, hi - lo, r->dtype, factor);
   }
   publish(g, out_seq(g, me, b), k);
+  return RDT_SHM_OK;
+}
 
-  /* 3. every rank's slice of the result into the output */
-  if (hi > lo) memcpy((unsigned char *)r->out + lo * esize, mine_out, (hi - lo) * esize);
-  deadline = now_seconds() + g->timeout;
+/* Step 3: every rank's slice of the result into the output. */
+static int step_out(rdt_shm_group *g, request *r) {
+  const uint32_t b = r->bucket;
+  const int me = g->rank, n = g->ranks;
+  const size_t esize = dtype_size(r->dtype);
+  uint64_t lo, hi;
+  slice_of(r->count, n, me, &lo, &hi);
+  if (hi > lo) memcpy((unsigned char *)r->out + lo * esize, out_region(g, me, b) + lo * esize, (hi - lo) * esize);
+  double deadline = now_seconds() + g->timeout;
+  int st;
   for (int p = 0; p < n; p++) {
     if (p == me) continue;
-    if ((st = wait_for(g, r, p, out_seq(g, p, b), k, "result", deadline, msg)) != RDT_SHM_OK) return st;
+    if ((st = wait_for(g, r, p, out_seq(g, p, b), r->k, "result", deadline, r->msg)) != RDT_SHM_OK) return st;
     slice_of(r->count, n, p, &lo, &hi);
     if (hi > lo) memcpy((unsigned char *)r->out + lo * esize, out_region(g, p, b) + lo * esize, (hi - lo) * esize);
   }
@@ -453,7 +477,17 @@ static int run(rdt_shm_group *g, request *r, char *msg) {
 }
 
 /* --------------------------------------------------------- the executor */
-static request *next_request(rdt_shm_group *g) {
+/* The executor runs requests in waves: the longest prefix of the queue whose
+ * buckets are distinct (at most MAX_WAVE), step 1 of each, then step 2 of each,
+ * then step 3 of each, completing them in order. A wave waits for a peer about
+ * twice, not twice per request. It keeps the protocol: a bucket's calls stay in
+ * order (one per wave), and no deadlock: every rank runs the same requests in
+ * the same order, a wave's step 2 publishes each result before waiting on the
+ * next request's inputs, and whatever a wait of step 2 or 3 needs from a peer,
+ * the peer publishes before it waits on anything of a later request. */
+#define MAX_WAVE 256
+
+static request *next_wave(rdt_shm_group *g) {
   /* a step submits in bursts: spin a little before sleeping on the condition */
   double start = 0;
   for (unsigned i = 1; atomic_load_explicit(&g->queued, memory_order_acquire) == 0; i++) {
@@ -466,40 +500,64 @@ static request *next_request(rdt_shm_group *g) {
   }
   pthread_mutex_lock(&g->mu);
   while (g->head == NULL && !g->closing) pthread_cond_wait(&g->cv, &g->mu);
-  request *r = g->head;
-  if (r != NULL) {
-    g->head = r->next;
-    if (g->head == NULL) g->tail = NULL;
-    atomic_fetch_sub(&g->queued, 1);
-    g->running = r;
+  request *first = g->head, *last = NULL;
+  int taken = 0;
+  for (request *r = g->head; r != NULL && taken < MAX_WAVE && !g->in_wave[r->bucket]; r = r->next) {
+    g->in_wave[r->bucket] = 1;
+    last = r;
+    taken++;
   }
+  if (last != NULL) {
+    g->head = last->next;
+    if (g->head == NULL) g->tail = NULL;
+    last->next = NULL;
+    atomic_fetch_sub(&g->queued, taken);
+    for (request *r = first; r != NULL; r = r->next) g->in_wave[r->bucket] = 0;
+  } else {
+    first = NULL;
+  }
+  g->wave = first;
   pthread_mutex_unlock(&g->mu);
-  return r;
+  return first;
+}
+
+static void fail(rdt_shm_group *g, request *r, int status) {
+  r->status = status;
+  if (!atomic_load(&g->aborted)) {
+    /* a call left half done puts the ranks out of step: no later one may run */
+    char why[RDT_SHM_MESSAGE];
+    say(why, sizeof why, "another all-reduce of this group failed (%.250s)", r->msg);
+    rdt_shm_group_abort(g, RDT_SHM_ABORTED, why);
+  }
 }
 
 static void *executor(void *arg) {
   rdt_shm_group *g = arg;
-  char msg[RDT_SHM_MESSAGE];
-  request *r;
-  while ((r = next_request(g)) != NULL) {
-    msg[0] = '\0';
-    int st;
-    if (atomic_load(&g->aborted)) {
-      st = aborted_status(g, r, msg);
-    } else {
-      st = run(g, r, msg);
-      if (st != RDT_SHM_OK && !atomic_load(&g->aborted)) {
-        /* a call left half done puts the ranks out of step: no later one may run */
-        char why[RDT_SHM_MESSAGE];
-        say(why, sizeof why, "an earlier all-reduce failed (%.250s)", msg);
-        rdt_shm_group_abort(g, RDT_SHM_ABORTED, why);
-      }
+  request *wave;
+  while ((wave = next_wave(g)) != NULL) {
+    for (request *r = wave; r != NULL; r = r->next) {
+      r->status = RDT_SHM_OK;
+      r->msg[0] = '\0';
+      if (atomic_load(&g->aborted)) r->status = aborted_status(g, r, r->msg);
+      else step_in(g, r);
     }
-    pthread_mutex_lock(&g->mu);
-    g->running = NULL;
-    pthread_mutex_unlock(&g->mu);
-    r->done(r->arg, st, msg);
-    free(r);
+    for (request *r = wave; r != NULL; r = r->next) {
+      if (r->status != RDT_SHM_OK) continue;
+      int st = atomic_load(&g->aborted) ? aborted_status(g, r, r->msg) : step_reduce(g, r);
+      if (st != RDT_SHM_OK) fail(g, r, st);
+    }
+    while (wave != NULL) {
+      request *r = wave;
+      if (r->status == RDT_SHM_OK) {
+        int st = atomic_load(&g->aborted) ? aborted_status(g, r, r->msg) : step_out(g, r);
+        if (st != RDT_SHM_OK) fail(g, r, st);
+      }
+      pthread_mutex_lock(&g->mu);
+      wave = g->wave = r->next;
+      pthread_mutex_unlock(&g->mu);
+      r->done(r->arg, r->status, r->msg);
+      free(r);
+    }
   }
   return NULL;
 }
@@ -517,6 +575,7 @@ static void free_group(rdt_shm_group *g) {
   free(g->bucket_bytes);
   free(g->in_off);
   free(g->calls);
+  free(g->in_wave);
   pthread_mutex_destroy(&g->mu);
   pthread_cond_destroy(&g->cv);
   free(g);
@@ -586,8 +645,9 @@ rdt_shm_group *rdt_shm_group_create(const int *fds, int rank, int ranks, uint32_
   g->bucket_bytes = calloc(buckets ? buckets : 1, sizeof(uint64_t));
   g->in_off = calloc(buckets ? buckets : 1, sizeof(uint64_t));
   g->calls = calloc(buckets ? buckets : 1, sizeof(uint64_t));
+  g->in_wave = calloc(buckets ? buckets : 1, 1);
   g->base = calloc((size_t)ranks, sizeof(unsigned char *));
-  if (!g->bucket_bytes || !g->in_off || !g->calls || !g->base) {
+  if (!g->bucket_bytes || !g->in_off || !g->calls || !g->in_wave || !g->base) {
     say(err, errlen, "out of memory");
     free_group(g);
     return NULL;
@@ -660,33 +720,39 @@ void rdt_shm_group_release(rdt_shm_group *g) {
 }
 
 /* --------------------------------------------------------- submitting */
-uint64_t rdt_shm_group_submit(rdt_shm_group *g, uint32_t bucket, const void *in, void *out, uint64_t count,
-                              int dtype, int op, double scale, const char *label, rdt_shm_done_fn done,
-                              void *arg, char *err, size_t errlen) {
-  const char *name = label && label[0] ? label : "a tensor";
+static int check_request(const rdt_shm_group *g, uint32_t bucket, const void *in, const void *out, uint64_t count,
+                         int dtype, int op, const char *name, char *err, size_t errlen) {
   size_t esize = dtype_size(dtype);
   if (esize == 0) {
     say(err, errlen, "all-reduce of %s: dtype code %d is not one of float32, float64, int32, int64", name, dtype);
-    return 0;
+    return -1;
   }
   if (op < RDT_SHM_SUM || op > RDT_SHM_PRODUCT) {
     say(err, errlen, "all-reduce of %s: op code %d is not one of sum, average, min, max, product", name, op);
-    return 0;
+    return -1;
   }
   if (bucket >= g->buckets) {
     say(err, errlen, "all-reduce of %s: bucket %u does not exist (the group has %u)", name, bucket, g->buckets);
-    return 0;
+    return -1;
   }
   if (count > g->bucket_bytes[bucket] / esize) {
     say(err, errlen, "all-reduce of %s: %llu elements of %s (%llu bytes) do not fit in bucket %u (%llu bytes)", name,
         (unsigned long long)count, dtype_name(dtype), (unsigned long long)(count * esize), bucket,
         (unsigned long long)g->bucket_bytes[bucket]);
-    return 0;
+    return -1;
   }
   if (count && (in == NULL || out == NULL)) {
     say(err, errlen, "all-reduce of %s: no buffer", name);
-    return 0;
+    return -1;
   }
+  return 0;
+}
+
+uint64_t rdt_shm_group_submit(rdt_shm_group *g, uint32_t bucket, const void *in, void *out, uint64_t count,
+                              int dtype, int op, double scale, const char *label, rdt_shm_done_fn done,
+                              void *arg, char *err, size_t errlen) {
+  const char *name = label && label[0] ? label : "a tensor";
+  if (check_request(g, bucket, in, out, count, dtype, op, name, err, errlen) != 0) return 0;
   if (done == NULL) {
     say(err, errlen, "all-reduce of %s: no completion callback", name);
     return 0;
@@ -721,7 +787,8 @@ uint64_t rdt_shm_group_submit(rdt_shm_group *g, uint32_t bucket, const void *in,
 int rdt_shm_group_cancel(rdt_shm_group *g, uint64_t id, const char *why) {
   int pending = 0;
   pthread_mutex_lock(&g->mu);
-  if (g->running && g->running->id == id) pending = 1;
+  for (request *r = g->wave; r && !pending; r = r->next)
+    if (r->id == id) pending = 1;
   for (request *r = g->head; r && !pending; r = r->next)
     if (r->id == id) pending = 1;
   pthread_mutex_unlock(&g->mu);
@@ -732,34 +799,94 @@ int rdt_shm_group_cancel(rdt_shm_group *g, uint64_t id, const char *why) {
 struct sync_wait {
   pthread_mutex_t mu;
   pthread_cond_t cv;
-  int done, status;
+  int left, status; /* status: the first failure's */
   char *msg;
   size_t msglen;
 };
 
+struct sync_ticket {
+  struct sync_wait *w;
+  int *status; /* where this request's status goes, or NULL */
+};
+
 static void sync_done(void *arg, int status, const char *message) {
-  struct sync_wait *w = arg;
+  struct sync_ticket *t = arg;
+  struct sync_wait *w = t->w;
+  if (t->status) *t->status = status;
   pthread_mutex_lock(&w->mu);
-  w->status = status;
-  say(w->msg, w->msglen, "%s", message);
-  w->done = 1;
-  pthread_cond_signal(&w->cv);
+  if (status != RDT_SHM_OK && w->status == RDT_SHM_OK) {
+    w->status = status;
+    say(w->msg, w->msglen, "%s", message);
+  }
+  if (--w->left == 0) pthread_cond_signal(&w->cv);
   pthread_mutex_unlock(&w->mu);
+}
+
+int rdt_shm_group_allreduce_many(rdt_shm_group *g, int m, const uint32_t *buckets, const void *const *ins,
+                                 void *const *outs, const uint64_t *counts, const int *dtypes, int op, double scale,
+                                 const char *const *labels, int *statuses, char *err, size_t errlen) {
+  struct sync_wait w = {.left = 0, .status = RDT_SHM_OK, .msg = err, .msglen = errlen};
+  struct sync_ticket *tickets = calloc(m > 0 ? (size_t)m : 1, sizeof *tickets);
+  if (tickets == NULL) {
+    say(err, errlen, "out of memory");
+    return RDT_SHM_SYSTEM;
+  }
+  pthread_mutex_init(&w.mu, NULL);
+  pthread_cond_init(&w.cv, NULL);
+  if (err && errlen) err[0] = '\0';
+  for (int i = 0; i < m; i++) {
+    const char *name = labels && labels[i] && labels[i][0] ? labels[i] : "a tensor";
+    if (check_request(g, buckets[i], ins[i], outs[i], counts[i], dtypes[i], op, name, err, errlen) != 0) {
+      for (int j = 0; statuses && j < m; j++) statuses[j] = j == i ? RDT_SHM_INVALID : -1;
+      pthread_mutex_destroy(&w.mu);
+      pthread_cond_destroy(&w.cv);
+      free(tickets);
+      return RDT_SHM_INVALID; /* nothing was queued */
+    }
+  }
+  int refused = RDT_SHM_OK;
+  pthread_mutex_lock(&w.mu);
+  for (int i = 0; i < m; i++) {
+    tickets[i].w = &w;
+    tickets[i].status = statuses ? &statuses[i] : NULL;
+    w.left++;
+    pthread_mutex_unlock(&w.mu);
+    uint64_t id = rdt_shm_group_submit(g, buckets[i], ins[i], outs[i], counts[i], dtypes[i], op, scale,
+                                       labels ? labels[i] : NULL, sync_done, &tickets[i], err, errlen);
+    pthread_mutex_lock(&w.mu);
+    if (id == 0) { /* out of memory: the ranks fall out of step, so abort */
+      w.left--;
+      refused = RDT_SHM_INVALID;
+      if (statuses)
+        for (int j = i; j < m; j++) statuses[j] = RDT_SHM_INVALID;
+      pthread_mutex_unlock(&w.mu);
+      if (i > 0) rdt_shm_group_abort(g, RDT_SHM_ABORTED, "a later all-reduce of the same call was refused");
+      pthread_mutex_lock(&w.mu);
+      break;
+    }
+  }
+  while (w.left > 0) pthread_cond_wait(&w.cv, &w.mu);
+  pthread_mutex_unlock(&w.mu);
+  pthread_mutex_destroy(&w.mu);
+  pthread_cond_destroy(&w.cv);
+  free(tickets);
+  return refused != RDT_SHM_OK ? refused : w.status;
 }
 
 int rdt_shm_group_allreduce(rdt_shm_group *g, uint32_t bucket, const void *in, void *out, uint64_t count,
                             int dtype, int op, double scale, const char *label, char *err, size_t errlen) {
-  struct sync_wait w = {.done = 0, .status = RDT_SHM_OK, .msg = err, .msglen = errlen};
+  struct sync_wait w = {.left = 1, .status = RDT_SHM_OK, .msg = err, .msglen = errlen};
+  struct sync_ticket t = {&w, NULL};
   pthread_mutex_init(&w.mu, NULL);
   pthread_cond_init(&w.cv, NULL);
   if (err && errlen) err[0] = '\0';
-  if (rdt_shm_group_submit(g, bucket, in, out, count, dtype, op, scale, label, sync_done, &w, err, errlen) == 0) {
+  if (rdt_shm_group_submit(g, bucket, in, out, count, dtype, op, scale, label, sync_done, &t, err, errlen) == 0) {
     pthread_mutex_destroy(&w.mu);
     pthread_cond_destroy(&w.cv);
     return RDT_SHM_INVALID;
   }
   pthread_mutex_lock(&w.mu);
-  while (!w.done) pthread_cond_wait(&w.cv, &w.mu);
+  while (w.left > 0) pthread_cond_wait(&w.cv, &w.mu);
   pthread_mutex_unlock(&w.mu);
   pthread_mutex_destroy(&w.mu);
   pthread_cond_destroy(&w.cv);

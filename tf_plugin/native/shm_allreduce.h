@@ -107,6 +107,14 @@ uint64_t rdt_shm_group_submit(rdt_shm_group *g, uint32_t bucket, const void *in,
 int rdt_shm_group_allreduce(rdt_shm_group *g, uint32_t bucket, const void *in, void *out, uint64_t count,
                             int dtype, int op, double scale, const char *label, char *err, size_t errlen);
 
+/* m all-reduces of one op and scale, all submitted, then all waited for (they
+ * run in waves): the first failure's status (and message in err), statuses[i]
+ * each one's when not NULL. A bad request (RDT_SHM_INVALID) refuses them all,
+ * before any is queued. */
+int rdt_shm_group_allreduce_many(rdt_shm_group *g, int m, const uint32_t *buckets, const void *const *ins,
+                                 void *const *outs, const uint64_t *counts, const int *dtypes, int op, double scale,
+                                 const char *const *labels, int *statuses, char *err, size_t errlen);
+
 /* Breaks the group: every wait wakes, the running and queued requests and every
  * later one fail with `status` (RDT_SHM_ABORTED, RDT_SHM_CANCELLED, RDT_SHM_CLOSED...),
  * and the peers see this rank's segment as aborted. The first abort wins. */

@@ -38,6 +38,11 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.rdt_shm_group_allreduce.argtypes = [_P, _U32, _P, _P, _U64, _INT, _INT, _DBL, _STR, ctypes.c_char_p,
                                                 ctypes.c_size_t]
         lib.rdt_shm_group_allreduce.restype = _INT
+        lib.rdt_shm_group_allreduce_many.argtypes = [_P, _INT, ctypes.POINTER(_U32), ctypes.POINTER(_P),
+                                                     ctypes.POINTER(_P), ctypes.POINTER(_U64), ctypes.POINTER(_INT),
+                                                     _INT, _DBL, ctypes.POINTER(_STR), ctypes.POINTER(_INT),
+                                                     ctypes.c_char_p, ctypes.c_size_t]
+        lib.rdt_shm_group_allreduce_many.restype = _INT
         lib.rdt_shm_group_abort.argtypes = [_P, _INT, _STR]
         lib.rdt_shm_group_abort.restype = None
         lib.rdt_shm_group_status.argtypes = [_P]
@@ -94,6 +99,38 @@ class CGroup(ShmGroup):
         if status:
             raise error_for(status, err.value.decode(errors="replace"))
         return out
+
+    def allreduce_many(self, buckets, arrays, op: str = "sum", scale: float = 1.0, labels=None) -> list:
+        arrays = [np.ascontiguousarray(a) for a in arrays]
+        buckets = [int(b) for b in buckets]
+        m = len(arrays)
+        labels = [lab or "a tensor" for lab in (labels if labels is not None else [None] * m)]
+        if len(buckets) != m or len(labels) != m:
+            raise contract.ShmInvalid(f"{m} arrays, {len(buckets)} buckets, {len(labels)} labels")
+        for b, a, lab in zip(buckets, arrays, labels, strict=True):
+            check_args(self.bucket_bytes, b, a, op, lab)
+        outs = [np.empty_like(a) for a in arrays]
+        err = ctypes.create_string_buffer(MESSAGE)
+        size = max(1, m)
+        args = ((_U32 * size)(*buckets), (_P * size)(*[a.ctypes.data for a in arrays]),
+                (_P * size)(*[o.ctypes.data for o in outs]), (_U64 * size)(*[a.size for a in arrays]),
+                (_INT * size)(*[DTYPES[a.dtype] for a in arrays]))
+        names = (_STR * size)(*[lab.encode() for lab in labels])
+        statuses = (_INT * size)()
+        with self._busy:
+            if self._closed:
+                raise contract.ShmClosed("rdmatensor shm all-reduce: the group was closed")
+            self._calls += 1
+        try:
+            status = self.lib.rdt_shm_group_allreduce_many(self.handle, m, *args, OPS[op], float(scale), names,
+                                                           statuses, err, MESSAGE)
+        finally:
+            with self._busy:
+                self._calls -= 1
+                self._busy.notify_all()
+        if status:
+            raise error_for(status, err.value.decode(errors="replace"))
+        return outs
 
     def abort(self, why: str = "aborted by the caller") -> None:
         with self._busy:
