@@ -175,7 +175,19 @@ def build(kind: str = "ops", package_dir: Path = HERE, directory: Path | None = 
             tmp_meta = Path(scratch) / "meta.json"
             tmp_meta.write_text(json.dumps(record, indent=1) + "\n")
             os.replace(tmp_meta, meta)
+        _prune(where, step)
     return Built(path, False, seconds, step["key"], step["tensorflow"])
+
+
+def _prune(where: Path, step: dict) -> None:
+    """Drop the libraries of this kind and TensorFlow version built from other sources or flags
+    (a process that loaded one keeps its mapping)."""
+    stem = step["name"].rsplit("-", 1)[0] + "-"
+    for old in where.glob(stem + "*"):
+        key = old.name[len(stem):].split(".")[0]
+        if key != step["key"][:16] and old.suffix in (".so", ".json"):
+            old.unlink(missing_ok=True)
+            (where / f".lock-{key}").unlink(missing_ok=True)
 
 
 _built: dict = {}

@@ -1,0 +1,599 @@
+"""The native all-reduce on one host over shared memory (tf_plugin/native): the C
+executor and its Python twin against numpy, bit for bit, and against each other
+(a C rank and a twin rank in one group); the TensorFlow ops eagerly and inside
+tf.function, with several buckets launched before their completions; the
+gradient; a peer that never arrives, an abort, a cancelled step, a group closed
+under a traced graph; RDMATENSOR_TF_OPS; the build cache.
+
+The ranks are real processes (this file, run as a worker), started once for the
+module with TensorFlow imported and the op library built (once: they build it
+together under the cache's lock) and loaded; the test process relays the
+segments' descriptors between them (socket.send_fds) and drives them. No mocks.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import pickle
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tf_plugin.core import scaling  # noqa: E402
+from tf_plugin.native import build, contract, segment, shm_c, shm_twin  # noqa: E402
+
+DTYPES = ("float32", "float64", "int32", "int64")
+OPS = ("sum", "average", "min", "max", "product")
+UFUNCS = {"sum": np.add, "average": np.add, "min": np.minimum, "max": np.maximum, "product": np.multiply}
+SIZES = (0, 1, 7, 1000)
+
+
+# ------------------------------------------------------------------ the numbers
+def inputs(seed: int, rank: int, plan) -> list[np.ndarray]:
+    """Rank `rank`'s arrays for `plan` [(bucket, shape, dtype)]: small values, so products stay finite."""
+    rng = np.random.default_rng([seed, rank])
+    out = []
+    for _, shape, dtype in plan:
+        if np.dtype(dtype).kind == "f":
+            out.append((rng.standard_normal(shape) * 3).astype(dtype))
+        else:
+            out.append(rng.integers(-9, 10, shape).astype(dtype))
+    return out
+
+
+def reference(seed: int, ranks: int, plan, op: str, scale: float = 1.0) -> list[np.ndarray]:
+    """numpy's answer: folded in rank order in the dtype, then scaled as core/scaling.py does."""
+    per_rank = [inputs(seed, r, plan) for r in range(ranks)]
+    f = contract.factor(op, scaling.factor(scale), ranks)
+    out = []
+    for i in range(len(plan)):
+        acc = functools.reduce(UFUNCS[op], [per_rank[r][i] for r in range(ranks)]).copy()
+        if f != 1.0:
+            scaling.scale_into(acc, acc, f)
+        out.append(acc)
+    return out
+
+
+def bucket_bytes(plan) -> list[int]:
+    sizes = {}
+    for b, shape, dtype in plan:
+        sizes[b] = max(sizes.get(b, 0), int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize)
+    return [sizes.get(b, 0) for b in range(max(sizes) + 1)]
+
+
+# ------------------------------------------------------------------ framing
+def send_msg(sock: socket.socket, obj) -> None:
+    data = pickle.dumps(obj)
+    sock.sendall(struct.pack("<Q", len(data)) + data)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    chunks = []
+    while n:
+        chunk = sock.recv(min(n, 1 << 20))
+        if not chunk:
+            raise EOFError("the worker went away")
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def recv_msg(sock: socket.socket):
+    (n,) = struct.unpack("<Q", _recv_exact(sock, 8))
+    return pickle.loads(_recv_exact(sock, n))
+
+
+# ------------------------------------------------------------------ the worker's cases
+class Worker:
+    """One rank's process: its groups by name, and the cases the test process asks for."""
+
+    def __init__(self, sock: socket.socket, rank: int):
+        import tensorflow as tf
+
+        from tf_plugin.native import ops
+        self.tf, self.ops, self.sock, self.rank = tf, ops, sock, rank
+        self.groups = {}
+        self.built = ops.native_library()          # builds the op library on first use (one rank builds)
+
+    def make_group(self, name, ranks, bucket_bytes, timeout, kind=None):
+        fd = segment.create_segment(self.rank, ranks, bucket_bytes)
+        fds = segment.exchange(self.sock, self.rank, ranks, fd)
+        try:
+            g = self.ops.group(fds, self.rank, ranks, bucket_bytes, timeout=timeout, name=name, kind=kind)
+        finally:
+            for f in [fd, *fds]:
+                os.close(f)
+        self.groups[name] = g
+        return g.kind
+
+    def close_group(self, name):
+        self.groups.pop(name).close()
+
+    def run(self, name, plan, op, scale, seed, mode, steps=1):
+        """Every all-reduce of `plan`, `steps` times: results as bytes (the last step's)."""
+        tf, ops, g = self.tf, self.ops, self.groups[name]
+        arrays = inputs(seed, self.rank, plan)
+        buckets = [b for b, _, _ in plan]
+        if mode == "contract":             # numpy through the group itself (C executor or twin)
+            for _ in range(steps):
+                out = g.allreduce_many(buckets, arrays, op, scaling.factor(scale))
+        elif mode == "eager":
+            tensors = [tf.constant(a) for a in arrays]
+            for _ in range(steps):
+                out = [ops.allreduce(t, g, b, op, scale).numpy() for t, b in zip(tensors, buckets, strict=True)]
+        else:                              # one tf.function: every launch, then every completion
+            step = tf.function(lambda *xs: ops.allreduce_many(xs, g, buckets, op, scale))
+            tensors = [tf.constant(a) for a in arrays]
+            for _ in range(steps):
+                out = [t.numpy() for t in step(*tensors)]
+        return [(o.dtype.str, o.shape, o.tobytes()) for o in out]
+
+    def gradient(self, name, mode):
+        """d/dx of sum(c_rank * allreduce(x * x)) = 2 x * sum over ranks of c (x = rank + 1)."""
+        tf, ops, g = self.tf, self.ops, self.groups[name]
+        x = tf.Variable(np.full(5, self.rank + 1.0, np.float32))
+        c = tf.constant(np.arange(5, dtype=np.float32) + 10.0 * self.rank)
+
+        def grad():
+            with tf.GradientTape() as tape:
+                y = ops.allreduce(x * x, g, 0, "sum")
+                loss = tf.reduce_sum(c * y)
+            return y, tape.gradient(loss, x)
+        y, dx = tf.function(grad)() if mode == "function" else grad()
+        return y.numpy().tolist(), dx.numpy().tolist()
+
+    def expect_error(self, name, after_abort=None, cancel=False):
+        """One all-reduce that cannot complete (the peer never calls): the TensorFlow
+        error type, its message and how long it took."""
+        tf, ops, g = self.tf, self.ops, self.groups[name]
+        x = tf.constant(np.ones(8, np.float32))
+        if after_abort is not None:
+            threading.Timer(after_abort, g.abort).start()
+        started = time.monotonic()
+        try:
+            if cancel:
+                def boom(a):
+                    time.sleep(0.3)
+                    raise ValueError("another op of the step failed")
+
+                @tf.function
+                def step(t):
+                    y = ops.allreduce(t, g, 0)
+                    z = tf.numpy_function(boom, [t], tf.float32, stateful=False)   # not chained to the all-reduce
+                    return y, z
+                step(x)
+            else:
+                ops.allreduce(x, g, 0).numpy()
+        except tf.errors.OpError as exc:
+            return type(exc).__name__, exc.message, time.monotonic() - started
+        return None, "", time.monotonic() - started
+
+    def held_after_close(self, name):
+        """An output still held after its group is closed keeps its values."""
+        tf, ops, g = self.tf, self.ops, self.groups.pop(name)
+        y = ops.allreduce(tf.constant(np.arange(1000, dtype=np.float64)), g, 0, "sum")
+        before = y.numpy().copy()
+        g.close()
+        import gc
+        gc.collect()
+        junk = [np.full(1 << 16, 7.0) for _ in range(64)]       # reuse freed memory, if any was freed
+        del junk
+        return before.tolist() == y.numpy().tolist(), y.numpy()[:3].tolist()
+
+    def closed_under_graph(self, name):
+        """A traced function over a group closed since: a clear FailedPrecondition."""
+        tf, ops, g = self.tf, self.ops, self.groups.pop(name)
+        f = tf.function(lambda t: ops.allreduce(t, g, 0))
+        x = tf.constant(np.ones(4, np.float32))
+        first = f(x).numpy().tolist()
+        g.close()
+        try:
+            f(x)
+        except tf.errors.OpError as exc:
+            return first, type(exc).__name__, exc.message
+        return first, None, ""
+
+    def env_choice(self, value):
+        """The group RDMATENSOR_TF_OPS=value makes (a 1-rank group), or the error's type and message."""
+        old = os.environ.get(build.ENV)
+        os.environ[build.ENV] = value
+        try:
+            fd = segment.create_segment(0, 1, [64])
+            try:
+                g = self.ops.group([fd], 0, 1, [64], timeout=5.0)
+            finally:
+                os.close(fd)
+            y = self.ops.allreduce(self.tf.constant([1.0, 2.0]), g, 0, "average").numpy().tolist()
+            g.close()
+            return g.kind, y
+        except Exception as exc:       # noqa: BLE001 (the type is the answer)
+            return type(exc).__name__, str(exc)
+        finally:
+            if old is None:
+                os.environ.pop(build.ENV, None)
+            else:
+                os.environ[build.ENV] = old
+
+    def version_refused(self):
+        lib = self.ops.native_library()
+        forged = build.Built(lib.path, True, 0.0, "x", "0.0.0")
+        try:
+            self.ops.NativeLibrary(forged)
+        except build.BuildError as exc:
+            return str(exc)
+        return None
+
+    def pending(self):
+        return self.built.pending() if self.built else None
+
+
+def worker_main(fd: int, rank: int) -> None:
+    sock = socket.socket(fileno=fd)
+    worker = Worker(sock, rank)
+    send_msg(sock, ("ready", worker.built is not None))
+    while True:
+        try:
+            case, kwargs = recv_msg(sock)
+        except EOFError:
+            return
+        try:
+            send_msg(sock, ("ok", getattr(worker, case)(**kwargs)))
+        except BaseException as exc:      # noqa: BLE001 (reported to the test process)
+            send_msg(sock, ("error", type(exc).__name__, str(exc)))
+
+
+# ------------------------------------------------------------------ the test process's side
+class Ranks:
+    """Worker processes, one per rank, driven over socketpairs."""
+
+    def __init__(self, n: int):
+        self.socks, self.procs = [], []
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        env.pop(build.ENV, None)
+        for r in range(n):
+            mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.procs.append(subprocess.Popen([sys.executable, __file__, "--worker", str(theirs.fileno()), str(r)],
+                                               pass_fds=[theirs.fileno()], env=env, cwd=ROOT))
+            theirs.close()
+            self.socks.append(mine)
+        self.native = [self._reply(r, 600) for r in range(n)]
+
+    def _reply(self, r: int, timeout: float):
+        self.socks[r].settimeout(timeout)
+        reply = recv_msg(self.socks[r])
+        if reply[0] == "error":
+            raise AssertionError(f"rank {r}: {reply[1]}: {reply[2]}")
+        return reply[1]
+
+    def call(self, case: str, ranks=(0, 1), timeout: float = 120, **kwargs) -> list:
+        """case(**kwargs) on each of `ranks` at once (a value of kwargs that is a dict keyed
+        by rank gives each rank its own); their results in that order."""
+        for r in ranks:
+            mine = {k: v[r] if isinstance(v, dict) and set(v) >= set(ranks) else v for k, v in kwargs.items()}
+            send_msg(self.socks[r], (case, mine))
+        if case == "make_group":
+            segment.relay([self.socks[r] for r in ranks])
+        return [self._reply(r, timeout) for r in ranks]
+
+    def group(self, name, plan_or_bytes, ranks=(0, 1), timeout=10.0, kind=None) -> list:
+        sizes = plan_or_bytes if isinstance(plan_or_bytes[0], int) else bucket_bytes(plan_or_bytes)
+        return self.call("make_group", ranks, name=name, ranks=len(ranks), bucket_bytes=sizes, timeout=timeout,
+                         kind=kind)
+
+    def close(self):
+        for s in self.socks:
+            s.close()
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    r = Ranks(3)
+    assert r.native == [True, True, True], "the op library did not build or load"
+    yield r
+    r.close()
+
+
+def check(results, seed, n, plan, op, scale=1.0, what=""):
+    want = reference(seed, n, plan, op, scale)
+    for r, got in enumerate(results):
+        for i, ((dt, shape, data), w) in enumerate(zip(got, want, strict=True)):
+            arr = np.frombuffer(data, np.dtype(dt)).reshape(shape)
+            assert arr.dtype == w.dtype and arr.shape == w.shape, (what, r, i)
+            assert arr.tobytes() == w.tobytes(), f"{what}: rank {r}, tensor {i} ({plan[i]}, {op}) differs"
+
+
+# ------------------------------------------------------------------ contract, no TensorFlow
+def _threads(groups, body):
+    out, errors = {}, []
+
+    def run(r):
+        try:
+            out[r] = body(r, groups[r])
+        except BaseException as exc:      # noqa: BLE001
+            errors.append(exc)
+    ts = [threading.Thread(target=run, args=(r,)) for r in range(len(groups))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return [out[r] for r in range(len(groups))]
+
+
+def _groups(kinds, sizes, timeout=5.0):
+    lib = shm_c.bind(__import__("ctypes").CDLL(str(build.build("c").path)))
+    fds = [segment.create_segment(r, len(kinds), sizes) for r in range(len(kinds))]
+    try:
+        return [shm_c.CGroup(lib, fds, r, len(kinds), sizes, timeout) if k == "c"
+                else shm_twin.TwinGroup(fds, r, len(kinds), sizes, timeout) for r, k in enumerate(kinds)]
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+@pytest.mark.parametrize("kinds", [("c", "c"), ("py", "py"), ("c", "py"), ("py", "c", "c")])
+def test_the_twins_agree_with_numpy_bit_for_bit(kinds):
+    """Every dtype and op, sizes 0, 1, odd and 1000, the same bucket twice in a row:
+    the C executor, the twin and a mix of both give numpy's bits (threads of this
+    process as ranks; the TensorFlow tests below use processes)."""
+    n = len(kinds)
+    plan = [(i % 3, (s,), d) for i, (s, d) in enumerate((s, d) for d in DTYPES for s in SIZES)]
+    plan.append((0, (3, 4), "float32"))
+    groups = _groups(kinds, bucket_bytes(plan))
+    try:
+        for seed, op in enumerate(OPS):
+            scale = 0.5 if op in ("sum", "average") else 1.0
+            got = _threads(groups, lambda r, g, seed=seed, op=op, scale=scale: g.allreduce_many(
+                [b for b, _, _ in plan], inputs(seed, r, plan), op, scaling.factor(scale)))
+            check([[(o.dtype.str, o.shape, o.tobytes()) for o in res] for res in got], seed, n, plan, op, scale,
+                  f"{kinds} {op}")
+    finally:
+        for g in groups:
+            g.close()
+
+
+def test_the_contract_refuses_and_breaks_alike():
+    """A bad argument raises ShmInvalid on both, starting nothing; a mismatch
+    raises ShmMismatch on every rank and breaks the group; a timeout names the
+    rank that did not arrive."""
+    for kinds in (("c", "c"), ("py", "py"), ("c", "py")):
+        groups = _groups(kinds, [64, 64], timeout=1.0)
+        try:
+            for g in groups:
+                with pytest.raises(contract.ShmInvalid, match="do not fit in bucket 0"):
+                    g.allreduce(0, np.ones(17, np.float32))
+                with pytest.raises(contract.ShmInvalid, match="bucket 2 does not exist"):
+                    g.allreduce(2, np.ones(1, np.float32))
+            errors = _threads(groups, lambda r, g: _raised(g.allreduce, 1, np.ones(4 + r, np.float32)))
+            assert [type(e) for e in errors] == [contract.ShmMismatch] * 2, errors
+            assert "rank 1 all-reduces 5 elements" in str(errors[0]) and "rank 0 all-reduces 4" in str(errors[1])
+            for g in groups:
+                with pytest.raises(contract.ShmAborted, match="failed"):
+                    g.allreduce(0, np.ones(1, np.float32))
+        finally:
+            for g in groups:
+                g.close()
+        groups = _groups(kinds, [64], timeout=1.0)
+        try:
+            started = time.monotonic()
+            with pytest.raises(contract.ShmTimeout, match="rank 1 did not arrive within 1 s"):
+                groups[0].allreduce(0, np.ones(2, np.float32), label="w0")
+            assert time.monotonic() - started < 3
+        finally:
+            for g in groups:
+                g.close()
+
+
+def _raised(fn, *args):
+    try:
+        fn(*args)
+    except Exception as exc:      # noqa: BLE001
+        return exc
+    return None
+
+
+def test_a_peer_abort_ends_the_wait_at_once():
+    for kinds in (("c", "c"), ("py", "c"), ("c", "py")):
+        groups = _groups(kinds, [64], timeout=20.0)
+        try:
+            threading.Timer(0.2, groups[1].abort).start()
+            started = time.monotonic()
+            with pytest.raises(contract.ShmPeerAborted, match="rank 1 aborted"):
+                groups[0].allreduce(0, np.ones(2, np.float32))
+            assert time.monotonic() - started < 2, kinds
+        finally:
+            for g in groups:
+                g.close()
+
+
+# ------------------------------------------------------------------ TensorFlow, real processes
+def test_ops_eager_and_in_tf_function_bit_identical(ranks):
+    """Every dtype and op through the ops, eagerly and in one tf.function (every
+    launch before any completion, buckets reused within the step), on 2 ranks."""
+    plan = [(i % 4, (s,), d) for i, (s, d) in enumerate((s, d) for d in DTYPES for s in SIZES)]
+    plan += [(0, (2, 3), "float64"), (4, (1 << 20,), "float32")]          # 4 MiB
+    assert ranks.group("ops2", plan) == ["native", "native"]
+    try:
+        for seed, op in enumerate(OPS):
+            scale = 0.7 if op == "average" else 1.0
+            for mode in ("eager", "function"):
+                got = ranks.call("run", name="ops2", plan=plan, op=op, scale=scale, seed=seed, mode=mode, steps=2)
+                check(got, seed, 2, plan, op, scale, f"{mode} {op}")
+    finally:
+        ranks.call("close_group", name="ops2")
+    assert ranks.call("pending") == [0, 0]
+
+
+def test_three_ranks_c_and_twin_together(ranks):
+    """Three processes: two on the C ops, one on the Python twin, in one group: numpy's bits."""
+    plan = [(0, (1000,), "float32"), (1, (7,), "int64"), (0, (1,), "float32"), (2, (0,), "float64"),
+            (3, (1 << 18,), "float64")]
+    kinds = ranks.group("mix3", plan, ranks=(0, 1, 2), kind={0: "native", 1: "python", 2: "native"})
+    assert kinds == ["native", "python", "native"]
+    try:
+        for seed, op in enumerate(("sum", "average", "max")):
+            got = ranks.call("run", (0, 1, 2), name="mix3", plan=plan, op=op, scale=1.0, seed=seed,
+                             mode="function")
+            check(got, seed, 3, plan, op, 1.0, f"3 ranks {op}")
+    finally:
+        ranks.call("close_group", (0, 1, 2), name="mix3")
+
+
+def test_the_gradient_is_the_allreduce_of_the_gradient(ranks):
+    for kind in ("native", "python"):
+        ranks.group(f"grad-{kind}", [64], kind=kind)
+        try:
+            for mode in ("eager", "function"):
+                got = ranks.call("gradient", name=f"grad-{kind}", mode=mode)
+                c_sum = np.arange(5) * 2 + 10.0
+                for r, (y, dx) in enumerate(got):
+                    assert y == [5.0] * 5                       # 1*1 + 2*2
+                    assert dx == (2 * (r + 1) * c_sum).tolist(), (kind, mode, r)
+        finally:
+            ranks.call("close_group", name=f"grad-{kind}")
+
+
+def test_a_peer_that_never_arrives_is_named_within_the_timeout(ranks):
+    for kind in ("native", "python"):
+        ranks.group(f"late-{kind}", [64], timeout=1.0, kind=kind)
+        try:
+            (kind_name, message, seconds), = ranks.call("expect_error", (0,), name=f"late-{kind}")
+            assert kind_name == "DeadlineExceededError", (kind, message)
+            assert "rank 1 did not arrive within 1 s" in message and "bucket 0" in message
+            assert 0.9 < seconds < 4
+        finally:
+            ranks.call("close_group", name=f"late-{kind}")
+
+
+def test_abort_fails_the_wait_promptly(ranks):
+    ranks.group("abort", [64], timeout=30.0)
+    try:
+        (kind_name, message, seconds), = ranks.call("expect_error", (0,), name="abort", after_abort=0.3)
+        assert kind_name == "AbortedError" and "aborted by the caller" in message
+        assert seconds < 3
+        # the peer sees it at once too
+        (kind_name, message, seconds), = ranks.call("expect_error", (1,), name="abort")
+        assert kind_name == "UnavailableError" and "rank 0 aborted" in message and seconds < 3
+    finally:
+        ranks.call("close_group", name="abort")
+
+
+def test_a_cancelled_step_ends_the_wait(ranks):
+    """Another op of the step fails after 0.3 s: the all-reduce's wait (timeout 30 s)
+    ends through the step's CancellationManager, and the peer learns it at once."""
+    ranks.group("cancel", [64], timeout=30.0)
+    try:
+        (kind_name, message, seconds), = ranks.call("expect_error", (0,), name="cancel", cancel=True)
+        assert kind_name == "InvalidArgumentError" and "another op of the step failed" in message
+        assert seconds < 5
+        (kind_name, message, seconds), = ranks.call("expect_error", (1,), name="cancel")
+        assert kind_name == "UnavailableError" and "rank 0 aborted" in message and seconds < 3
+    finally:
+        ranks.call("close_group", name="cancel")
+
+
+def test_outputs_outlive_the_group_and_a_closed_group_fails_clearly(ranks):
+    ranks.group("held", [8000])
+    assert ranks.call("held_after_close", name="held") == [(True, [0.0, 2.0, 4.0])] * 2
+    ranks.group("traced", [64])
+    for first, kind_name, message in ranks.call("closed_under_graph", name="traced"):
+        assert first == [2.0] * 4
+        assert kind_name == "FailedPreconditionError" and "is not open in this process" in message
+
+
+def test_rdmatensor_tf_ops_chooses_and_a_bad_value_errors(ranks):
+    assert ranks.call("env_choice", (0,), value="python") == [("python", [1.0, 2.0])]
+    assert ranks.call("env_choice", (0,), value="native") == [("native", [1.0, 2.0])]
+    kind_name, message = ranks.call("env_choice", (0,), value="fast")[0]
+    assert kind_name == "SettingError" and "RDMATENSOR_TF_OPS='fast'" in message
+    assert "built for TensorFlow 0.0.0" in ranks.call("version_refused", (0,))[0]
+
+
+# ------------------------------------------------------------------ the build cache
+def _package(tmp: Path) -> Path:
+    pkg = tmp / "pkg"
+    pkg.mkdir()
+    for name in build.SOURCES["c"]:
+        shutil.copy(build.HERE / name, pkg / name)
+    return pkg
+
+
+def test_build_cache_hit_and_one_library_for_concurrent_builders(tmp_path):
+    pkg = _package(tmp_path)
+    code = ("import sys, json; from tf_plugin.native import build; "
+            f"b = build.build('c', package_dir={str(pkg)!r}, directory={str(tmp_path / 'cache')!r}); "
+            "print(json.dumps([b.cached, str(b.path)]))")
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    results = [__import__("json").loads(p.communicate(timeout=120)[0]) for p in procs]
+    assert sorted(cached for cached, _ in results) == [False, True, True]
+    assert len({path for _, path in results}) == 1
+    assert [p.name for p in (tmp_path / "cache").glob("*.so")] == [Path(results[0][1]).name]
+    again = build.build("c", package_dir=pkg, directory=tmp_path / "cache")
+    assert again.cached and str(again.path) == results[0][1]
+    (pkg / "shm_allreduce.c").write_text((pkg / "shm_allreduce.c").read_text() + "\n/* changed */\n")
+    changed = build.build("c", package_dir=pkg, directory=tmp_path / "cache")
+    assert not changed.cached and changed.path != again.path
+    assert [p.name for p in (tmp_path / "cache").glob("*.so")] == [changed.path.name]    # the stale one pruned
+
+
+def test_build_falls_back_to_xdg_cache_home(tmp_path, monkeypatch):
+    pkg = _package(tmp_path)
+    (pkg / "build").write_text("not a directory")          # unwritable even for root
+    os.chmod(pkg, 0o555)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    try:
+        assert build.cache_dir(pkg) == tmp_path / "xdg" / "rdmatensor"
+        built = build.build("c", package_dir=pkg)
+        assert built.path.parent == tmp_path / "xdg" / "rdmatensor" and built.path.exists()
+    finally:
+        os.chmod(pkg, 0o755)
+
+
+def test_no_compiler_one_line_and_the_twin(tmp_path):
+    code = ("from tf_plugin.native import build; import sys; "
+            "print(build.library('c')); print(build.choice())")
+    env = dict(os.environ, PATH=str(tmp_path), XDG_CACHE_HOME=str(tmp_path / "xdg"))
+    env.pop(build.ENV, None)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.stdout.split() == ["None", "native"]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no C compiler" in lines[0] and "install" in lines[0] and "twin runs" in lines[0]
+
+
+def test_bad_choice_and_framework_free_modules(monkeypatch):
+    monkeypatch.setenv(build.ENV, "Python")
+    assert build.choice() == "python"
+    monkeypatch.setenv(build.ENV, "gpu")
+    with pytest.raises(ValueError, match="give 'native'"):
+        build.choice()
+    code = ("import sys; import tf_plugin.native, tf_plugin.native.contract, tf_plugin.native.segment, "
+            "tf_plugin.native.shm_twin, tf_plugin.native.shm_c, tf_plugin.native.build; "
+            "print(sorted(m for m in ('tensorflow', 'keras') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "[]", proc.stderr
+
+
+if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--worker":
+    worker_main(int(sys.argv[2]), int(sys.argv[3]))
