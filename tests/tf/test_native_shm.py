@@ -107,11 +107,11 @@ class Worker:
         self.groups = {}
         self.built = ops.native_library()          # builds the op library on first use (one rank builds)
 
-    def make_group(self, name, ranks, bucket_bytes, timeout, kind=None):
-        fd = segment.create_segment(self.rank, ranks, bucket_bytes)
-        fds = segment.exchange(self.sock, self.rank, ranks, fd)
+    def make_group(self, name, size, bucket_bytes, timeout, kind=None):
+        fd = segment.create_segment(self.rank, size, bucket_bytes)
+        fds = segment.exchange(self.sock, self.rank, size, fd)
         try:
-            g = self.ops.group(fds, self.rank, ranks, bucket_bytes, timeout=timeout, name=name, kind=kind)
+            g = self.ops.group(fds, self.rank, size, bucket_bytes, timeout=timeout, name=name, kind=kind)
         finally:
             for f in [fd, *fds]:
                 os.close(f)
@@ -247,7 +247,8 @@ def worker_main(fd: int, rank: int) -> None:
         try:
             case, kwargs = recv_msg(sock)
         except EOFError:
-            return
+            sys.stdout.flush()
+            os._exit(0)             # no TensorFlow teardown: seconds on a busy host
         try:
             send_msg(sock, ("ok", getattr(worker, case)(**kwargs)))
         except BaseException as exc:      # noqa: BLE001 (reported to the test process)
@@ -278,7 +279,7 @@ class Ranks:
             raise AssertionError(f"rank {r}: {reply[1]}: {reply[2]}")
         return reply[1]
 
-    def call(self, case: str, ranks=(0, 1), timeout: float = 120, **kwargs) -> list:
+    def call(self, case: str, ranks=(0, 1), wait: float = 120, **kwargs) -> list:
         """case(**kwargs) on each of `ranks` at once (a value of kwargs that is a dict keyed
         by rank gives each rank its own); their results in that order."""
         for r in ranks:
@@ -286,11 +287,11 @@ class Ranks:
             send_msg(self.socks[r], (case, mine))
         if case == "make_group":
             segment.relay([self.socks[r] for r in ranks])
-        return [self._reply(r, timeout) for r in ranks]
+        return [self._reply(r, wait) for r in ranks]
 
     def group(self, name, plan_or_bytes, ranks=(0, 1), timeout=10.0, kind=None) -> list:
         sizes = plan_or_bytes if isinstance(plan_or_bytes[0], int) else bucket_bytes(plan_or_bytes)
-        return self.call("make_group", ranks, name=name, ranks=len(ranks), bucket_bytes=sizes, timeout=timeout,
+        return self.call("make_group", ranks, name=name, size=len(ranks), bucket_bytes=sizes, timeout=timeout,
                          kind=kind)
 
     def close(self):

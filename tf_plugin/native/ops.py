@@ -56,12 +56,15 @@ class NativeLibrary:
             raise build.BuildError(f"{built.path} was built for TensorFlow {built.tensorflow}, this is "
                                    f"{tf.__version__}")
         self.path = built.path
-        cdll = ctypes.CDLL(str(built.path))       # the same handle tf.load_op_library gets
+        try:     # first: TensorFlow collects the ops that register while it loads the library
+            self.module = tf.load_op_library(str(built.path))
+        except tf.errors.NotFoundError as exc:     # built for another TensorFlow: undefined symbols
+            raise build.BuildError(f"{built.path} does not load: {exc.message[:300]}") from exc
+        cdll = ctypes.CDLL(str(built.path))       # the same handle
         cdll.rdt_tf_version.restype = ctypes.c_char_p
         recorded = cdll.rdt_tf_version().decode()
         if recorded != tf.__version__:
             raise build.BuildError(f"{built.path} records TensorFlow {recorded}, this is {tf.__version__}")
-        self.module = tf.load_op_library(str(built.path))
         self.cdll = shm_c.bind(cdll)
         cdll.rdt_tf_group_add.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
         cdll.rdt_tf_group_add.restype = ctypes.c_int
@@ -245,7 +248,7 @@ def _done_gradient(op, grad):
     """Horovod's gradient of an all-reduce: the same all-reduce of the upstream gradient."""
     attrs = {k: op.get_attr(k) for k in ("group", "bucket", "reduce_op", "scale", "label")}
     attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
-    attrs["label"] = f"{attrs['label'] or op.name}/grad"
+    attrs["label"] = f"{attrs['label'] or getattr(op, 'name', 'allreduce')}/grad"
     lib = native_library()
     if lib is None:
         raise build.BuildError("the gradient of a native all-reduce needs the op library")
