@@ -29,7 +29,7 @@ LAYERS = [
     # the framework-free basics under both the executor and the planner
     {"tf_plugin.core.settings", "tf_plugin.core.buffers", "tf_plugin.core.scaling", "tf_plugin.core.meter",
      "tf_plugin.core.timeline"},
-    {"tf_plugin.executor"},                                     # runs a plan: the ring, the communication thread
+    {"tf_plugin.executor", "tf_plugin.native"},     # runs a plan: the ring, the comm thread, the native all-reduce
     {"tf_plugin.core"},
     {"tf_plugin.graph"},
     {"tf_plugin.horovod"},
