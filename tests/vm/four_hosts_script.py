@@ -81,6 +81,8 @@ def train(mode: str) -> dict:
     per = GLOBAL_BATCH // hvd.size()
     lo = hvd.rank() * per
     for k in range(STEPS):
+        if k < 2:
+            phase(f"step {k} ({mode}) starts")        # the first traces the step
         dist_step(x[k, lo:lo + per], y[k, lo:lo + per])
         local_step(x[k], y[k])
     digests = hvd.allgather_object(digest(model.variables))
