@@ -24,6 +24,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "shm_allreduce.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
@@ -84,49 +85,103 @@ std::shared_ptr<GroupRef> FindGroup(const std::string& name) {
 }
 
 // ---------------------------------------------------------------- requests
+// One launched all-reduce, from its launch to its completion. Its handle is a
+// slot of a table with a generation (no allocation per request once warm, and a
+// stale or forged handle is refused, never followed).
 struct Pending {
   std::mutex mu;
   bool finished = false;
   int status = RDT_SHM_OK;
   std::string message;
-  Tensor input, output;                 // input: kept alive while the executor reads it
-  std::function<void()> waiter;         // the completion's, once it waits
+  Tensor input, output;        // input: kept alive while the executor reads it
   std::weak_ptr<GroupRef> group;
   uint64_t request = 0;
+  const std::string* label = nullptr;
+  // the completion's, once it waits
+  OpKernelContext* ctx = nullptr;
+  AsyncOpKernel::DoneCallback done;
+  CancellationManager* cm = nullptr;
+  CancellationToken token = CancellationManager::kInvalidToken;
+  std::shared_ptr<Pending> self;   // held from submit to the executor's callback
 };
 
-std::mutex pending_mu;
-std::unordered_map<int64_t, std::shared_ptr<Pending>> pendings;
-std::atomic<int64_t> next_handle{1};
+std::mutex slots_mu;
+std::vector<std::shared_ptr<Pending>> slots;
+std::vector<uint32_t> slot_generation;
+std::vector<uint32_t> free_slots;
+long launched = 0;
+
+int64_t Put(std::shared_ptr<Pending> p) {
+  std::lock_guard<std::mutex> l(slots_mu);
+  uint32_t i;
+  if (!free_slots.empty()) {
+    i = free_slots.back();
+    free_slots.pop_back();
+  } else {
+    i = static_cast<uint32_t>(slots.size());
+    slots.emplace_back();
+    slot_generation.push_back(0);
+  }
+  slots[i] = std::move(p);
+  launched++;
+  return (static_cast<int64_t>(++slot_generation[i] & 0x7fffffff) << 32) | i;
+}
 
 std::shared_ptr<Pending> Take(int64_t handle) {
-  std::lock_guard<std::mutex> l(pending_mu);
-  auto it = pendings.find(handle);
-  if (it == pendings.end()) return nullptr;
-  auto p = std::move(it->second);
-  pendings.erase(it);
+  const uint32_t i = static_cast<uint32_t>(handle & 0xffffffff);
+  const uint32_t generation = static_cast<uint32_t>(handle >> 32);
+  std::lock_guard<std::mutex> l(slots_mu);
+  if (handle < 0 || i >= slots.size() || slots[i] == nullptr || (slot_generation[i] & 0x7fffffff) != generation)
+    return nullptr;
+  std::shared_ptr<Pending> p = std::move(slots[i]);
+  slots[i] = nullptr;
+  free_slots.push_back(i);
+  launched--;
   return p;
 }
 
-struct Ticket {
-  std::shared_ptr<Pending> p;
-};
+absl::Status StatusOf(int status, const std::string& message);
 
-void OnDone(void* arg, int status, const char* message) {  // the executor thread
-  std::unique_ptr<Ticket> t(static_cast<Ticket*>(arg));
-  std::function<void()> waiter;
-  {
-    std::lock_guard<std::mutex> l(t->p->mu);
-    t->p->finished = true;
-    t->p->status = status;
-    t->p->message = message ? message : "";
-    waiter = std::move(t->p->waiter);
-    t->p->waiter = nullptr;
+// The completion's end: the output or the error, then TensorFlow's `done`.
+void Finish(Pending* p) {
+  if (p->cm != nullptr && p->token != CancellationManager::kInvalidToken) {
+    p->cm->DeregisterCallback(p->token);  // waits for a cancellation callback running now: it reads p
   }
-  if (waiter) waiter();
+  OpKernelContext* ctx = p->ctx;
+  if (p->status == RDT_SHM_OK) {
+    ctx->set_output(0, p->output);
+  } else {
+    ctx->SetStatus(StatusOf(p->status, p->message));
+  }
+  p->input = Tensor();
+  AsyncOpKernel::DoneCallback done = std::move(p->done);
+  p->done = nullptr;
+  done();
 }
 
-absl::Status StatusOf(int status, const std::string& message) {
+void OnDone(void* arg, int status, const char* message) {  // the executor thread
+  Pending* p = static_cast<Pending*>(arg);
+  std::shared_ptr<Pending> keep;
+  bool waiting;
+  {
+    std::lock_guard<std::mutex> l(p->mu);
+    keep = std::move(p->self);
+    p->finished = true;
+    p->status = status;
+    if (status != RDT_SHM_OK) p->message = message ? message : "";
+    waiting = p->ctx != nullptr;
+  }
+  if (waiting) Finish(p);
+}
+
+void Cancel(Pending* p) {
+  if (auto g = p->group.lock()) {
+    std::string why = "the step was cancelled (another op failed) while all-reducing " + *p->label;
+    rdt_shm_group_cancel(g->g, p->request, why.c_str());
+  }
+}
+
+absl::Status StatusOf(int status, const std::string& message) {  // NOLINT
   switch (status) {
     case RDT_SHM_OK: return absl::OkStatus();
     case RDT_SHM_INVALID: return errors::InvalidArgument(message);
@@ -196,29 +251,27 @@ class LaunchOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_temp(in.dtype(), in.shape(), &p->output));
     p->input = in;
     p->group = group;
-    const int64_t handle = next_handle.fetch_add(1);
-    {
-      std::lock_guard<std::mutex> l(pending_mu);
-      pendings[handle] = p;
-    }
+    p->label = &a_.label;
+    p->self = p;
+    Pending* raw = p.get();
+    const int64_t handle = Put(std::move(p));
     char err[RDT_SHM_MESSAGE] = {0};
-    auto* ticket = new Ticket{p};
     const void* src = in.tensor_data().data();
-    void* dst = const_cast<char*>(p->output.tensor_data().data());
+    void* dst = const_cast<char*>(raw->output.tensor_data().data());
+    std::unique_lock<std::mutex> l(raw->mu);   // the request id is in place before the executor's callback reads p
     uint64_t request = rdt_shm_group_submit(group->g, static_cast<uint32_t>(a_.bucket), src, dst,
                                             static_cast<uint64_t>(in.NumElements()), dtype, OpCode(a_.op),
-                                            static_cast<double>(a_.scale), a_.label.c_str(), OnDone, ticket, err,
+                                            static_cast<double>(a_.scale), a_.label.c_str(), OnDone, raw, err,
                                             sizeof err);
     if (request == 0) {
-      delete ticket;
+      raw->self = nullptr;
+      l.unlock();
       Take(handle);
       ctx->SetStatus(errors::InvalidArgument(err));
       return;
     }
-    {
-      std::lock_guard<std::mutex> l(p->mu);
-      p->request = request;
-    }
+    raw->request = request;
+    l.unlock();
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
     out->scalar<int64_t>()() = handle;
@@ -242,42 +295,30 @@ class DoneOp : public AsyncOpKernel {
                       errors::InvalidArgument("all-reduce of ", a_.label, ": handle ", handle,
                                               " is unknown (completed already, or never launched)"),
                       done);
-    CancellationManager* cm = ctx->cancellation_manager();
-    CancellationToken token = CancellationManager::kInvalidToken;
-    uint64_t request;
-    {
-      std::lock_guard<std::mutex> l(p->mu);
-      request = p->request;
-    }
-    const std::string why = "the step was cancelled (another op failed) while all-reducing " + a_.label;
-    if (cm != nullptr) {
-      token = cm->get_cancellation_token();
-      std::weak_ptr<GroupRef> weak = p->group;
-      bool registered = cm->RegisterCallback(token, [weak, request, why] {
-        if (auto g = weak.lock()) rdt_shm_group_cancel(g->g, request, why.c_str());
-      });
-      if (!registered) {  // cancelled already
-        token = CancellationManager::kInvalidToken;
-        if (auto g = p->group.lock()) rdt_shm_group_cancel(g->g, request, why.c_str());
-      }
-    }
-    std::function<void()> finish = [ctx, p, cm, token, done = std::move(done)]() {
-      if (cm != nullptr && token != CancellationManager::kInvalidToken) cm->TryDeregisterCallback(token);
-      if (p->status == RDT_SHM_OK) {
-        ctx->set_output(0, p->output);
-      } else {
-        ctx->SetStatus(StatusOf(p->status, p->message));
-      }
-      p->input = Tensor();
-      done();
-    };
     std::unique_lock<std::mutex> l(p->mu);
-    if (p->finished) {
+    if (p->finished) {             // the usual case once the executor is ahead: no wait, no cancellation
       l.unlock();
-      finish();
+      p->ctx = ctx;
+      p->done = std::move(done);
+      Finish(p.get());
       return;
     }
-    p->waiter = std::move(finish);
+    CancellationManager* cm = ctx->cancellation_manager();
+    bool cancelled = false;
+    if (cm != nullptr) {
+      p->token = cm->get_cancellation_token();
+      Pending* raw = p.get();      // alive until Finish deregisters this callback
+      if (cm->RegisterCallback(p->token, [raw] { Cancel(raw); })) {
+        p->cm = cm;
+      } else {
+        p->token = CancellationManager::kInvalidToken;
+        cancelled = true;          // cancelled already
+      }
+    }
+    p->ctx = ctx;
+    p->done = std::move(done);
+    l.unlock();                    // from here the executor's callback may finish it
+    if (cancelled) Cancel(p.get());
   }
 
  private:
@@ -318,7 +359,7 @@ int rdt_tf_group_remove(const char* name) {
 
 // Launched all-reduces whose completion has not run yet.
 long rdt_tf_pending() {
-  std::lock_guard<std::mutex> l(pending_mu);
-  return static_cast<long>(pendings.size());
+  std::lock_guard<std::mutex> l(slots_mu);
+  return launched;
 }
 }

@@ -55,9 +55,15 @@
 #define OFF_SLEEPING 128u
 #define OFF_BUCKETS 192u
 #define BUCKET_STRIDE 128u
+#ifndef SPIN_SECONDS
 #define SPIN_SECONDS 5e-6
+#endif
+#ifndef YIELD_SECONDS
 #define YIELD_SECONDS 1e-3
+#endif
+#ifndef IDLE_SPIN_SECONDS
 #define IDLE_SPIN_SECONDS 50e-6
+#endif
 #define SLICE_SECONDS 0.05
 
 typedef struct request {
@@ -89,6 +95,7 @@ struct rdt_shm_group {
   pthread_mutex_t mu;
   pthread_cond_t cv;
   request *head, *tail; /* queued */
+  request *spare;       /* completed requests, for reuse (no malloc per request) */
   request *wave;        /* taken by the executor, not completed yet */
   unsigned char *in_wave;
   uint64_t next_id;
@@ -556,7 +563,10 @@ static void *executor(void *arg) {
       wave = g->wave = r->next;
       pthread_mutex_unlock(&g->mu);
       r->done(r->arg, r->status, r->msg);
-      free(r);
+      pthread_mutex_lock(&g->mu);
+      r->next = g->spare;
+      g->spare = r;
+      pthread_mutex_unlock(&g->mu);
     }
   }
   return NULL;
@@ -571,6 +581,11 @@ static void unmap_all(rdt_shm_group *g) {
 
 static void free_group(rdt_shm_group *g) {
   unmap_all(g);
+  while (g->spare != NULL) {
+    request *r = g->spare;
+    g->spare = r->next;
+    free(r);
+  }
   free(g->base);
   free(g->bucket_bytes);
   free(g->in_off);
@@ -757,11 +772,18 @@ uint64_t rdt_shm_group_submit(rdt_shm_group *g, uint32_t bucket, const void *in,
     say(err, errlen, "all-reduce of %s: no completion callback", name);
     return 0;
   }
-  request *r = calloc(1, sizeof *r);
-  if (r == NULL) {
+  pthread_mutex_lock(&g->mu);
+  request *r = g->spare;
+  if (r != NULL) g->spare = r->next;
+  pthread_mutex_unlock(&g->mu);
+  if (r == NULL && (r = malloc(sizeof *r)) == NULL) {
     say(err, errlen, "out of memory");
     return 0;
   }
+  r->next = NULL;
+  r->k = 0;
+  r->status = RDT_SHM_OK;
+  r->msg[0] = '\0';
   r->bucket = bucket;
   r->in = in;
   r->out = out;
@@ -769,7 +791,9 @@ uint64_t rdt_shm_group_submit(rdt_shm_group *g, uint32_t bucket, const void *in,
   r->dtype = dtype;
   r->op = op;
   r->scale = scale;
-  say(r->label, sizeof r->label, "%s", name);
+  size_t len = strnlen(name, sizeof r->label - 1);
+  memcpy(r->label, name, len);
+  r->label[len] = '\0';
   r->done = done;
   r->arg = arg;
   pthread_mutex_lock(&g->mu);

@@ -17,14 +17,13 @@ from .contract import DTYPES, OPS, ShmGroup, check_args, error_for
 MESSAGE = 320
 _P, _U32, _U64, _INT, _DBL, _STR = (ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int, ctypes.c_double,
                                     ctypes.c_char_p)
-_bound: set = set()
 _binding = threading.Lock()
 
 
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     """Declare the executor's functions on `lib` (once)."""
     with _binding:
-        if id(lib) in _bound:
+        if getattr(lib, "_rdt_shm_bound", False):
             return lib
         lib.rdt_shm_segment_bytes.argtypes = [_U32, ctypes.POINTER(_U64)]
         lib.rdt_shm_segment_bytes.restype = _U64
@@ -47,7 +46,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.rdt_shm_group_abort.restype = None
         lib.rdt_shm_group_status.argtypes = [_P]
         lib.rdt_shm_group_status.restype = _INT
-        _bound.add(id(lib))
+        lib._rdt_shm_bound = True
     return lib
 
 

@@ -1,0 +1,200 @@
+"""The toy step of the native all-reduce: what a tensor and a step cost.
+
+    python -m bench.native_step                      # make bench-native
+    python -m bench.native_step --sizes 10,50 --rounds 3 --paths native,twin
+
+Two ranks on this host, each a process: a tf.function step whose N variables of
+256 float32 each are "gradients" (v * 0.5) all-reduced (average) and assigned
+back, four ways:
+
+- `none`: the same step without the all-reduce (TensorFlow's own cost);
+- `native`: tf_plugin.native's ops, every launch then every completion, the C
+  executor over shared memory (no GIL, no Python in the step);
+- `twin`: the same protocol through its Python twin, one tf.numpy_function per tensor;
+- `hvd`: today's `hvd.allreduce` per tensor inside the tf.function (the plugin's
+  launch and wait numpy_functions and its communication thread, over shm).
+
+Rounds are interleaved (every N and path in each round, the order of N rotating),
+each measurement --steps steps after --warmup; ranks meet at a barrier before
+each. Rank 0 prints per path and N the median microseconds per step over the
+rounds with their range, and the least-squares fit of the medians: fixed
+microseconds per step + microseconds per tensor. --json writes them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+PATHS = ("none", "native", "twin", "hvd")
+ELEMENTS = 256
+
+
+def fit(ns: list[int], us: list[float]) -> tuple[float, float]:
+    """Least squares us = fixed + per_tensor * n."""
+    import numpy as np
+    a = np.stack([np.ones(len(ns)), np.asarray(ns, float)], axis=1)
+    (fixed, per), *_ = np.linalg.lstsq(a, np.asarray(us, float), rcond=None)
+    return float(fixed), float(per)
+
+
+def rank_main(rank: int, sock_fd: int, sizes: list[int], paths: list[str], rounds: int, steps: int,
+              warmup: int) -> dict:
+    import numpy as np
+    import tensorflow as tf
+
+    from tf_plugin.native import ops, segment
+    sock = socket.socket(fileno=sock_fd)
+    most = max(sizes)
+    bucket_bytes = [ELEMENTS * 4] * most + [64]              # the last bucket: the barrier's
+    groups = {}
+    for kind in ("native", "python"):
+        fd = segment.create_segment(rank, 2, bucket_bytes)
+        fds = segment.exchange(sock, rank, 2, fd)
+        groups[kind] = ops.group(fds, rank, 2, bucket_bytes, kind=kind, name=f"bench-{kind}")
+        for f in [fd, *fds]:
+            os.close(f)
+    barrier_group, barrier = groups["native"], np.zeros(1, np.float32)
+
+    def meet():
+        barrier_group.allreduce(most, barrier)
+
+    hvd = None
+    if "hvd" in paths:
+        import tf_plugin as hvd
+        hvd.init()
+    rng = np.random.default_rng(rank)
+    variables = [tf.Variable(rng.standard_normal(ELEMENTS).astype(np.float32)) for _ in range(most)]
+
+    def make(path: str, n: int):
+        vs = variables[:n]
+
+        @tf.function
+        def step():
+            grads = [v * 0.5 for v in vs]
+            if path == "none":
+                reduced = grads
+            elif path == "native":
+                reduced = ops.allreduce_many(grads, groups["native"], range(n), "average")
+            elif path == "twin":
+                reduced = ops.allreduce_many(grads, groups["python"], range(n), "average")
+            else:
+                reduced = [hvd.allreduce(g, op=hvd.Average, name=f"g{j}") for j, g in enumerate(grads)]
+            for v, r in zip(vs, reduced, strict=True):
+                v.assign(r * 2.0)
+        return step
+
+    times: dict = {(p, n): [] for p in paths for n in sizes}
+    functions = {}
+    for r in range(rounds):
+        order = sizes[r % len(sizes):] + sizes[:r % len(sizes)]
+        for n in order:
+            for p in paths:
+                f = functions.get((p, n)) or functions.setdefault((p, n), make(p, n))
+                meet()
+                for _ in range(warmup if r else warmup + 2):
+                    f()
+                meet()
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    f()
+                times[(p, n)].append((time.perf_counter() - t0) / steps * 1e6)
+        if rank == 0:
+            print(f"round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
+    meet()
+    for g in groups.values():
+        g.close()
+    if hvd is not None:
+        hvd.shutdown()
+    return {f"{p}:{n}": t for (p, n), t in times.items()}
+
+
+def table(result: dict, sizes: list[int], paths: list[str]) -> tuple[str, dict]:
+    """The markdown table and the figures: per path and N, median and range over the rounds (us per step)."""
+    lines = ["| path | " + " | ".join(f"N={n}" for n in sizes) + " | fixed µs/step | µs/tensor |",
+             "| --- | " + " | ".join("---:" for _ in sizes) + " | ---: | ---: |"]
+    figures = {}
+    for p in paths:
+        meds = [statistics.median(result[f"{p}:{n}"]) for n in sizes]
+        fixed, per = fit(sizes, meds)
+        cells = [f"{m:.0f} ({min(result[f'{p}:{n}']):.0f}–{max(result[f'{p}:{n}']):.0f})"
+                 for m, n in zip(meds, sizes, strict=True)]
+        lines.append(f"| {p} | " + " | ".join(cells) + f" | {fixed:.0f} | {per:.2f} |")
+        figures[p] = {"median_us": dict(zip(map(str, sizes), [round(m, 1) for m in meds], strict=True)),
+                      "rounds_us": {str(n): [round(t, 1) for t in result[f"{p}:{n}"]] for n in sizes},
+                      "fixed_us": round(fixed, 1), "per_tensor_us": round(per, 3)}
+    return "\n".join(lines), figures
+
+
+def launch(args) -> int:
+    """Start the two ranks (hvd.init's TF_CONFIG, shm), relay their segments, print rank 0's table."""
+    from rdmatensor.runner.cluster import free_ports
+    from tf_plugin.native import segment
+    ports = free_ports(2)
+    workers = [f"127.0.0.1:{p}" for p in ports]
+    token = secrets.token_hex(16)
+    procs, socks = [], []
+    for r in range(2):
+        mine, theirs = socket.socketpair()
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", RDMATENSOR_TOKEN=token, RDMATENSOR_PROVIDER="shm",
+                   TF_NUM_INTRAOP_THREADS="1",
+                   TF_CONFIG=json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": r}}))
+        cmd = [sys.executable, "-m", f"{__package__}.native_step", "--rank", str(r), "--sock", str(theirs.fileno()),
+               "--sizes", args.sizes, "--paths", args.paths, "--rounds", str(args.rounds), "--steps",
+               str(args.steps), "--warmup", str(args.warmup)]
+        procs.append(subprocess.Popen(cmd, env=env, pass_fds=[theirs.fileno()], stdout=subprocess.PIPE, text=True))
+        theirs.close()
+        socks.append(mine)
+    for _ in range(2):                      # a native and a twin group, a segment each per rank
+        segment.relay(socks)
+    outs = [p.communicate()[0] for p in procs]
+    for s in socks:
+        s.close()
+    if any(p.returncode for p in procs):
+        print(f"a rank failed: exit codes {[p.returncode for p in procs]}", file=sys.stderr)
+        return 1
+    result = json.loads(outs[0].strip().splitlines()[-1])
+    sizes = [int(n) for n in args.sizes.split(",")]
+    paths = args.paths.split(",")
+    text, figures = table(result, sizes, paths)
+    print(f"2 ranks, {ELEMENTS} float32 per tensor, {args.rounds} rounds of {args.steps} steps "
+          f"(after {args.warmup}); rank 0's µs per step: median (range over the rounds)\n")
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"ranks": 2, "elements": ELEMENTS, "rounds": args.rounds, "steps": args.steps,
+                       "paths": figures}, f, indent=1)
+            f.write("\n")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.native_step", description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="10,50,200,400", help="tensors per step, comma-separated")
+    p.add_argument("--paths", default=",".join(PATHS), help=f"some of {','.join(PATHS)}")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20, help="steps timed together")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--json", help="write the figures here")
+    p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--sock", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    paths = args.paths.split(",")
+    if not set(paths) <= set(PATHS) or args.rounds < 3:
+        p.error(f"--paths: some of {','.join(PATHS)}; --rounds: 3 or more")
+    if args.rank is None:
+        return launch(args)
+    sizes = [int(n) for n in args.sizes.split(",")]
+    result = rank_main(args.rank, args.sock, sizes, paths, args.rounds, args.steps, args.warmup)
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
