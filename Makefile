@@ -72,6 +72,14 @@ bench-ring: setup
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m bench.ring_cpu --models resnet50,vgg16,densenet121,mobilenetv2,lstm_lm \
 	    --providers shm,tcp --json docs/ring-cpu.json
 
+# The native all-reduce's toy step (docs/native-ops.md): 2 ranks on this host, a
+# tf.function all-reducing N variables of 256 float32 (N = 10, 50, 200, 400)
+# through tf_plugin.native's ops, its Python twin and today's hvd.allreduce, in
+# interleaved rounds; medians, ranges and the fit fixed + per tensor (3-6 minutes).
+.PHONY: bench-native
+bench-native: setup
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m bench.native_step --rounds 5
+
 # The step-time model (docs/step-model.md): its predictions for cases the fit
 # never saw against paired measurements on this host, 2 ranks, shm and tcp
 # (about 3 minutes); bench-step-model-fit refits its constants first (about 3).

@@ -117,7 +117,7 @@ def rank_main(rank: int, sock_fd: int, sizes: list[int], paths: list[str], round
 
 def table(result: dict, sizes: list[int], paths: list[str]) -> tuple[str, dict]:
     """The markdown table and the figures: per path and N, median and range over the rounds (us per step)."""
-    lines = ["| path | " + " | ".join(f"N={n}" for n in sizes) + " | fixed µs/step | µs/tensor |",
+    lines = ["| path | " + " | ".join(f"{n} tensors" for n in sizes) + " | fixed µs/step | µs/tensor |",
              "| --- | " + " | ".join("---:" for _ in sizes) + " | ---: | ---: |"]
     figures = {}
     for p in paths:
