@@ -101,10 +101,13 @@ class TwinGroup(ShmGroup):
         if self._aborted or self._closed and not self._maps:
             return
         self._why, self._aborted = why, status
-        self._states[self.rank][0] = status
-        for b in range(len(self.bucket_bytes)):
-            self._wake(self.layout.in_seq(b))
-            self._wake(self.layout.out_seq(b))
+        try:
+            self._states[self.rank][0] = status
+            for b in range(len(self.bucket_bytes)):
+                self._wake(self.layout.in_seq(b))
+                self._wake(self.layout.out_seq(b))
+        except IndexError:      # closed meanwhile (its segment unmapped): nothing left to tell
+            pass
 
     def close(self) -> None:
         if self._closed:
