@@ -34,7 +34,7 @@ if str(ROOT) not in sys.path:
 from tf_plugin.core import scaling  # noqa: E402
 from tf_plugin.native import build, contract, segment, shm_c, shm_twin  # noqa: E402
 
-DTYPES = ("float32", "float64", "int32", "int64")
+DTYPES = ("float32", "float64", "int32", "int64", "float16")
 OPS = ("sum", "average", "min", "max", "product")
 UFUNCS = {"sum": np.add, "average": np.add, "min": np.minimum, "max": np.maximum, "product": np.multiply}
 SIZES = (0, 1, 7, 1000)

@@ -33,7 +33,8 @@ import numpy as np
 
 from rdmatensor.errors import PlanMismatch, RdmaTensorError, Timeout
 
-DTYPES = {np.dtype(np.float32): 1, np.dtype(np.float64): 2, np.dtype(np.int32): 3, np.dtype(np.int64): 4}
+DTYPES = {np.dtype(np.float32): 1, np.dtype(np.float64): 2, np.dtype(np.int32): 3, np.dtype(np.int64): 4,
+          np.dtype(np.float16): 5}
 OPS = {"sum": 1, "average": 2, "min": 3, "max": 4, "product": 5}
 
 OK, INVALID, TIMEOUT, ABORTED, PEER_ABORTED, CANCELLED, MISMATCH, CLOSED, SYSTEM = range(9)
@@ -95,7 +96,8 @@ def factor(op: str, scale: float, ranks: int) -> float:
 def check_args(bucket_bytes, bucket: int, array: np.ndarray, op: str, label: str) -> None:
     """Raise ShmInvalid as the C side refuses a request (the same words)."""
     if array.dtype not in DTYPES:
-        raise ShmInvalid(f"all-reduce of {label}: dtype {array.dtype} is not one of float32, float64, int32, int64")
+        raise ShmInvalid(f"all-reduce of {label}: dtype {array.dtype} is not one of float32, float64, int32, int64, "
+                         "float16")
     if op not in OPS:
         raise ShmInvalid(f"all-reduce of {label}: op {op!r} is not one of sum, average, min, max, product")
     if not 0 <= bucket < len(bucket_bytes):

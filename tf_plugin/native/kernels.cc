@@ -41,7 +41,7 @@ using namespace tensorflow;  // NOLINT
 REGISTER_OP("RdtShmAllreduceLaunch")
     .Input("tensor: T")
     .Output("handle: int64")
-    .Attr("T: {float, double, int32, int64}")
+    .Attr("T: {float, double, int32, int64, half}")
     .Attr("group: string")
     .Attr("bucket: int")
     .Attr("reduce_op: {'sum', 'average', 'min', 'max', 'product'} = 'sum'")
@@ -54,7 +54,7 @@ REGISTER_OP("RdtShmAllreduceDone")
     .Input("handle: int64")
     .Input("tensor: T")
     .Output("reduced: T")
-    .Attr("T: {float, double, int32, int64}")
+    .Attr("T: {float, double, int32, int64, half}")
     .Attr("group: string")
     .Attr("bucket: int")
     .Attr("reduce_op: {'sum', 'average', 'min', 'max', 'product'} = 'sum'")
@@ -201,6 +201,7 @@ int DtypeCode(DataType t) {
     case DT_DOUBLE: return RDT_SHM_FLOAT64;
     case DT_INT32: return RDT_SHM_INT32;
     case DT_INT64: return RDT_SHM_INT64;
+    case DT_HALF: return RDT_SHM_FLOAT16;
     default: return 0;
   }
 }

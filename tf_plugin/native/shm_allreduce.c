@@ -149,6 +149,7 @@ static size_t dtype_size(int dtype) {
     case RDT_SHM_FLOAT64: return 8;
     case RDT_SHM_INT32: return 4;
     case RDT_SHM_INT64: return 8;
+    case RDT_SHM_FLOAT16: return 2;
     default: return 0;
   }
 }
@@ -159,6 +160,7 @@ static const char *dtype_name(int dtype) {
     case RDT_SHM_FLOAT64: return "float64";
     case RDT_SHM_INT32: return "int32";
     case RDT_SHM_INT64: return "int64";
+    case RDT_SHM_FLOAT16: return "float16";
     default: return "an unknown dtype";
   }
 }
@@ -262,13 +264,75 @@ static void slice_of(uint64_t count, int n, int r, uint64_t *lo, uint64_t *hi) {
         break;                                                                            \
     }                                                                                     \
   }
+/* float16 as numpy computes it: each operation in float32, rounded to half
+ * (to nearest, ties to even). With float's 24 bits against half's 11, that
+ * double rounding gives the correctly rounded half result. */
+static inline float half_to_float(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else { /* subnormal: normalize */
+      exp = 113;
+      while (!(mant & 0x400u)) {
+        mant <<= 1;
+        exp--;
+      }
+      bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  }
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+static inline uint16_t float_to_half(float f) {
+  uint32_t x;
+  memcpy(&x, &f, 4);
+  uint32_t sign = (x >> 16) & 0x8000u, abs = x & 0x7fffffffu;
+  if (abs >= 0x7f800000u) { /* inf, NaN (its top payload bits kept, as numpy) */
+    if (abs == 0x7f800000u) return (uint16_t)(sign | 0x7c00u);
+    uint32_t h = 0x7c00u + ((abs & 0x7fffffu) >> 13);
+    return (uint16_t)(sign | (h == 0x7c00u ? h + 1 : h));
+  }
+  if (abs >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* 65520 and above: inf */
+  if (abs < 0x38800000u) {                                     /* below 2^-14: a subnormal half, or 0 */
+    if (abs <= 0x33000000u) return (uint16_t)sign;             /* 2^-25 and below: 0 (ties to even) */
+    uint32_t e = abs >> 23, m = (abs & 0x7fffffu) | 0x800000u, shift = 126 - e;
+    uint32_t h = m >> shift, rem = m & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+    if (rem > halfway || (rem == halfway && (h & 1u))) h++;
+    return (uint16_t)(sign | h);
+  }
+  uint32_t h = (abs >> 13) - (112u << 10), rem = abs & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h++; /* a carry may reach inf: right */
+  return (uint16_t)(sign | h);
+}
+
+static void combine_f16(uint16_t *restrict out, const uint16_t *restrict x, uint64_t n, int op) {
+  for (uint64_t i = 0; i < n; i++) {
+    float a = half_to_float(out[i]), b = half_to_float(x[i]);
+    switch (op) {
+      case RDT_SHM_SUM:
+      case RDT_SHM_AVERAGE: out[i] = float_to_half(a + b); break;
+      case RDT_SHM_PRODUCT: out[i] = float_to_half(a * b); break;
+      case RDT_SHM_MIN: out[i] = (a < b || a != a) ? out[i] : x[i]; break;
+      case RDT_SHM_MAX: out[i] = (a > b || a != a) ? out[i] : x[i]; break;
+    }
+  }
+}
+
 COMBINE_FLOAT(float, f32)
 COMBINE_FLOAT(double, f64)
 COMBINE_INT(int32_t, uint32_t, i32)
 COMBINE_INT(int64_t, uint64_t, i64)
 
 /* As tf_plugin/core/scaling.py: float32 times the factor rounded to float32, in
- * float32; float64 in double; integers in double, truncated toward zero. */
+ * float32; float16 the same, rounded back to half; float64 in double; integers
+ * in double, truncated toward zero. */
 static void scale_slice(void *p, uint64_t n, int dtype, double factor) {
   switch (dtype) {
     case RDT_SHM_FLOAT32: {
@@ -291,6 +355,12 @@ static void scale_slice(void *p, uint64_t n, int dtype, double factor) {
       for (uint64_t i = 0; i < n; i++) x[i] = (int64_t)((double)x[i] * factor);
       break;
     }
+    case RDT_SHM_FLOAT16: { /* in float32, rounded back to half */
+      uint16_t *x = p;
+      float f = (float)factor;
+      for (uint64_t i = 0; i < n; i++) x[i] = float_to_half(half_to_float(x[i]) * f);
+      break;
+    }
   }
 }
 
@@ -300,6 +370,7 @@ static void combine(void *out, const void *x, uint64_t n, int dtype, int op) {
     case RDT_SHM_FLOAT64: combine_f64(out, x, n, op); break;
     case RDT_SHM_INT32: combine_i32(out, x, n, op); break;
     case RDT_SHM_INT64: combine_i64(out, x, n, op); break;
+    case RDT_SHM_FLOAT16: combine_f16(out, x, n, op); break;
   }
 }
 
@@ -739,7 +810,8 @@ static int check_request(const rdt_shm_group *g, uint32_t bucket, const void *in
                          int dtype, int op, const char *name, char *err, size_t errlen) {
   size_t esize = dtype_size(dtype);
   if (esize == 0) {
-    say(err, errlen, "all-reduce of %s: dtype code %d is not one of float32, float64, int32, int64", name, dtype);
+    say(err, errlen, "all-reduce of %s: dtype code %d is not one of float32, float64, int32, int64, float16", name,
+        dtype);
     return -1;
   }
   if (op < RDT_SHM_SUM || op > RDT_SHM_PRODUCT) {

@@ -46,6 +46,7 @@ enum rdt_shm_dtype {
   RDT_SHM_FLOAT64 = 2,
   RDT_SHM_INT32 = 3,
   RDT_SHM_INT64 = 4,
+  RDT_SHM_FLOAT16 = 5,
 };
 
 /* AVERAGE is SUM whose scale is divided by the number of ranks (in double). */
