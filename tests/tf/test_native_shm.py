@@ -133,28 +133,34 @@ class Worker:
             tensors = [tf.constant(a) for a in arrays]
             for _ in range(steps):
                 out = [ops.allreduce(t, g, b, op, scale).numpy() for t, b in zip(tensors, buckets, strict=True)]
-        else:                              # one tf.function: every launch, then every completion
-            step = tf.function(lambda *xs: ops.allreduce_many(xs, g, buckets, op, scale))
+        else:                              # one tf.function: every launch, then the completions
+            together = mode == "function"      # one completion op for all, or one per tensor
+            step = tf.function(lambda *xs: ops.allreduce_many(xs, g, buckets, op, scale, together=together))
             tensors = [tf.constant(a) for a in arrays]
             for _ in range(steps):
                 out = [t.numpy() for t in step(*tensors)]
         return [(o.dtype.str, o.shape, o.tobytes()) for o in out]
 
     def gradient(self, name, mode):
-        """d/dx of sum(c_rank * allreduce(x * x)) = 2 x * sum over ranks of c (x = rank + 1)."""
+        """With x = rank + 1 on each rank: d/dx of sum(c_rank * allreduce(x * x)) = 2 x * sum over
+        ranks of c; with allreduce_many, + sum(allreduce(3 x)) adds 3 * ranks."""
         tf, ops, g = self.tf, self.ops, self.groups[name]
         x = tf.Variable(np.full(5, self.rank + 1.0, np.float32))
         c = tf.constant(np.arange(5, dtype=np.float32) + 10.0 * self.rank)
 
         def grad():
             with tf.GradientTape() as tape:
-                y = ops.allreduce(x * x, g, 0, "sum")
-                loss = tf.reduce_sum(c * y)
+                if mode == "many":
+                    y, z = ops.allreduce_many([x * x, 3.0 * x], g, [0, 1], "sum")
+                    loss = tf.reduce_sum(c * y) + tf.reduce_sum(z)
+                else:
+                    y = ops.allreduce(x * x, g, 0, "sum")
+                    loss = tf.reduce_sum(c * y)
             return y, tape.gradient(loss, x)
-        y, dx = tf.function(grad)() if mode == "function" else grad()
+        y, dx = grad() if mode == "eager" else tf.function(grad)()
         return y.numpy().tolist(), dx.numpy().tolist()
 
-    def expect_error(self, name, after_abort=None, cancel=False):
+    def expect_error(self, name, after_abort=None, cancel=False, many=False):
         """One all-reduce that cannot complete (the peer never calls): the TensorFlow
         error type, its message and how long it took."""
         tf, ops, g = self.tf, self.ops, self.groups[name]
@@ -170,7 +176,7 @@ class Worker:
 
                 @tf.function
                 def step(t):
-                    y = ops.allreduce(t, g, 0)
+                    y = ops.allreduce_many([t, 2 * t], g, [0, 0]) if many else ops.allreduce(t, g, 0)
                     z = tf.numpy_function(boom, [t], tf.float32, stateful=False)   # not chained to the all-reduce
                     return y, z
                 step(x)
@@ -439,7 +445,8 @@ def test_ops_eager_and_in_tf_function_bit_identical(ranks):
         for seed, op in enumerate(OPS):
             scale = 0.7 if op == "average" else 1.0
             plan = large if op in ("sum", "average") else small
-            for mode, steps in (("eager", 1), ("function", 2)):
+            modes = (("eager", 1), ("function", 2)) + ((("function-each", 1),) if op == "sum" else ())
+            for mode, steps in modes:
                 got = ranks.call("run", name="ops2", plan=plan, op=op, scale=scale, seed=seed, mode=mode,
                                  steps=steps)
                 check(got, seed, 2, plan, op, scale, f"{mode} {op}")
@@ -465,14 +472,15 @@ def test_three_ranks_c_and_twin_together(ranks):
 
 def test_the_gradient_is_the_allreduce_of_the_gradient(ranks):
     for kind in ("native", "python"):
-        ranks.group(f"grad-{kind}", [64], kind=kind)
+        ranks.group(f"grad-{kind}", [64, 64], kind=kind)
         try:
-            for mode in ("eager", "function"):
+            for mode in ("eager", "function", "many"):
                 got = ranks.call("gradient", name=f"grad-{kind}", mode=mode)
                 c_sum = np.arange(5) * 2 + 10.0
                 for r, (y, dx) in enumerate(got):
                     assert y == [5.0] * 5                       # 1*1 + 2*2
-                    assert dx == (2 * (r + 1) * c_sum).tolist(), (kind, mode, r)
+                    want = 2 * (r + 1) * c_sum + (6.0 if mode == "many" else 0.0)
+                    assert dx == want.tolist(), (kind, mode, r)
         finally:
             ranks.call("close_group", name=f"grad-{kind}")
 
@@ -505,15 +513,16 @@ def test_abort_fails_the_wait_promptly(ranks):
 def test_a_cancelled_step_ends_the_wait(ranks):
     """Another op of the step fails after 0.3 s: the all-reduce's wait (timeout 30 s)
     ends through the step's CancellationManager, and the peer learns it at once."""
-    ranks.group("cancel", [64], timeout=30.0)
-    try:
-        (kind_name, message, seconds), = ranks.call("expect_error", (0,), name="cancel", cancel=True)
-        assert kind_name == "InvalidArgumentError" and "another op of the step failed" in message
-        assert seconds < 5
-        (kind_name, message, seconds), = ranks.call("expect_error", (1,), name="cancel")
-        assert kind_name == "UnavailableError" and "rank 0 aborted" in message and seconds < 3
-    finally:
-        ranks.call("close_group", name="cancel")
+    for many in (False, True):          # one completion op, or one for several all-reduces
+        ranks.group("cancel", [64], timeout=30.0)
+        try:
+            (kind_name, message, seconds), = ranks.call("expect_error", (0,), name="cancel", cancel=True, many=many)
+            assert kind_name == "InvalidArgumentError" and "another op of the step failed" in message
+            assert seconds < 5
+            (kind_name, message, seconds), = ranks.call("expect_error", (1,), name="cancel")
+            assert kind_name == "UnavailableError" and "rank 0 aborted" in message and seconds < 3
+        finally:
+            ranks.call("close_group", name="cancel")
 
 
 def test_outputs_outlive_the_group_and_a_closed_group_fails_clearly(ranks):

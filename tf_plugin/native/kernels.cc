@@ -7,7 +7,9 @@
 //   RdtShmAllreduceDone(handle, tensor) -> reduced   waits asynchronously (its
 //       `done` is kept on the heap and called from the executor's completion),
 //       holding no inter-op thread; `tensor` is the launch's input, for the
-//       shape and the gradient (ops.py registers it).
+//       shape and the gradient (ops.py registers it);
+//   RdtShmAllreduceDoneMany(handles, tensors) -> reduced   the same for several
+//       launches at once: one hand-over back to TensorFlow for all of them.
 //
 // Both are stateful: never folded, and chained in program order inside a
 // tf.function, so the Python side emits every launch before any completion.
@@ -66,6 +68,24 @@ REGISTER_OP("RdtShmAllreduceDone")
       return absl::OkStatus();
     });
 
+REGISTER_OP("RdtShmAllreduceDoneMany")
+    .Input("handles: N * int64")
+    .Input("tensors: T")
+    .Output("reduced: T")
+    .Attr("N: int >= 1")
+    .Attr("T: list({float, double, int32, int64, half})")
+    .Attr("group: string")
+    .Attr("buckets: list(int)")
+    .Attr("reduce_op: {'sum', 'average', 'min', 'max', 'product'} = 'sum'")
+    .Attr("scale: float = 1.0")
+    .Attr("labels: list(string)")
+    .SetIsStateful()
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      int n = c->num_outputs();
+      for (int i = 0; i < n; i++) c->set_output(i, c->input(c->num_inputs() - n + i));
+      return absl::OkStatus();
+    });
+
 namespace {
 
 // ---------------------------------------------------------------- groups
@@ -88,6 +108,8 @@ std::shared_ptr<GroupRef> FindGroup(const std::string& name) {
 // One launched all-reduce, from its launch to its completion. Its handle is a
 // slot of a table with a generation (no allocation per request once warm, and a
 // stale or forged handle is refused, never followed).
+struct Joint;
+
 struct Pending {
   std::mutex mu;
   bool finished = false;
@@ -103,7 +125,21 @@ struct Pending {
   CancellationManager* cm = nullptr;
   CancellationToken token = CancellationManager::kInvalidToken;
   std::shared_ptr<Pending> self;   // held from submit to the executor's callback
+  std::shared_ptr<Joint> joint;    // a RdtShmAllreduceDoneMany waiting for this one among others
 };
+
+// One RdtShmAllreduceDoneMany: the requests it waits for, finished when the last one is.
+struct Joint {
+  std::mutex mu;
+  int left = 0;
+  std::vector<std::shared_ptr<Pending>> parts;
+  OpKernelContext* ctx = nullptr;
+  AsyncOpKernel::DoneCallback done;
+  CancellationManager* cm = nullptr;
+  CancellationToken token = CancellationManager::kInvalidToken;
+};
+
+void FinishJoint(Joint* j);
 
 std::mutex slots_mu;
 std::vector<std::shared_ptr<Pending>> slots;
@@ -162,6 +198,7 @@ void Finish(Pending* p) {
 void OnDone(void* arg, int status, const char* message) {  // the executor thread
   Pending* p = static_cast<Pending*>(arg);
   std::shared_ptr<Pending> keep;
+  std::shared_ptr<Joint> j;
   bool waiting;
   {
     std::lock_guard<std::mutex> l(p->mu);
@@ -170,8 +207,39 @@ void OnDone(void* arg, int status, const char* message) {  // the executor threa
     p->status = status;
     if (status != RDT_SHM_OK) p->message = message ? message : "";
     waiting = p->ctx != nullptr;
+    j = p->joint;
   }
-  if (waiting) Finish(p);
+  if (waiting) {
+    Finish(p);
+  } else if (j != nullptr) {
+    bool last;
+    {
+      std::lock_guard<std::mutex> l(j->mu);
+      last = --j->left == 0;
+    }
+    if (last) FinishJoint(j.get());
+  }
+}
+
+void FinishJoint(Joint* j) {
+  if (j->cm != nullptr && j->token != CancellationManager::kInvalidToken) j->cm->DeregisterCallback(j->token);
+  OpKernelContext* ctx = j->ctx;
+  for (size_t i = 0; i < j->parts.size(); i++) {
+    Pending* p = j->parts[i].get();
+    if (p->status != RDT_SHM_OK) {
+      ctx->SetStatus(StatusOf(p->status, p->message));
+      break;
+    }
+    ctx->set_output(static_cast<int>(i), p->output);
+  }
+  for (auto& p : j->parts) {
+    p->input = Tensor();
+    p->joint = nullptr;  // no cycle left: the parts go with the joint
+  }
+  AsyncOpKernel::DoneCallback done = std::move(j->done);
+  j->done = nullptr;
+  j->parts.clear();
+  done();
 }
 
 void Cancel(Pending* p) {
@@ -326,10 +394,77 @@ class DoneOp : public AsyncOpKernel {
   Attrs a_;
 };
 
+// Waits for several launched all-reduces at once: one asynchronous completion
+// (one hand-over back to TensorFlow) for all of them.
+class DoneManyOp : public AsyncOpKernel {
+ public:
+  explicit DoneManyOp(OpKernelConstruction* c) : AsyncOpKernel(c) {}
+
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    OpInputList handles, tensors;
+    OP_REQUIRES_OK_ASYNC(ctx, ctx->input_list("handles", &handles), done);
+    OP_REQUIRES_OK_ASYNC(ctx, ctx->input_list("tensors", &tensors), done);
+    OP_REQUIRES_ASYNC(ctx, handles.size() == tensors.size(),
+                      errors::InvalidArgument("all-reduces: ", handles.size(), " handles for ", tensors.size(),
+                                              " tensors"),
+                      done);
+    auto j = std::make_shared<Joint>();
+    j->parts.reserve(handles.size());
+    for (int i = 0; i < handles.size(); i++) {
+      OP_REQUIRES_ASYNC(ctx, TensorShapeUtils::IsScalar(handles[i].shape()),
+                        errors::InvalidArgument("all-reduces: handle ", i, " must be a scalar"), done);
+      const int64_t handle = handles[i].scalar<int64_t>()();
+      std::shared_ptr<Pending> p = Take(handle);
+      OP_REQUIRES_ASYNC(ctx, p != nullptr,
+                        errors::InvalidArgument("all-reduces: handle ", handle,
+                                                " is unknown (completed already, or never launched)"),
+                        done);
+      j->parts.push_back(std::move(p));
+    }
+    j->ctx = ctx;
+    j->done = std::move(done);
+    {
+      std::lock_guard<std::mutex> l(j->mu);
+      j->left = static_cast<int>(j->parts.size()) + 1;  // + 1: this call, until every part is attached
+    }
+    int finished = 0;
+    for (auto& p : j->parts) {
+      std::lock_guard<std::mutex> l(p->mu);
+      if (p->finished) finished++;
+      else p->joint = j;
+    }
+    CancellationManager* cm = ctx->cancellation_manager();
+    bool cancelled = false;
+    if (finished < static_cast<int>(j->parts.size()) && cm != nullptr) {
+      std::lock_guard<std::mutex> l(j->mu);
+      j->token = cm->get_cancellation_token();
+      Joint* raw = j.get();  // alive until FinishJoint deregisters this callback
+      if (cm->RegisterCallback(j->token, [raw] {
+            for (auto& p : raw->parts) Cancel(p.get());
+          })) {
+        j->cm = cm;
+      } else {
+        j->token = CancellationManager::kInvalidToken;
+        cancelled = true;
+      }
+    }
+    if (cancelled)
+      for (auto& p : j->parts) Cancel(p.get());
+    bool last;
+    {
+      std::lock_guard<std::mutex> l(j->mu);
+      j->left -= finished + 1;
+      last = j->left == 0;
+    }
+    if (last) FinishJoint(j.get());
+  }
+};
+
 }  // namespace
 
 REGISTER_KERNEL_BUILDER(Name("RdtShmAllreduceLaunch").Device(DEVICE_CPU), LaunchOp);
 REGISTER_KERNEL_BUILDER(Name("RdtShmAllreduceDone").Device(DEVICE_CPU), DoneOp);
+REGISTER_KERNEL_BUILDER(Name("RdtShmAllreduceDoneMany").Device(DEVICE_CPU), DoneManyOp);
 
 // ---------------------------------------------------------------- for ops.py (ctypes)
 extern "C" {

@@ -2,7 +2,7 @@
 
     g = ops.group(fds, rank, ranks, bucket_bytes)      # fds: every rank's segment (segment.py)
     y = ops.allreduce(x, g, bucket=0, op="average")
-    ys = ops.allreduce_many(xs, g, buckets)             # every launch, then every completion
+    ys = ops.allreduce_many(xs, g, buckets)             # every launch, then their completion
 
 With the op library (build.py builds it on first use; RDMATENSOR_TF_OPS=native,
 the default when it builds) a group is registered in the library under its name
@@ -200,12 +200,32 @@ def allreduce(tensor, group, bucket: int, op: str = "sum", scale: float = 1.0, l
     return complete(launch(tensor, group, bucket, op, scale, label))
 
 
-def allreduce_many(tensors, group, buckets, op: str = "sum", scale: float = 1.0, labels=None) -> list:
-    """Several all-reduces: every launch first, then every completion (they overlap)."""
+def allreduce_many(tensors, group, buckets, op: str = "sum", scale: float = 1.0, labels=None,
+                   together: bool = True) -> list:
+    """Several all-reduces: every launch first (the executor starts on each at
+    once), then their completion: one for all (`together`, one hand-over back to
+    TensorFlow, RdtShmAllreduceDoneMany) or one per tensor (each result usable as
+    soon as it is there)."""
     tensors = list(tensors)
     labels = list(labels) if labels is not None else [None] * len(tensors)
     launched = [launch(t, group, b, op, scale, lab) for t, b, lab in zip(tensors, buckets, labels, strict=True)]
-    return [complete(x) for x in launched]
+    return complete_many(launched) if together else [complete(x) for x in launched]
+
+
+def complete_many(launched: list) -> list:
+    """The results of several launched all-reduces, waited for together (one op on
+    the native path when they share a group, op and scale; else one by one)."""
+    launched = list(launched)
+    if not launched:
+        return []
+    first = launched[0]
+    if first.native is None or any((x.native, x.group, x.op, x.scale) != (first.native, first.group, first.op,
+                                                                          first.scale) for x in launched):
+        return [complete(x) for x in launched]
+    return first.native.module.rdt_shm_allreduce_done_many(
+        [x.handle for x in launched], [x.tensor for x in launched], group=first.group,
+        buckets=[x.bucket for x in launched], reduce_op=first.op, scale=first.scale,
+        labels=[x.label for x in launched])
 
 
 # ------------------------------------------------------------------ the Python twin
@@ -241,6 +261,26 @@ def _twin_allreduce(launched: Launched) -> tf.Tensor:
         return out, grad
 
     return reduced(x)
+
+
+@tf.RegisterGradient("RdtShmAllreduceDoneMany")
+def _done_many_gradient(op, *grads):
+    """Each tensor's gradient: the same all-reduce of its upstream gradient (all launched, then completed)."""
+    group, reduce_op, scale = op.get_attr("group"), op.get_attr("reduce_op"), op.get_attr("scale")
+    group = group.decode() if isinstance(group, bytes) else group
+    reduce_op = reduce_op.decode() if isinstance(reduce_op, bytes) else reduce_op
+    labels = [lab.decode() if isinstance(lab, bytes) else lab for lab in op.get_attr("labels")]
+    lib = native_library()
+    if lib is None:
+        raise build.BuildError("the gradient of a native all-reduce needs the op library")
+    launched = []
+    n = len(grads)
+    for i, (b, g, lab) in enumerate(zip(op.get_attr("buckets"), grads, labels, strict=True)):
+        g = tf.zeros_like(op.inputs[n + i]) if g is None else tf.convert_to_tensor(g)
+        attrs = dict(group=group, bucket=b, reduce_op=reduce_op, scale=scale, label=f"{lab or 'tensor'}/grad")
+        launched.append(Launched(lib.module.rdt_shm_allreduce_launch(g, **attrs), g, group, lib, b, reduce_op,
+                                 scale, attrs["label"]))
+    return [None] * len(grads) + complete_many(launched)
 
 
 @tf.RegisterGradient("RdtShmAllreduceDone")
