@@ -8,8 +8,9 @@ Two ranks on this host, each a process: a tf.function step whose N variables of
 back, four ways:
 
 - `none`: the same step without the all-reduce (TensorFlow's own cost);
-- `native`: tf_plugin.native's ops, every launch then every completion, the C
-  executor over shared memory (no GIL, no Python in the step);
+- `native`: tf_plugin.native's ops, every launch then one completion for all
+  (allreduce_many), the C executor over shared memory (no GIL, no Python in the step);
+- `native-each`: the same with one completion op per tensor (together=False);
 - `twin`: the same protocol through its Python twin, one tf.numpy_function per tensor;
 - `hvd`: today's `hvd.allreduce` per tensor inside the tf.function (the plugin's
   launch and wait numpy_functions and its communication thread, over shm).
@@ -32,7 +33,7 @@ import subprocess
 import sys
 import time
 
-PATHS = ("none", "native", "twin", "hvd")
+PATHS = ("none", "native", "native-each", "twin", "hvd")
 ELEMENTS = 256
 
 
@@ -80,8 +81,9 @@ def rank_main(rank: int, sock_fd: int, sizes: list[int], paths: list[str], round
             grads = [v * 0.5 for v in vs]
             if path == "none":
                 reduced = grads
-            elif path == "native":
-                reduced = ops.allreduce_many(grads, groups["native"], range(n), "average")
+            elif path in ("native", "native-each"):
+                reduced = ops.allreduce_many(grads, groups["native"], range(n), "average",
+                                             together=path == "native")
             elif path == "twin":
                 reduced = ops.allreduce_many(grads, groups["python"], range(n), "average")
             else:
