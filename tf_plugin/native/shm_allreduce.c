@@ -62,7 +62,7 @@
 #define YIELD_SECONDS 1e-3
 #endif
 #ifndef IDLE_SPIN_SECONDS
-#define IDLE_SPIN_SECONDS 50e-6
+#define IDLE_SPIN_SECONDS 200e-6
 #endif
 #define SLICE_SECONDS 0.05
 
@@ -566,13 +566,20 @@ static int step_out(rdt_shm_group *g, request *r) {
 #define MAX_WAVE 256
 
 static request *next_wave(rdt_shm_group *g) {
-  /* a step submits in bursts: spin a little before sleeping on the condition */
+  /* a step submits in bursts: spin a little, then yield the core a while, before
+   * sleeping on the condition (a thread of TensorFlow on this core runs meanwhile) */
   double start = 0;
   for (unsigned i = 1; atomic_load_explicit(&g->queued, memory_order_acquire) == 0; i++) {
     if ((i & 31u) == 0) {
       double t = now_seconds();
-      if (start == 0) start = t;
-      else if (t - start > IDLE_SPIN_SECONDS) break;
+      if (start == 0) {
+        start = t;
+      } else if (t - start > IDLE_SPIN_SECONDS) {
+        break;
+      } else if (t - start > SPIN_SECONDS) {
+        sched_yield();
+        continue;
+      }
     }
     cpu_relax();
   }
