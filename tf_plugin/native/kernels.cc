@@ -118,7 +118,7 @@ struct Pending {
   Tensor input, output;        // input: kept alive while the executor reads it
   std::weak_ptr<GroupRef> group;
   uint64_t request = 0;
-  const std::string* label = nullptr;
+  std::shared_ptr<const std::string> label;   // the launch kernel's (it may go first)
   // the completion's, once it waits
   OpKernelContext* ctx = nullptr;
   AsyncOpKernel::DoneCallback done;
@@ -285,6 +285,7 @@ int OpCode(const std::string& op) {
 
 struct Attrs {
   std::string group, op, label;
+  std::shared_ptr<const std::string> shared_label;
   int64_t bucket = 0;
   float scale = 1.0f;
 
@@ -295,6 +296,7 @@ struct Attrs {
     OP_REQUIRES_OK(c, c->GetAttr("scale", &scale));
     OP_REQUIRES_OK(c, c->GetAttr("label", &label));
     if (label.empty()) label = c->def().name();
+    shared_label = std::make_shared<const std::string>(label);
     OP_REQUIRES(c, bucket >= 0 && bucket <= UINT32_MAX,
                 errors::InvalidArgument("all-reduce of ", label, ": bucket ", bucket, " is out of range"));
   }
@@ -320,7 +322,7 @@ class LaunchOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_temp(in.dtype(), in.shape(), &p->output));
     p->input = in;
     p->group = group;
-    p->label = &a_.label;
+    p->label = a_.shared_label;
     p->self = p;
     Pending* raw = p.get();
     const int64_t handle = Put(std::move(p));
