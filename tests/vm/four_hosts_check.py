@@ -34,6 +34,9 @@ ELEMENTS = 1 << 18                        # four_hosts_script.py's all-reduce, f
 # and at 120 s rank 0 once had not reached the first training step's all-reduce (its phase lines
 # below say when each rank got where)
 PEER_TIMEOUT = 600
+# and a collective's wait for the others (RDMATENSOR_TIMEOUT, 120 s by default): ranks 4-7 once traced
+# the first training step 13 minutes after they started it, and waited for ranks 0-3 past 120 s
+COLLECTIVE_TIMEOUT = 1800
 
 
 def host_of(rank: int) -> int:
@@ -56,14 +59,15 @@ def four_hosts(tmp_path_factory) -> str:
     (shared / "discover.sh").write_text(f"#!/bin/sh\ncat {shared / 'hosts'}\n")
     (shared / "discover.sh").chmod(0o755)
     common = ["-x", "TF_CPP_MIN_LOG_LEVEL=2", "-x", f"PYTHONPATH={ROOT}",
-              "-x", f"RDMATENSOR_PEER_TIMEOUT={PEER_TIMEOUT}"]
+              "-x", f"RDMATENSOR_PEER_TIMEOUT={PEER_TIMEOUT}", "-x", f"RDMATENSOR_TIMEOUT={COLLECTIVE_TIMEOUT}"]
     run = [PY, "-m", "rdmatensor.runner.cli", "-np", str(N), "-H", SLOTS, "--timeout", "3000", *common]
     elastic = [PY, "-m", "rdmatensor.runner.cli", "--min-np", str(len(HOSTS) - 1), "--max-np", str(len(HOSTS)),
                "--host-discovery-script", str(shared / "discover.sh"), "--timeout", "1800", *common]
     mpirun = ["mpirun", "--allow-run-as-root", "-np", str(N), "-H", SLOTS, "--mca", "plm_rsh_agent", "ssh",
               "--mca", "btl_tcp_if_include", "eth0", "--mca", "oob_tcp_if_include", "eth0", "-wdir", str(ROOT),
               "-x", "RDMATENSOR_TOKEN", "-x", f"MASTER_ADDR={HOSTS[0]}", "-x", "MASTER_PORT=29500",
-              "-x", "PATH", "-x", "TF_CPP_MIN_LOG_LEVEL=2", "-x", f"RDMATENSOR_PEER_TIMEOUT={PEER_TIMEOUT}"]
+              "-x", "PATH", "-x", "TF_CPP_MIN_LOG_LEVEL=2", "-x", f"RDMATENSOR_PEER_TIMEOUT={PEER_TIMEOUT}",
+              "-x", f"RDMATENSOR_TIMEOUT={COLLECTIVE_TIMEOUT}"]
     jobs = {"ssh-pairs": run + ["python", "examples/all_pairs.py"],
             "mpi-pairs": mpirun + [PY, "examples/all_pairs.py"],
             "train": run + ["python", "tests/vm/four_hosts_script.py"],
@@ -81,7 +85,7 @@ def four_hosts(tmp_path_factory) -> str:
     out = res.stdout + "\n" + res.stderr
     for tag in jobs:         # when each rank got where (four_hosts_script.py's phase lines), pass or fail
         err = (shared / f"{tag}.err").read_text(errors="replace") if (shared / f"{tag}.err").exists() else ""
-        phases = re.findall(r"^\[\d+\] rank \d+: .* at [\d:]+$", err, re.M)
+        phases = re.findall(r"^\[\d+\] rank \d+: .* at [\d:]+(?:, cpu \d+ s)?$", err, re.M)
         print("\n".join(f"{tag}: {line}" for line in phases))
     assert res.returncode == 0, out[-8000:]
     return res.stdout

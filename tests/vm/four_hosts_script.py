@@ -17,6 +17,7 @@ verbs between hosts and shm within one, started by a launcher.
 One JSON line per rank: {"rank", "cross_rank" (its host's index), "bytes": {mode: {peer: bytes}},
 "train": {mode: {...}}}.
 """
+import faulthandler
 import hashlib
 import json
 import os
@@ -94,11 +95,15 @@ def train(mode: str) -> dict:
 
 
 def phase(what: str) -> None:
-    """When each part starts, on stderr: in emulated VMs a part takes minutes."""
-    print(f"rank {hvd.rank()}: {what} at {time.strftime('%H:%M:%S')}", file=sys.stderr, flush=True)
+    """When each part starts, and the CPU time this rank used until then, on stderr: in
+    emulated VMs a part takes minutes, and a rank that falls behind its peers shows whether
+    it ran slower (its CPU time) or waited."""
+    print(f"rank {hvd.rank()}: {what} at {time.strftime('%H:%M:%S')}, cpu {time.process_time():.0f} s",
+          file=sys.stderr, flush=True)
 
 
 def main() -> None:
+    faulthandler.dump_traceback_later(900, repeat=True)     # where every thread is, every 15 minutes
     hvd.init()
     phase("init done")
     report = {"rank": hvd.rank(), "size": hvd.size(), "cross_rank": hvd.cross_rank(),
