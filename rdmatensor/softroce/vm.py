@@ -155,6 +155,19 @@ class _Tail(threading.Thread):
             self.out.flush()
 
 
+def _exit_on_termination():
+    """SIGTERM and SIGHUP end run() through its cleanup, as Ctrl-C does: the VMs run in
+    sessions of their own (a terminal's signals never reach them), so without this a
+    terminated run left them running. Returns what puts the previous handlers back."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def leave(signum, frame):
+        raise SystemExit(128 + signum)
+    previous = {sig: signal.signal(sig, leave) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    return lambda: [signal.signal(sig, old) for sig, old in previous.items()]
+
+
 def _tail_text(path: Path, lines: int = 25) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -237,6 +250,7 @@ def run(command: Sequence[str], hosts: int = 1, timeout: float = DEFAULT_TIMEOUT
     procs: list[subprocess.Popen] = []
     tails: list[_Tail] = []
     started = time.monotonic()
+    restore = _exit_on_termination()
     try:
         (job / "cmd.sh").write_text("exec " + shlex.join(command) + "\n")
         if ssh:
@@ -337,6 +351,7 @@ def run(command: Sequence[str], hosts: int = 1, timeout: float = DEFAULT_TIMEOUT
         log(f"finished in {seconds:.1f} s, exit status {codes if hosts > 1 else rc}")
         return VmResult(rc, codes, boot, seconds)
     finally:
+        restore()
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)

@@ -41,6 +41,26 @@ def test_vm_lists_rxe_runs_project_venv_in_same_directory_and_a_hung_one_is_kill
     print(f"VM boot to ACTIVE rxe0: {boot.group(1)} s")
 
 
+def test_a_terminated_run_leaves_no_vm_behind(vm_ready):
+    """The VMs run in sessions of their own, so a SIGTERM to `softroce vm` never reaches
+    them: it once left them running (four emulated hosts eating the cores). Now the
+    run ends through its cleanup, which kills them, and its status says why."""
+    proc = subprocess.Popen([sys.executable, "-m", "rdmatensor", "softroce", "vm", "--hosts", "2", "--",
+                             "sleep", "600"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline, vms = time.monotonic() + 60, []
+    while len(vms) < 2 and time.monotonic() < deadline:
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+        vms = [int(p) for p in children.read_text().split()] if children.exists() else []
+        vms = [p for p in vms if "qemu" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
+        time.sleep(0.1)
+    assert len(vms) == 2, f"expected two qemu processes, saw {vms}"
+    proc.terminate()
+    assert proc.wait(timeout=30) == 128 + 15, proc.stderr.read()[-2000:]
+    left = [p for p in vms if Path(f"/proc/{p}").exists()
+            and Path(f"/proc/{p}/stat").read_text().split(") ")[-1][0] != "Z"]
+    assert not left, f"qemu processes {left} outlived their run"
+
+
 def test_two_hosts_over_ssh_pick_shm_or_verbs_per_pair_and_name_a_killed_remote_rank(vm_ready):
     """rdmatensor-run in host0 starts two ranks in the other VM over real ssh
     (sshd in each, keys made for this boot, host keys checked) and two there, the
