@@ -12,8 +12,10 @@ back, four ways:
   (allreduce_many), the C executor over shared memory (no GIL, no Python in the step);
 - `native-each`: the same with one completion op per tensor (together=False);
 - `twin`: the same protocol through its Python twin, one tf.numpy_function per tensor;
-- `hvd`: today's `hvd.allreduce` per tensor inside the tf.function (the plugin's
-  launch and wait numpy_functions and its communication thread, over shm).
+- `hvd`: today's path inside tf.function, as DistributedGradientTape runs it:
+  `hvd.grouped_allreduce` of the N tensors (fused into buckets, a launch and a wait
+  numpy_function per bucket, the ring on the plugin's communication thread, over shm);
+- `hvd-each` (not run by default: slow): `hvd.allreduce` per tensor, N collectives.
 
 Rounds are interleaved (every N and path in each round, the order of N rotating),
 each measurement --steps steps after --warmup; ranks meet at a barrier before
@@ -33,7 +35,8 @@ import subprocess
 import sys
 import time
 
-PATHS = ("none", "native", "native-each", "twin", "hvd")
+PATHS = ("none", "native", "native-each", "twin", "hvd", "hvd-each")
+DEFAULT_PATHS = ("none", "native", "native-each", "twin", "hvd")
 ELEMENTS = 256
 
 
@@ -67,7 +70,7 @@ def rank_main(rank: int, sock_fd: int, sizes: list[int], paths: list[str], round
         barrier_group.allreduce(most, barrier)
 
     hvd = None
-    if "hvd" in paths:
+    if {"hvd", "hvd-each"} & set(paths):
         import tf_plugin as hvd
         hvd.init()
     rng = np.random.default_rng(rank)
@@ -86,6 +89,8 @@ def rank_main(rank: int, sock_fd: int, sizes: list[int], paths: list[str], round
                                              together=path == "native")
             elif path == "twin":
                 reduced = ops.allreduce_many(grads, groups["python"], range(n), "average")
+            elif path == "hvd":
+                reduced = hvd.grouped_allreduce(grads, op=hvd.Average, name=f"grouped{n}")
             else:
                 reduced = [hvd.allreduce(g, op=hvd.Average, name=f"g{j}") for j, g in enumerate(grads)]
             for v, r in zip(vs, reduced, strict=True):
@@ -179,7 +184,7 @@ def launch(args) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.native_step", description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="10,50,200,400", help="tensors per step, comma-separated")
-    p.add_argument("--paths", default=",".join(PATHS), help=f"some of {','.join(PATHS)}")
+    p.add_argument("--paths", default=",".join(DEFAULT_PATHS), help=f"some of {','.join(PATHS)}")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=20, help="steps timed together")
     p.add_argument("--warmup", type=int, default=3)
