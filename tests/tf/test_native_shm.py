@@ -165,20 +165,22 @@ class Worker:
         error type, its message and how long it took."""
         tf, ops, g = self.tf, self.ops, self.groups[name]
         x = tf.constant(np.ones(8, np.float32))
+        if cancel:
+            def boom(a):
+                time.sleep(0.3)
+                raise ValueError("another op of the step failed")
+
+            @tf.function
+            def step(t):
+                y = ops.allreduce_many([t, 2 * t], g, [0, 0]) if many else ops.allreduce(t, g, 0)
+                z = tf.numpy_function(boom, [t], tf.float32, stateful=False)   # not chained to the all-reduce
+                return y, z
+            step.get_concrete_function(x)          # traced before the clock starts
         if after_abort is not None:
             threading.Timer(after_abort, g.abort).start()
         started = time.monotonic()
         try:
             if cancel:
-                def boom(a):
-                    time.sleep(0.3)
-                    raise ValueError("another op of the step failed")
-
-                @tf.function
-                def step(t):
-                    y = ops.allreduce_many([t, 2 * t], g, [0, 0]) if many else ops.allreduce(t, g, 0)
-                    z = tf.numpy_function(boom, [t], tf.float32, stateful=False)   # not chained to the all-reduce
-                    return y, z
                 step(x)
             else:
                 ops.allreduce(x, g, 0).numpy()
