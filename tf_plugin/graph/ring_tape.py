@@ -15,6 +15,7 @@ import tensorflow as tf
 from ..core.layout import bcast_name, var_key
 from ..executor.ring import RingAllReduce
 from . import ingest, overlap
+from .tracing import graph_code
 
 
 def keys_of(ring: RingAllReduce, variables, count: int) -> list[str]:
@@ -71,6 +72,7 @@ class RingGradientTape:
     def __getattr__(self, name):
         return getattr(self._tape, name)
 
+    @graph_code
     def gradient(self, target, sources, output_gradients=None, **kw):
         ring = self._ring
         grads = self._tape.gradient(target, sources, output_gradients, **kw)

@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from ..core.world import group_of
 from ..core.world import Average, ReduceOp, Sum
+from ..graph.tracing import graph_code
 from .compression import Compression
 from .tensors import _reduction, reduce_gradients
 
@@ -56,6 +57,7 @@ class DistributedGradientTape:
         """Keep this source's gradient local: it is not combined over the ranks."""
         self._local_sources.add(id(source))
 
+    @graph_code
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
         grads = self._tape.gradient(target, sources, output_gradients, unconnected_gradients)

@@ -30,6 +30,7 @@ from ..core.layout import var_key
 from ..core.reductions import allreduce_op
 from ..errors import InvalidArgument, NotAMember
 from ..graph.tf_errors import as_horovod_errors, numpy_function
+from ..graph.tracing import graph_code
 from ..core.process_sets import Group
 from ..core.world import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, allgather_object, group_of, member_of,
                           world)
@@ -156,6 +157,7 @@ def _allgather_slices(slices: list, names: list, average: bool, group: Group) ->
     return out
 
 
+@graph_code
 def reduce_gradients(grads, sources, compression=NoneCompressor, sparse_as_dense: bool = False, op=Average,
                      prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set=None):
     """Gradients (any nest matching `sources`, None kept) combined over the ranks (of the set):
@@ -221,6 +223,7 @@ def _with_gradient(forward, backward):
 
 
 # --------------------------------------------------------------- public API
+@graph_code
 def allreduce(tensor, average=None, device_dense: str = "", device_sparse: str = "", compression=Compression.none,
               op=None, prescale_factor: float = 1.0, postscale_factor: float = 1.0, name: str | None = None,
               process_set=None, ignore_name_scope: bool = False):
@@ -238,6 +241,7 @@ def allreduce(tensor, average=None, device_dense: str = "", device_sparse: str =
     return out
 
 
+@graph_code
 def grouped_allreduce(tensors, average=None, device_dense: str = "", device_sparse: str = "",
                       compression=Compression.none, op=None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, process_set=None, ignore_name_scope: bool = False,
@@ -266,6 +270,7 @@ def grouped_allreduce(tensors, average=None, device_dense: str = "", device_spar
     return list(_with_gradient(forward, backward)(*tensors))
 
 
+@graph_code
 def allgather(tensor, device_dense: str = "", device_sparse: str = "", name: str | None = None,
               process_set=None, ignore_name_scope: bool = False):
     """Every rank's tensor concatenated along the first dimension, in rank order;
@@ -275,6 +280,7 @@ def allgather(tensor, device_dense: str = "", device_sparse: str = "", name: str
     return out
 
 
+@graph_code
 def grouped_allgather(tensors, name: str | None = None, ignore_name_scope: bool = False, process_set=None) -> list:
     """allgather of several tensors in one collective."""
     group = _group(process_set)
@@ -293,6 +299,7 @@ def grouped_allgather(tensors, name: str | None = None, ignore_name_scope: bool 
     return list(_with_gradient(lambda *xs: _allgather_many(list(xs), names, group), backward)(*tensors))
 
 
+@graph_code
 def broadcast(tensor, root_rank: int, device: str = "", name: str | None = None, process_set=None,
               ignore_name_scope: bool = False):
     """root_rank's value of the tensor, on every rank. Differentiable (Horovod's
@@ -316,6 +323,7 @@ def broadcast(tensor, root_rank: int, device: str = "", name: str | None = None,
     return _with_gradient(forward, backward)(tensor)
 
 
+@graph_code
 def broadcast_(variables, root_rank: int, name: str | None = None, process_set=None):
     """Assign root_rank's values to `variables` in place; their new values."""
     variables = list(variables)
@@ -326,6 +334,7 @@ def broadcast_(variables, root_rank: int, name: str | None = None, process_set=N
         return [v.read_value() for v in variables]
 
 
+@graph_code
 def broadcast_variables(variables, root_rank: int, process_set=None, inplace: bool = False):
     """Assign root_rank's values to the variables on every rank: any variables
     (trainable, non-trainable such as BatchNorm statistics, optimizer slots),
@@ -354,6 +363,7 @@ def broadcast_global_variables(root_rank: int):
     return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
 
 
+@graph_code
 def alltoall(tensor, splits=None, name: str | None = None, ignore_name_scope: bool = False, process_set=None):
     """Rows splits[r] of `tensor` (along its first dimension, in rank order) go to
     rank r; returns the rows every rank sent this one, in rank order, and, when
@@ -387,6 +397,7 @@ def alltoall(tensor, splits=None, name: str | None = None, ignore_name_scope: bo
     return (out, received) if given else out
 
 
+@graph_code
 def reducescatter(tensor, device_dense: str = "", compression=Compression.none, op=Average,
                   name: str | None = None, process_set=None, ignore_name_scope: bool = False,
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0):
@@ -397,6 +408,7 @@ def reducescatter(tensor, device_dense: str = "", compression=Compression.none, 
     return out
 
 
+@graph_code
 def grouped_reducescatter(tensors, device_dense: str = "", compression=Compression.none, op=Average,
                           name: str | None = None, process_set=None, ignore_name_scope: bool = False,
                           prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
