@@ -213,6 +213,18 @@ class Worker:
             return first, type(exc).__name__, exc.message
         return first, None, ""
 
+    def refused_many(self, name):
+        """A launch of several with one too large for its bucket: InvalidArgument naming it, and
+        nothing queued (the group still works)."""
+        tf, ops, g = self.tf, self.ops, self.groups[name]
+        small, large = tf.constant([1.0, 2.0]), tf.constant(np.ones(100, np.float32))
+        try:
+            ops.allreduce_many([small, large], g, [0, 0], labels=["small", "large"])
+            refused = None
+        except tf.errors.InvalidArgumentError as exc:
+            refused = exc.message
+        return refused, [t.numpy().tolist() for t in ops.allreduce_many([small], g, [0])]
+
     def env_choice(self, value):
         """The group RDMATENSOR_TF_OPS=value makes (a 1-rank group), or the error's type and message."""
         old = os.environ.get(build.ENV)
@@ -615,6 +627,16 @@ def test_outputs_outlive_the_group_and_a_closed_group_fails_clearly(ranks):
     for first, kind_name, message in ranks.call("closed_under_graph", name="traced"):
         assert first == [2.0] * 4
         assert kind_name == "FailedPreconditionError" and "is not open in this process" in message
+
+
+def test_a_bad_argument_among_several_queues_none(ranks):
+    ranks.group("refuse", [64])
+    try:
+        for refused, after in ranks.call("refused_many", name="refuse"):
+            assert "all-reduce of large: 100 elements of float32 (400 bytes) do not fit in bucket 0" in refused
+            assert after == [[2.0, 4.0]]
+    finally:
+        ranks.call("close_group", name="refuse")
 
 
 def test_rdmatensor_tf_ops_chooses_and_a_bad_value_errors(ranks):

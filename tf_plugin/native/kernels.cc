@@ -8,6 +8,7 @@
 //       `done` is kept on the heap and called from the executor's completion),
 //       holding no inter-op thread; `tensor` is the launch's input, for the
 //       shape and the gradient (ops.py registers it);
+//   RdtShmAllreduceLaunchMany(tensors) -> handles   several launches in one op;
 //   RdtShmAllreduceDoneMany(handles, tensors) -> reduced   the same for several
 //       launches at once: one hand-over back to TensorFlow for all of them.
 //
@@ -65,6 +66,22 @@ REGISTER_OP("RdtShmAllreduceDone")
     .SetIsStateful()
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       c->set_output(0, c->input(1));
+      return absl::OkStatus();
+    });
+
+REGISTER_OP("RdtShmAllreduceLaunchMany")
+    .Input("tensors: T")
+    .Output("handles: N * int64")
+    .Attr("T: list({float, double, int32, int64, half})")
+    .Attr("N: int >= 1")
+    .Attr("group: string")
+    .Attr("buckets: list(int)")
+    .Attr("reduce_op: {'sum', 'average', 'min', 'max', 'product'} = 'sum'")
+    .Attr("scale: float = 1.0")
+    .Attr("labels: list(string)")
+    .SetIsStateful()
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      for (int i = 0; i < c->num_outputs(); i++) c->set_output(i, c->Scalar());
       return absl::OkStatus();
     });
 
@@ -303,46 +320,56 @@ struct Attrs {
 };
 
 // ---------------------------------------------------------------- the ops
+// Queues the all-reduce of `in` on `group`: its handle in *handle.
+absl::Status LaunchOne(OpKernelContext* ctx, const std::shared_ptr<GroupRef>& group, const Tensor& in,
+                       int64_t bucket, int op, float scale, const std::shared_ptr<const std::string>& label,
+                       int64_t* handle) {
+  const int dtype = DtypeCode(in.dtype());
+  if (dtype == 0)
+    return errors::InvalidArgument("all-reduce of ", *label, ": dtype ", DataTypeString(in.dtype()),
+                                   " is not supported");
+  auto p = std::make_shared<Pending>();
+  TF_RETURN_IF_ERROR(ctx->allocate_temp(in.dtype(), in.shape(), &p->output));
+  p->input = in;
+  p->group = group;
+  p->label = label;
+  p->self = p;
+  Pending* raw = p.get();
+  const int64_t h = Put(std::move(p));
+  char err[RDT_SHM_MESSAGE] = {0};
+  const void* src = in.tensor_data().data();
+  void* dst = const_cast<char*>(raw->output.tensor_data().data());
+  std::unique_lock<std::mutex> l(raw->mu);  // the request id is in place before the executor's callback reads p
+  uint64_t request = rdt_shm_group_submit(group->g, static_cast<uint32_t>(bucket), src, dst,
+                                          static_cast<uint64_t>(in.NumElements()), dtype, op,
+                                          static_cast<double>(scale), label->c_str(), OnDone, raw, err, sizeof err);
+  if (request == 0) {
+    raw->self = nullptr;
+    l.unlock();
+    Take(h);
+    return errors::InvalidArgument(err);
+  }
+  raw->request = request;
+  *handle = h;
+  return absl::OkStatus();
+}
+
+absl::Status NotOpen(const std::string& group, const std::string& label) {
+  return errors::FailedPrecondition("rdmatensor: the shm all-reduce group '", group,
+                                    "' is not open in this process (closed, or never made); all-reduce of ", label,
+                                    " cannot run");
+}
+
 class LaunchOp : public OpKernel {
  public:
   explicit LaunchOp(OpKernelConstruction* c) : OpKernel(c), a_(c) {}
 
   void Compute(OpKernelContext* ctx) override {
     std::shared_ptr<GroupRef> group = FindGroup(a_.group);
-    OP_REQUIRES(ctx, group != nullptr,
-                errors::FailedPrecondition("rdmatensor: the shm all-reduce group '", a_.group,
-                                           "' is not open in this process (closed, or never made); all-reduce of ",
-                                           a_.label, " cannot run"));
-    const Tensor& in = ctx->input(0);
-    int dtype = DtypeCode(in.dtype());
-    OP_REQUIRES(ctx, dtype != 0,
-                errors::InvalidArgument("all-reduce of ", a_.label, ": dtype ", DataTypeString(in.dtype()),
-                                        " is not supported"));
-    auto p = std::make_shared<Pending>();
-    OP_REQUIRES_OK(ctx, ctx->allocate_temp(in.dtype(), in.shape(), &p->output));
-    p->input = in;
-    p->group = group;
-    p->label = a_.shared_label;
-    p->self = p;
-    Pending* raw = p.get();
-    const int64_t handle = Put(std::move(p));
-    char err[RDT_SHM_MESSAGE] = {0};
-    const void* src = in.tensor_data().data();
-    void* dst = const_cast<char*>(raw->output.tensor_data().data());
-    std::unique_lock<std::mutex> l(raw->mu);   // the request id is in place before the executor's callback reads p
-    uint64_t request = rdt_shm_group_submit(group->g, static_cast<uint32_t>(a_.bucket), src, dst,
-                                            static_cast<uint64_t>(in.NumElements()), dtype, OpCode(a_.op),
-                                            static_cast<double>(a_.scale), a_.label.c_str(), OnDone, raw, err,
-                                            sizeof err);
-    if (request == 0) {
-      raw->self = nullptr;
-      l.unlock();
-      Take(handle);
-      ctx->SetStatus(errors::InvalidArgument(err));
-      return;
-    }
-    raw->request = request;
-    l.unlock();
+    OP_REQUIRES(ctx, group != nullptr, NotOpen(a_.group, a_.label));
+    int64_t handle = 0;
+    OP_REQUIRES_OK(ctx, LaunchOne(ctx, group, ctx->input(0), a_.bucket, OpCode(a_.op), a_.scale, a_.shared_label,
+                                  &handle));
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
     out->scalar<int64_t>()() = handle;
@@ -350,6 +377,66 @@ class LaunchOp : public OpKernel {
 
  private:
   Attrs a_;
+};
+
+// Several launches in one op: one stateful op (one link of the program-order
+// chain) for all of them. Every argument is checked before any is queued.
+class LaunchManyOp : public OpKernel {
+ public:
+  explicit LaunchManyOp(OpKernelConstruction* c) : OpKernel(c) {
+    std::vector<std::string> labels;
+    OP_REQUIRES_OK(c, c->GetAttr("group", &group_));
+    OP_REQUIRES_OK(c, c->GetAttr("buckets", &buckets_));
+    OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &op_));
+    OP_REQUIRES_OK(c, c->GetAttr("scale", &scale_));
+    OP_REQUIRES_OK(c, c->GetAttr("labels", &labels));
+    OP_REQUIRES(c, labels.size() == buckets_.size(),
+                errors::InvalidArgument("all-reduces: ", buckets_.size(), " buckets, ", labels.size(), " labels"));
+    for (size_t i = 0; i < labels.size(); i++) {
+      OP_REQUIRES(c, buckets_[i] >= 0 && buckets_[i] <= UINT32_MAX,
+                  errors::InvalidArgument("all-reduce ", i, ": bucket ", buckets_[i], " is out of range"));
+      labels_.push_back(std::make_shared<const std::string>(
+          labels[i].empty() ? c->def().name() + "/" + std::to_string(i) : labels[i]));
+    }
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    OpInputList tensors;
+    OP_REQUIRES_OK(ctx, ctx->input_list("tensors", &tensors));
+    const int n = tensors.size();
+    OP_REQUIRES(ctx, n == static_cast<int>(buckets_.size()) && n == ctx->num_outputs(),
+                errors::InvalidArgument("all-reduces: ", n, " tensors, ", buckets_.size(), " buckets, ",
+                                        ctx->num_outputs(), " handles"));
+    std::shared_ptr<GroupRef> group = FindGroup(group_);
+    OP_REQUIRES(ctx, group != nullptr, NotOpen(group_, *labels_[0]));
+    const int op = OpCode(op_);
+    char err[RDT_SHM_MESSAGE] = {0};
+    for (int i = 0; i < n; i++) {
+      const int dtype = DtypeCode(tensors[i].dtype());
+      OP_REQUIRES(ctx, dtype != 0 && rdt_shm_group_check(group->g, static_cast<uint32_t>(buckets_[i]),
+                                                         static_cast<uint64_t>(tensors[i].NumElements()), dtype,
+                                                         op, labels_[i]->c_str(), err, sizeof err) == 0,
+                  errors::InvalidArgument(dtype ? err : "all-reduce of " + *labels_[i] + ": dtype not supported"));
+    }
+    for (int i = 0; i < n; i++) {
+      int64_t handle = 0;
+      absl::Status st = LaunchOne(ctx, group, tensors[i], buckets_[i], op, scale_, labels_[i], &handle);
+      if (!st.ok()) {  // after the checks above, only an allocation failed: the ranks fall out of step
+        rdt_shm_group_abort(group->g, RDT_SHM_ABORTED, "a launch of several all-reduces failed half way");
+        ctx->SetStatus(st);
+        return;
+      }
+      Tensor* out = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(i, TensorShape({}), &out));
+      out->scalar<int64_t>()() = handle;
+    }
+  }
+
+ private:
+  std::string group_, op_;
+  std::vector<int64_t> buckets_;
+  std::vector<std::shared_ptr<const std::string>> labels_;
+  float scale_ = 1.0f;
 };
 
 class DoneOp : public AsyncOpKernel {
@@ -465,6 +552,7 @@ class DoneManyOp : public AsyncOpKernel {
 }  // namespace
 
 REGISTER_KERNEL_BUILDER(Name("RdtShmAllreduceLaunch").Device(DEVICE_CPU), LaunchOp);
+REGISTER_KERNEL_BUILDER(Name("RdtShmAllreduceLaunchMany").Device(DEVICE_CPU), LaunchManyOp);
 REGISTER_KERNEL_BUILDER(Name("RdtShmAllreduceDone").Device(DEVICE_CPU), DoneOp);
 REGISTER_KERNEL_BUILDER(Name("RdtShmAllreduceDoneMany").Device(DEVICE_CPU), DoneManyOp);
 

@@ -2,7 +2,7 @@
 
     g = ops.group(fds, rank, ranks, bucket_bytes)      # fds: every rank's segment (segment.py)
     y = ops.allreduce(x, g, bucket=0, op="average")
-    ys = ops.allreduce_many(xs, g, buckets)             # every launch, then their completion
+    ys = ops.allreduce_many(xs, g, buckets)             # one launch op and one completion op for all
 
 With the op library (build.py builds it on first use; RDMATENSOR_TF_OPS=native,
 the default when it builds) a group is registered in the library under its name
@@ -200,16 +200,39 @@ def allreduce(tensor, group, bucket: int, op: str = "sum", scale: float = 1.0, l
     return complete(launch(tensor, group, bucket, op, scale, label))
 
 
+def launch_many(tensors, group, buckets, op: str = "sum", scale: float = 1.0, labels=None) -> list:
+    """Several launches in one op on the native path (RdtShmAllreduceLaunchMany: one
+    stateful op, however many tensors); it runs once all `tensors` exist."""
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    buckets = [int(b) for b in buckets]
+    labels = [lab or "" for lab in (list(labels) if labels is not None else [None] * len(tensors))]
+    if not (len(tensors) == len(buckets) == len(labels)):
+        raise ValueError(f"{len(tensors)} tensors, {len(buckets)} buckets, {len(labels)} labels")
+    native = group.native if isinstance(group, NativeGroup) else None
+    if native is None or not tensors:
+        return [launch(t, group, b, op, scale, lab) for t, b, lab in zip(tensors, buckets, labels, strict=True)]
+    if op not in contract.OPS:
+        raise ValueError(f"op {op!r}: one of {', '.join(contract.OPS)}")
+    scale = scaling.factor(scale)
+    handles = native.module.rdt_shm_allreduce_launch_many(tensors, N=len(tensors), group=group.name,
+                                                          buckets=buckets, reduce_op=op, scale=scale, labels=labels)
+    return [Launched(h, t, group.name, native, b, op, scale, lab)
+            for h, t, b, lab in zip(handles, tensors, buckets, labels, strict=True)]
+
+
 def allreduce_many(tensors, group, buckets, op: str = "sum", scale: float = 1.0, labels=None,
                    together: bool = True) -> list:
-    """Several all-reduces: every launch first (the executor starts on each at
-    once), then their completion: one for all (`together`, one hand-over back to
-    TensorFlow, RdtShmAllreduceDoneMany) or one per tensor (each result usable as
-    soon as it is there)."""
+    """Several all-reduces. `together`: one launch op for all, then one completion
+    op for all (two stateful ops however many tensors: RdtShmAllreduceLaunchMany,
+    RdtShmAllreduceDoneMany); else a launch per tensor, every one before the first
+    completion, and a completion per tensor (each result usable as soon as it is
+    there; a launch can start before the later tensors exist)."""
     tensors = list(tensors)
     labels = list(labels) if labels is not None else [None] * len(tensors)
+    if together:
+        return complete_many(launch_many(tensors, group, buckets, op, scale, labels))
     launched = [launch(t, group, b, op, scale, lab) for t, b, lab in zip(tensors, buckets, labels, strict=True)]
-    return complete_many(launched) if together else [complete(x) for x in launched]
+    return [complete(x) for x in launched]
 
 
 def complete_many(launched: list) -> list:
@@ -273,14 +296,14 @@ def _done_many_gradient(op, *grads):
     lib = native_library()
     if lib is None:
         raise build.BuildError("the gradient of a native all-reduce needs the op library")
-    launched = []
     n = len(grads)
-    for i, (b, g, lab) in enumerate(zip(op.get_attr("buckets"), grads, labels, strict=True)):
-        g = tf.zeros_like(op.inputs[n + i]) if g is None else tf.convert_to_tensor(g)
-        attrs = dict(group=group, bucket=b, reduce_op=reduce_op, scale=scale, label=f"{lab or 'tensor'}/grad")
-        launched.append(Launched(lib.module.rdt_shm_allreduce_launch(g, **attrs), g, group, lib, b, reduce_op,
-                                 scale, attrs["label"]))
-    return [None] * len(grads) + complete_many(launched)
+    grads = [tf.zeros_like(op.inputs[n + i]) if g is None else tf.convert_to_tensor(g) for i, g in enumerate(grads)]
+    labels = [f"{lab or 'tensor'}/grad" for lab in labels]
+    handles = lib.module.rdt_shm_allreduce_launch_many(grads, N=n, group=group, buckets=op.get_attr("buckets"),
+                                                       reduce_op=reduce_op, scale=scale, labels=labels)
+    launched = [Launched(h, g, group, lib, b, reduce_op, scale, lab)
+                for h, g, b, lab in zip(handles, grads, op.get_attr("buckets"), labels, strict=True)]
+    return [None] * n + complete_many(launched)
 
 
 @tf.RegisterGradient("RdtShmAllreduceDone")

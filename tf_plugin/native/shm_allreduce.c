@@ -842,6 +842,12 @@ static int check_request(const rdt_shm_group *g, uint32_t bucket, const void *in
   return 0;
 }
 
+int rdt_shm_group_check(rdt_shm_group *g, uint32_t bucket, uint64_t count, int dtype, int op, const char *label,
+                        char *err, size_t errlen) {
+  static const char one = 0;
+  return check_request(g, bucket, &one, &one, count, dtype, op, label && label[0] ? label : "a tensor", err, errlen);
+}
+
 uint64_t rdt_shm_group_submit(rdt_shm_group *g, uint32_t bucket, const void *in, void *out, uint64_t count,
                               int dtype, int op, double scale, const char *label, rdt_shm_done_fn done,
                               void *arg, char *err, size_t errlen) {
