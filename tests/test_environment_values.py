@@ -30,6 +30,7 @@ from rdmatensor.runner.rendezvous_client import LauncherEnv
 from rdmatensor.session import liveness, send, slots
 from tf_plugin.core import checked_collectives, layout, settings, world
 from tf_plugin.core.timeline import Timeline
+from tf_plugin.native import build as native_build
 from tf_plugin.training.horovod_baseline import ROOT, horovod_venv
 
 world.init()
@@ -61,6 +62,7 @@ out = {
     "RDMATENSOR_STALL_SHUTDOWN_TIME_SECONDS": stall.shutdown_time,
     "RDMATENSOR_STALL_CHECK_DISABLE": stall.check_time is None,
     "RDMATENSOR_ELASTIC_TIMEOUT": settings.seconds(settings.ELASTIC_TIMEOUT),
+    "RDMATENSOR_TF_OPS": native_build.choice(),
     "warned": settings.ignored_in(),
 }
 for var, (field, _, _) in addressing.Fabric.RANGES.items():
