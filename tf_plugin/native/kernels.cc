@@ -409,26 +409,57 @@ class LaunchManyOp : public OpKernel {
                                         ctx->num_outputs(), " handles"));
     std::shared_ptr<GroupRef> group = FindGroup(group_);
     OP_REQUIRES(ctx, group != nullptr, NotOpen(group_, *labels_[0]));
-    const int op = OpCode(op_);
-    char err[RDT_SHM_MESSAGE] = {0};
+    std::vector<std::shared_ptr<Pending>> ps(n);
+    std::vector<uint32_t> buckets(n);
+    std::vector<const void*> ins(n);
+    std::vector<void*> outs(n), args(n);
+    std::vector<uint64_t> counts(n), ids(n);
+    std::vector<int> dtypes(n);
+    std::vector<const char*> labels(n);
     for (int i = 0; i < n; i++) {
-      const int dtype = DtypeCode(tensors[i].dtype());
-      OP_REQUIRES(ctx, dtype != 0 && rdt_shm_group_check(group->g, static_cast<uint32_t>(buckets_[i]),
-                                                         static_cast<uint64_t>(tensors[i].NumElements()), dtype,
-                                                         op, labels_[i]->c_str(), err, sizeof err) == 0,
-                  errors::InvalidArgument(dtype ? err : "all-reduce of " + *labels_[i] + ": dtype not supported"));
+      const Tensor& in = tensors[i];
+      dtypes[i] = DtypeCode(in.dtype());
+      OP_REQUIRES(ctx, dtypes[i] != 0,
+                  errors::InvalidArgument("all-reduce of ", *labels_[i], ": dtype ", DataTypeString(in.dtype()),
+                                          " is not supported"));
+      auto p = std::make_shared<Pending>();
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(in.dtype(), in.shape(), &p->output));
+      p->input = in;
+      p->group = group;
+      p->label = labels_[i];
+      buckets[i] = static_cast<uint32_t>(buckets_[i]);
+      ins[i] = in.tensor_data().data();
+      outs[i] = const_cast<char*>(p->output.tensor_data().data());
+      counts[i] = static_cast<uint64_t>(in.NumElements());
+      labels[i] = labels_[i]->c_str();
+      args[i] = p.get();
+      ps[i] = std::move(p);
+    }
+    std::vector<int64_t> handles(n);
+    for (int i = 0; i < n; i++) {
+      ps[i]->self = ps[i];
+      handles[i] = Put(ps[i]);
+    }
+    char err[RDT_SHM_MESSAGE] = {0};
+    // One submission for all: every request checked first, then queued at once (one wake of the executor).
+    if (rdt_shm_group_submit_many(group->g, n, buckets.data(), ins.data(), outs.data(), counts.data(),
+                                  dtypes.data(), OpCode(op_), static_cast<double>(scale_), labels.data(), OnDone,
+                                  args.data(), ids.data(), err, sizeof err) != 0) {
+      for (int i = 0; i < n; i++) {
+        ps[i]->self = nullptr;
+        Take(handles[i]);
+      }
+      ctx->SetStatus(errors::InvalidArgument(err));
+      return;
     }
     for (int i = 0; i < n; i++) {
-      int64_t handle = 0;
-      absl::Status st = LaunchOne(ctx, group, tensors[i], buckets_[i], op, scale_, labels_[i], &handle);
-      if (!st.ok()) {  // after the checks above, only an allocation failed: the ranks fall out of step
-        rdt_shm_group_abort(group->g, RDT_SHM_ABORTED, "a launch of several all-reduces failed half way");
-        ctx->SetStatus(st);
-        return;
+      {
+        std::lock_guard<std::mutex> l(ps[i]->mu);
+        ps[i]->request = ids[i];
       }
       Tensor* out = nullptr;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(i, TensorShape({}), &out));
-      out->scalar<int64_t>()() = handle;
+      out->scalar<int64_t>()() = handles[i];
     }
   }
 

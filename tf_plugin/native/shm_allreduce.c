@@ -842,54 +842,96 @@ static int check_request(const rdt_shm_group *g, uint32_t bucket, const void *in
   return 0;
 }
 
-int rdt_shm_group_check(rdt_shm_group *g, uint32_t bucket, uint64_t count, int dtype, int op, const char *label,
-                        char *err, size_t errlen) {
-  static const char one = 0;
-  return check_request(g, bucket, &one, &one, count, dtype, op, label && label[0] ? label : "a tensor", err, errlen);
+int rdt_shm_group_submit_many(rdt_shm_group *g, int m, const uint32_t *buckets, const void *const *ins,
+                              void *const *outs, const uint64_t *counts, const int *dtypes, int op, double scale,
+                              const char *const *labels, rdt_shm_done_fn done, void *const *args, uint64_t *ids,
+                              char *err, size_t errlen) {
+  for (int i = 0; i < m; i++) {
+    const char *name = labels && labels[i] && labels[i][0] ? labels[i] : "a tensor";
+    if (check_request(g, buckets[i], ins[i], outs[i], counts[i], dtypes[i], op, name, err, errlen) != 0) return -1;
+  }
+  if (done == NULL) {
+    say(err, errlen, "all-reduce: no completion callback");
+    return -1;
+  }
+  /* the requests, from the spares or new, linked together before the queue sees them */
+  request *first = NULL, *last = NULL;
+  pthread_mutex_lock(&g->mu);
+  for (int i = 0; i < m && g->spare != NULL; i++) {
+    request *r = g->spare;
+    g->spare = r->next;
+    r->next = first;
+    first = r;
+  }
+  pthread_mutex_unlock(&g->mu);
+  request *pool = first;
+  first = NULL;
+  for (int i = 0; i < m; i++) {
+    request *r = pool;
+    if (r != NULL) {
+      pool = r->next;
+    } else if ((r = malloc(sizeof *r)) == NULL) {
+      for (request *q = first; q != NULL;) {
+        request *next = q->next;
+        free(q);
+        q = next;
+      }
+      for (request *q = pool; q != NULL;) {
+        request *next = q->next;
+        free(q);
+        q = next;
+      }
+      say(err, errlen, "out of memory");
+      return -1;
+    }
+    const char *name = labels && labels[i] && labels[i][0] ? labels[i] : "a tensor";
+    r->next = NULL;
+    r->k = 0;
+    r->status = RDT_SHM_OK;
+    r->msg[0] = '\0';
+    r->bucket = buckets[i];
+    r->in = ins[i];
+    r->out = outs[i];
+    r->count = counts[i];
+    r->dtype = dtypes[i];
+    r->op = op;
+    r->scale = scale;
+    size_t len = strnlen(name, sizeof r->label - 1);
+    memcpy(r->label, name, len);
+    r->label[len] = '\0';
+    r->done = done;
+    r->arg = args ? args[i] : NULL;
+    if (last) last->next = r;
+    else first = r;
+    last = r;
+  }
+  if (first == NULL) return 0;
+  pthread_mutex_lock(&g->mu);
+  int i = 0;
+  for (request *r = first; r != NULL; r = r->next, i++) {
+    r->id = g->next_id++;
+    if (ids) ids[i] = r->id;
+  }
+  if (g->tail) g->tail->next = first;
+  else g->head = first;
+  g->tail = last;
+  atomic_fetch_add_explicit(&g->queued, m, memory_order_release);
+  pthread_cond_signal(&g->cv);
+  pthread_mutex_unlock(&g->mu);
+  return 0;
 }
 
 uint64_t rdt_shm_group_submit(rdt_shm_group *g, uint32_t bucket, const void *in, void *out, uint64_t count,
                               int dtype, int op, double scale, const char *label, rdt_shm_done_fn done,
                               void *arg, char *err, size_t errlen) {
-  const char *name = label && label[0] ? label : "a tensor";
-  if (check_request(g, bucket, in, out, count, dtype, op, name, err, errlen) != 0) return 0;
-  if (done == NULL) {
-    say(err, errlen, "all-reduce of %s: no completion callback", name);
+  uint64_t id = 0;
+  const void *ins[1] = {in};
+  void *outs[1] = {out};
+  void *args[1] = {arg};
+  const char *labels[1] = {label};
+  if (rdt_shm_group_submit_many(g, 1, &bucket, ins, outs, &count, &dtype, op, scale, labels, done, args, &id, err,
+                                errlen) != 0)
     return 0;
-  }
-  pthread_mutex_lock(&g->mu);
-  request *r = g->spare;
-  if (r != NULL) g->spare = r->next;
-  pthread_mutex_unlock(&g->mu);
-  if (r == NULL && (r = malloc(sizeof *r)) == NULL) {
-    say(err, errlen, "out of memory");
-    return 0;
-  }
-  r->next = NULL;
-  r->k = 0;
-  r->status = RDT_SHM_OK;
-  r->msg[0] = '\0';
-  r->bucket = bucket;
-  r->in = in;
-  r->out = out;
-  r->count = count;
-  r->dtype = dtype;
-  r->op = op;
-  r->scale = scale;
-  size_t len = strnlen(name, sizeof r->label - 1);
-  memcpy(r->label, name, len);
-  r->label[len] = '\0';
-  r->done = done;
-  r->arg = arg;
-  pthread_mutex_lock(&g->mu);
-  r->id = g->next_id++;
-  if (g->tail) g->tail->next = r;
-  else g->head = r;
-  g->tail = r;
-  atomic_fetch_add_explicit(&g->queued, 1, memory_order_release);
-  pthread_cond_signal(&g->cv);
-  uint64_t id = r->id;
-  pthread_mutex_unlock(&g->mu);
   return id;
 }
 
@@ -953,27 +995,28 @@ int rdt_shm_group_allreduce_many(rdt_shm_group *g, int m, const uint32_t *bucket
       return RDT_SHM_INVALID; /* nothing was queued */
     }
   }
-  int refused = RDT_SHM_OK;
-  pthread_mutex_lock(&w.mu);
+  void **args = calloc(m > 0 ? (size_t)m : 1, sizeof *args);
+  if (args == NULL) {
+    say(err, errlen, "out of memory");
+    pthread_mutex_destroy(&w.mu);
+    pthread_cond_destroy(&w.cv);
+    free(tickets);
+    return RDT_SHM_SYSTEM;
+  }
   for (int i = 0; i < m; i++) {
     tickets[i].w = &w;
     tickets[i].status = statuses ? &statuses[i] : NULL;
-    w.left++;
-    pthread_mutex_unlock(&w.mu);
-    uint64_t id = rdt_shm_group_submit(g, buckets[i], ins[i], outs[i], counts[i], dtypes[i], op, scale,
-                                       labels ? labels[i] : NULL, sync_done, &tickets[i], err, errlen);
-    pthread_mutex_lock(&w.mu);
-    if (id == 0) { /* out of memory: the ranks fall out of step, so abort */
-      w.left--;
-      refused = RDT_SHM_INVALID;
-      if (statuses)
-        for (int j = i; j < m; j++) statuses[j] = RDT_SHM_INVALID;
-      pthread_mutex_unlock(&w.mu);
-      if (i > 0) rdt_shm_group_abort(g, RDT_SHM_ABORTED, "a later all-reduce of the same call was refused");
-      pthread_mutex_lock(&w.mu);
-      break;
-    }
+    args[i] = &tickets[i];
   }
+  w.left = m;
+  int refused = RDT_SHM_OK;
+  if (m > 0 && rdt_shm_group_submit_many(g, m, buckets, ins, outs, counts, dtypes, op, scale, labels, sync_done,
+                                         args, NULL, err, errlen) != 0) {
+    refused = RDT_SHM_SYSTEM; /* the arguments were checked: out of memory, nothing queued */
+    w.left = 0;
+  }
+  free(args);
+  pthread_mutex_lock(&w.mu);
   while (w.left > 0) pthread_cond_wait(&w.cv, &w.mu);
   pthread_mutex_unlock(&w.mu);
   pthread_mutex_destroy(&w.mu);

@@ -104,9 +104,13 @@ uint64_t rdt_shm_group_submit(rdt_shm_group *g, uint32_t bucket, const void *in,
                               int dtype, int op, double scale, const char *label, rdt_shm_done_fn done,
                               void *arg, char *err, size_t errlen);
 
-/* 0 if submit would take these arguments (the buffers aside), else -1 and why in err. */
-int rdt_shm_group_check(rdt_shm_group *g, uint32_t bucket, uint64_t count, int dtype, int op, const char *label,
-                        char *err, size_t errlen);
+/* submit of m requests at once (one lock, one wake of the executor): 0, their ids
+ * in ids (when not NULL); or -1, nothing queued, why in err (every request is
+ * checked first). done(args[i], ...) is called once for each. */
+int rdt_shm_group_submit_many(rdt_shm_group *g, int m, const uint32_t *buckets, const void *const *ins,
+                              void *const *outs, const uint64_t *counts, const int *dtypes, int op, double scale,
+                              const char *const *labels, rdt_shm_done_fn done, void *const *args, uint64_t *ids,
+                              char *err, size_t errlen);
 
 /* submit, then wait for it: its status, and the message in err. */
 int rdt_shm_group_allreduce(rdt_shm_group *g, uint32_t bucket, const void *in, void *out, uint64_t count,
