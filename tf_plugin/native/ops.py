@@ -9,10 +9,12 @@ the default when it builds) a group is registered in the library under its name
 and an all-reduce is two stateful ops: RdtShmAllreduceLaunch (queues it on the
 group's executor thread, returns a handle at once) and RdtShmAllreduceDone
 (waits asynchronously, holding no inter-op thread). Inside a tf.function
-stateful ops run in program order, so allreduce_many emits every launch before
-any completion: the executor works through the queue while the completions
-wait. Errors are TensorFlow's types: DeadlineExceeded (a peer did not arrive in
-time; the message names it), Aborted (the group was aborted, or broken by an
+stateful ops run in program order, so launches go before completions: the
+executor works through its queue while the completions wait. allreduce_many is
+RdtShmAllreduceLaunchMany and RdtShmAllreduceDoneMany, two ops however many
+tensors (together=False: a launch and a completion per tensor). Errors are
+TensorFlow's types: DeadlineExceeded (a peer did not arrive in time; the message
+names it), Aborted (the group was aborted, or broken by an
 earlier failure), Unavailable (a peer aborted), Cancelled (the step was
 cancelled), FailedPrecondition (ranks that disagree, or a group no longer open
 under a traced graph), InvalidArgument (a bad bucket or tensor, named).
