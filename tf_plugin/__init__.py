@@ -15,6 +15,8 @@ import only ever runs down them (tests/test_layout.py):
                 executor is to keep: the ring all-reduce, the communication thread
                 (it stands on core's settings, buffers, scaling, meter and timeline,
                 which import nothing above them)
+    native/     the compiled all-reduce for ranks on one host (C executor over shared
+                memory, TensorFlow ops), with its Python twin behind one contract
     core/       the job's basics and the collective engine, with no framework: world,
                 process sets, elastic state, plans grown from what the job calls
     graph/      where the core meets TensorFlow: the graph analyzer, graph ops, ingest

@@ -7,6 +7,7 @@
     ingest       received slot -> tf.Tensor with no copy (DLPack); when the slot is released
     ps_step      parameter-server training's step (PSWorker, ParameterServer)
     ops          send(tensor, name, dst) / recv(name, src, dtype, shape) inside tf.function
+    tracing      graph_code: the plugin's functions are traced as written, never rewritten by autograph
     tf_errors    rdmatensor's errors raised as the TensorFlow types Horovod raises (eagerly and in graphs)
 
 Imports only tf_plugin.core, tf_plugin.executor and tf_plugin.errors of tf_plugin.
