@@ -87,12 +87,22 @@ def four_hosts(tmp_path_factory) -> str:
         err = (shared / f"{tag}.err").read_text(errors="replace") if (shared / f"{tag}.err").exists() else ""
         phases = re.findall(r"^\[\d+\] rank \d+: .* at [\d:]+(?:, cpu \d+ s)?$", err, re.M)
         print("\n".join(f"{tag}: {line}" for line in phases))
+    for tag in jobs:         # and how each ended, pass or fail
+        print("\n".join(line for line in res.stdout.splitlines()
+                        if line.startswith((f"[host0] {tag} status=", f"[host0] {tag} launcher: "))))
     assert res.returncode == 0, out[-8000:]
     return res.stdout
 
 
 def _job(out: str, tag: str) -> str:
-    assert f"[host0] {tag} status=0" in out, "\n".join(line for line in out.splitlines() if tag in line)[-6000:]
+    """`out` if job `tag` ended with status 0; else its status, the launcher's lines and its last errors."""
+    status = re.findall(rf"^\[host0\] {tag} status=(\d+)$", out, re.M)
+    if status != ["0"]:
+        lines = out.splitlines()
+        launcher = [line for line in lines if line.startswith(f"[host0] {tag} launcher: ")]
+        errors = [line[:400] for line in lines if line.startswith(f"[host0] {tag} err: ")][-40:]
+        pytest.fail(f"job {tag} ended with status {status or 'unknown (no status line)'}\n"
+                    + "\n".join(launcher + errors))
     return out
 
 
