@@ -84,6 +84,9 @@ class Collectives:
         self._retired_session = None
         self._retired = dict.fromkeys(COUNTED, 0)  # counters of closed generations
         self._lock = threading.RLock()             # one collective at a time per process
+        # what lives as long as this plan (a native all-reduce group per tensor set, graph/native_allreduce.py):
+        # closed with it, so an elastic reset, a shutdown or a removed process set closes them
+        self.attached: dict = {}
 
     # ------------------------------------------------------------- calls
     def begin(self) -> int:
@@ -450,6 +453,12 @@ class Collectives:
     def close(self) -> None:
         self.comm.close()
         with self._lock:
-            self._retire(self.session)
+            attached, self.attached = self.attached, {}
+            try:
+                for thing in attached.values():
+                    if thing is not None:
+                        thing.close()
+            finally:
+                self._retire(self.session)
             self.session = None
             self._rings.clear()

@@ -5,7 +5,9 @@ eagerly it runs right there on numpy aliases of the tensors; in a graph it
 is one stateful tf.numpy_function, so it runs in program order and blocks
 one of TensorFlow's inter-op threads while it waits; an all-reduce of tensors
 with static shapes is one launch op and one wait op per bucket instead, its
-rings overlapping backprop (tf_plugin.graph.overlap). What moves and where it lands
+rings overlapping backprop (tf_plugin.graph.overlap), or, with
+RDMATENSOR_TF_OPS=native and every rank of the set on one host, the native
+ops' launch and completion per bucket (tf_plugin.graph.native_allreduce). What moves and where it lands
 is tf_plugin.core.collectives' business: the first call of a tensor set extends
 the plan once, later calls cost no control call.
 
@@ -25,6 +27,7 @@ import tensorflow as tf
 
 from ..core import adasum
 from ..graph import ingest
+from ..graph import native_allreduce
 from ..graph import overlap
 from ..core.layout import var_key
 from ..core.reductions import allreduce_op
@@ -127,9 +130,15 @@ def _allreduce_many(tensors, names, op: str, compression, group: Group, prescale
                                               scatter)
         layouts = [[(int(key), offset, sent[int(key)].shape) for key, offset, _ in b.members]
                    for b in buckets.buckets]
-        # looked up at run time: an elastic reset replaces the collectives under a traced graph
-        reduced = overlap.bucketed(sent, layouts, lambda *a: group.collectives.launch(buckets, *a),
-                                   lambda *a: group.collectives.collect(buckets, *a), "rdmatensor_allreduce")
+        native = native_allreduce.group_for(collectives, buckets, layouts, sent) \
+            if native_allreduce.applies(collectives, sent, op, scatter, elastic=world().round >= 0) else None
+        if native is not None:       # every rank on one host: the compiled ops, no Python in the step
+            reduced = native_allreduce.bucketed(sent, layouts, native, op, prescale, postscale,
+                                                "rdmatensor_allreduce")
+        else:
+            # looked up at run time: an elastic reset replaces the collectives under a traced graph
+            reduced = overlap.bucketed(sent, layouts, lambda *a: group.collectives.launch(buckets, *a),
+                                       lambda *a: group.collectives.collect(buckets, *a), "rdmatensor_allreduce")
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, packed, strict=True)]
 
 

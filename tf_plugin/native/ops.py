@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import json
 import os
 import threading
 from typing import NamedTuple
@@ -42,7 +43,7 @@ import tensorflow as tf
 from rdmatensor.session.liveness import peer_timeout_from_env
 
 from ..core import scaling
-from . import build, contract, shm_c, shm_twin
+from . import build, contract, segment, shm_c, shm_twin
 
 _TF_ERRORS = {contract.INVALID: tf.errors.InvalidArgumentError, contract.TIMEOUT: tf.errors.DeadlineExceededError,
               contract.ABORTED: tf.errors.AbortedError, contract.PEER_ABORTED: tf.errors.UnavailableError,
@@ -153,6 +154,53 @@ def group(fds, rank: int, ranks: int, bucket_bytes, timeout: float | None = None
     if lib is not None:
         return NativeGroup(lib, name, fds, rank, ranks, bucket_bytes, timeout)
     return PythonGroup(name, fds, rank, ranks, bucket_bytes, timeout)
+
+
+def local_group(allgather, rank: int, ranks: int, bucket_bytes, timeout: float, name: str | None = None
+                ) -> tuple[NativeGroup | None, str | None]:
+    """A native group among the ranks of one host, its segments handed over
+    through `allgather(tag, bytes) -> every rank's bytes` (the job's
+    authenticated channel: only locators travel there; each descriptor goes
+    from its owner's process to the peer that presents its nonce, as the shm
+    provider hands over its arenas: segment.Offer, segment.take). Every rank
+    calls it with the same buckets, at the same point of its program: two
+    exchanges. (group, None), or (None, why) on every rank when any rank
+    could not make or take a segment, or the ranks' buckets differ: the
+    caller then takes another path, on every rank alike."""
+    bucket_bytes = [int(b) for b in bucket_bytes]
+    fd, offers, fds, made, why = -1, {}, [], None, None
+    try:
+        try:
+            native_library()        # built (or refused) before any segment is made
+            fd = segment.create_segment(rank, ranks, bucket_bytes)
+            for peer in range(ranks):
+                if peer != rank:
+                    offers[peer] = segment.Offer(fd)
+            mine = {"locators": {str(p): o.locator for p, o in offers.items()}, "buckets": bucket_bytes}
+        except Exception as exc:  # noqa: BLE001 - told to every rank, which then all take the other path
+            mine = {"error": f"rank {rank}: {type(exc).__name__}: {exc}"}
+        got = [json.loads(raw) for raw in allgather("native_segments", json.dumps(mine).encode())]
+        errors = [g["error"] for g in got if "error" in g]
+        if errors:
+            return None, errors[0]
+        if any(g["buckets"] != bucket_bytes for g in got):
+            return None, f"the ranks' buckets differ: {[g['buckets'] for g in got]}"
+        try:
+            fds = [fd if r == rank else segment.take(got[r]["locators"][str(rank)], r) for r in range(ranks)]
+            made = group(fds, rank, ranks, bucket_bytes, timeout, name=name, kind="native")
+        except Exception as exc:  # noqa: BLE001 - as above
+            why = f"rank {rank}: {type(exc).__name__}: {exc}"
+        verdicts = [json.loads(raw) for raw in allgather("native_group", json.dumps(why).encode())]
+        why = next((v for v in verdicts if v), None)
+        if why is not None and made is not None:
+            made.close()
+            made = None
+        return made, why
+    finally:
+        for o in offers.values():
+            o.withdraw()
+        for f in {fd, *fds} - {-1}:
+            os.close(f)
 
 
 # ------------------------------------------------------------------ the ops

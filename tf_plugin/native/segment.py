@@ -16,22 +16,33 @@ A segment is a memfd sealed against shrinking and growing: a peer maps it
 read-only and can count on its size. It serves one group: its sequence
 numbers start at 0.
 
-How the descriptors travel: here between local processes over a Unix socket
-(socket.send_fds), for tests and tools; the product is to hand them over its
-authenticated session. No TensorFlow here.
+How the descriptors travel: in a job, as the shm provider hands over its
+arenas (rdmatensor/memory.py): the descriptor is parked in a socket of this
+process, offered on its hand-over socket under a one-time nonce, and the
+locator (pid, hand-over socket, nonce) goes to the peer over the job's
+authenticated channel; the peer checks with SO_PEERCRED that the socket is
+that process's, of this user, presents the nonce and is sent the descriptor
+(offer / take). Between processes with a socket of their own (tests, tools):
+send_fd / recv_fd / relay / exchange over a Unix socket. No TensorFlow here.
 """
 from __future__ import annotations
 
 import fcntl
 import os
+import re
 import socket
+import stat
 import struct
+
+from rdmatensor import memory
 
 MAGIC = 0x31524448534D4452          # "RDMSHDR1"
 VERSION = 1
 LINE = 64
 OFF_STATE, OFF_SLEEPING, OFF_BUCKETS, BUCKET_STRIDE = 64, 128, 192, 128
 HEADER = struct.Struct("<QIIIIQQ")  # magic, version, rank, ranks, buckets, total, checksum
+NAME = "rdmatensor-shm-allreduce-"
+LOCATOR = re.compile(r"([1-9][0-9]{0,9}):([0-9a-f]{24}):([0-9a-f]{32})")     # pid:hand-over socket:nonce
 
 
 def align64(n: int) -> int:
@@ -78,7 +89,7 @@ def create_segment(rank: int, ranks: int, bucket_bytes) -> int:
     layout = Layout(bucket_bytes)
     if not 0 <= rank < ranks:
         raise ValueError(f"rank {rank} of {ranks}")
-    fd = os.memfd_create(f"rdmatensor-shm-allreduce-{rank}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    fd = os.memfd_create(f"{NAME}{rank}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, layout.total)
         header = HEADER.pack(MAGIC, VERSION, rank, ranks, len(layout.bucket_bytes), layout.total, layout.checksum)
@@ -152,3 +163,44 @@ def exchange(sock: socket.socket, rank: int, ranks: int, fd: int) -> list[int]:
         r, got = recv_fd(sock)
         fds[r] = got
     return [fds[r] for r in range(ranks)]
+
+
+# ------------------------------------------------- descriptors over a job's channel
+class Offer:
+    """Segment `fd` offered to one peer: `locator` is what the peer needs to take it
+    (send it only over an authenticated channel: the nonce in it is the secret).
+    withdraw() once the peer took it or gave up (a descriptor not taken is closed)."""
+
+    def __init__(self, fd: int):
+        parked, sender = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            with sender:
+                socket.send_fds(sender, [b"\1"], [fd])
+            self._digest, address, nonce = memory._OFFERS.offer(parked)
+        except BaseException:
+            parked.close()
+            raise
+        self.locator = f"{os.getpid()}:{address}:{nonce}"
+
+    def withdraw(self) -> None:
+        memory._OFFERS.withdraw(self._digest)
+
+
+def take(locator: str, rank: int) -> int:
+    """Rank `rank`'s segment descriptor, from the process its locator names (an
+    Offer's): only a memfd segment of this user, handed over by that process, is
+    taken. The caller closes it."""
+    m = LOCATOR.fullmatch(locator)
+    if not m:
+        raise ValueError(f"rank {rank}'s segment locator {locator[:80]!r} is not one")
+    pid, address, nonce = m.groups()
+    fd = memory._fetch(f"{NAME}{rank}", int(pid), address, bytes.fromhex(nonce))
+    try:
+        st = os.fstat(fd)
+        if (not os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:{NAME}{rank} ")
+                or not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid()):
+            raise ValueError(f"process {pid} handed over something else than rank {rank}'s segment")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

@@ -1,0 +1,62 @@
+"""hvd.allreduce, hvd.grouped_allreduce and DistributedGradientTape inside
+tf.function on the native ops (RDMATENSOR_TF_OPS=native, 2 ranks on this host):
+bit for bit what the Python path (RDMATENSOR_TF_OPS=python: the ring on the
+communication thread) computes, with the native launch and completion ops in
+the traced graphs and no numpy_function; hvd.shutdown closes the groups,
+leaving no segment's descriptor or mapping, and a graph traced over a closed
+group fails with FailedPrecondition. Real processes (rdmatensor-run), the real
+op library, no mocks."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from .processes import run_workers
+
+SCRIPT = Path(__file__).parent / "native_path_script.py"
+PY_FUNCS = {"PyFunc", "EagerPyFunc", "PyFuncStateless"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Each path's run of the script: {path: [(report, results) per rank]}."""
+    out = {}
+    with pytest.MonkeyPatch.context() as mp:
+        for path in ("native", "python"):
+            mp.setenv("RDMATENSOR_TF_OPS", path)
+            where = tmp_path_factory.mktemp(path)
+            run_workers(SCRIPT, 2, "shm", where, timeout=240)
+            out[path] = [(json.loads((where / f"rank{r}.json").read_text()), dict(np.load(where / f"rank{r}.npz")))
+                         for r in range(2)]
+    return out
+
+
+def test_native_and_python_paths_agree_bit_for_bit(runs):
+    for rank in range(2):
+        native, python = runs["native"][rank][1], runs["python"][rank][1]
+        assert sorted(native) == sorted(python) and len(native) > 40
+        differ = [k for k in native if native[k].dtype != python[k].dtype or native[k].tobytes() != python[k].tobytes()]
+        assert not differ, differ
+    # each rank trained on its own data: the averaged gradients and the weights are the same on both
+    first, second = runs["native"][0][1], runs["native"][1][1]
+    assert all(first[k].tobytes() == second[k].tobytes() for k in first if k.startswith(("grad", "weight")))
+
+
+def test_the_native_ops_are_in_the_traced_graphs(runs):
+    for report, _ in runs["native"]:
+        for name, types in report["graphs"].items():
+            assert {"RdtShmAllreduceLaunch", "RdtShmAllreduceDone"} <= set(types), name
+            assert not PY_FUNCS & set(types), (name, types)
+    for report, _ in runs["python"]:
+        for name, types in report["graphs"].items():
+            assert "RdtShmAllreduceLaunch" not in types and PY_FUNCS & set(types), name
+
+
+def test_shutdown_closes_the_groups_and_a_graph_over_them_fails_clearly(runs):
+    for report, _ in runs["native"]:
+        assert report["open_before"] > 0 and report["open_after"] == 0
+        assert report["after_shutdown"].startswith("FailedPrecondition"), report["after_shutdown"]
+    for report, _ in runs["python"]:
+        assert report["open_before"] == report["open_after"] == 0
+        assert report["after_shutdown"] == "ran"

@@ -1,0 +1,120 @@
+"""The all-reduce of a tensor set inside a tf.function on the native ops, when
+every rank of the set is on one host (tf_plugin/native, docs/native-ops.md).
+
+Same structure as overlap.bucketed, other ops: per bucket of the plan, its
+members (prescaled as Horovod scales) reshaped flat and concatenated into ONE
+request, queued by RdtShmAllreduceLaunch as soon as they exist (the launches
+chained in bucket order, the first after the previous collective of the
+graph: overlap.in_program_order); after the last launch, an asynchronous
+RdtShmAllreduceDone per bucket (holding no inter-op thread while it waits),
+its result sliced back into the members. The op and the postscale are the
+executor's (an average divides by the number of ranks there, as the ring
+does); no Python runs in the step.
+
+The group (a memfd segment per rank, sized by the set's buckets, and the C
+executor's thread) is made when the graph is traced and the set is new to the
+plan: its segments' descriptors go between the ranks as the shm provider's
+arenas do (locators over the set's authenticated bootstrap channel, each
+descriptor from its owner's process to the peer with the nonce:
+native.ops.local_group). It lives as long as the plan (Collectives.attached):
+an elastic reset, a shutdown or removing the process set closes it, and a
+graph traced over it then fails with FailedPrecondition naming the group
+(trace the step again: a new plan makes a new group).
+
+Chosen only with RDMATENSOR_TF_OPS=native set explicitly (docs/native-ops.md
+says why), for static shapes, a reduction the executor has (average, sum,
+min, max, product: not Adasum), its dtypes (float16/32/64, int32/64: not
+bfloat16), more than one rank, all on one host, outside elastic jobs, not a
+reducescatter; anything else takes overlap.bucketed as before.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+from ..core import scaling
+from ..native import build, contract, ops
+from . import overlap
+
+DTYPES = (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
+
+
+def chosen() -> bool:
+    """RDMATENSOR_TF_OPS=native set explicitly (a bad value raises SettingError)."""
+    return build.choice() == "native" and os.environ.get(build.ENV, "").strip().lower() == "native"
+
+
+def applies(collectives, tensors, op: str, scatter: bool = False, elastic: bool = False) -> bool:
+    """Whether a graph's all-reduce of `tensors` (static shapes, several ranks) in
+    this plan runs on the native ops. Not in an elastic job: its step, traced
+    once, runs again after a reset, and a group does not outlive its plan."""
+    return (chosen() and not scatter and not elastic and op in contract.OPS and collectives.size > 1
+            and len(set(collectives.hosts)) == 1 and all(t.dtype in DTYPES for t in tensors))
+
+
+def group_for(collectives, buckets, layouts, tensors):
+    """The native group of this tensor set in this plan, made now (an exchange with
+    every rank of the set) if the set is new; None when it could not be made."""
+    key = ("native", buckets.key)
+    if key in collectives.attached:
+        return collectives.attached[key]
+    sizes = [sum(shape.num_elements() for _, _, shape in layout) * tensors[layout[0][0]].dtype.size
+             for layout in layouts]
+    with collectives._lock:          # the bootstrap channel: one exchange at a time  # noqa: SLF001
+        made, why = ops.local_group(collectives.bootstrap.allgather, collectives.rank, collectives.size, sizes,
+                                    collectives.timeout)
+    collectives.attached[key] = made
+    if made is None:
+        message = (f"rdmatensor: the native all-reduce cannot serve an all-reduce of {len(tensors)} tensors "
+                   f"({why})")
+        if chosen():
+            raise build.BuildError(f"{message}; {build.ENV}=native was set")
+        print(f"{message}; the Python path runs", file=sys.stderr)
+    return made
+
+
+def _prescaled(t: tf.Tensor, prescale: float) -> tf.Tensor:
+    """t times the prescale, as core/scaling.py multiplies (Horovod's ScaleBuffer)."""
+    pre = scaling.factor(prescale)
+    if pre == 1.0:
+        return t
+    if t.dtype == tf.float64:
+        return t * tf.constant(pre, tf.float64)
+    if t.dtype == tf.float32:
+        return t * tf.constant(np.float32(pre))
+    if t.dtype == tf.float16:
+        return tf.cast(tf.cast(t, tf.float32) * tf.constant(np.float32(pre)), tf.float16)
+    return tf.cast(tf.cast(t, tf.float64) * tf.constant(pre, tf.float64), t.dtype)      # truncates toward 0
+
+
+def bucketed(tensors: list, layouts: list[list[tuple]], group, op: str, prescale: float, postscale: float,
+             name: str) -> list:
+    """The all-reduced tensors, in a graph: `layouts` as overlap.bucketed takes
+    them (bucket j's members as (position, offset, shape); the offsets are the
+    ring's and unused here: a bucket's request is its members back to back). A
+    tensor in no bucket (zero elements) comes back as zeros."""
+    flats = []
+    for layout in layouts:
+        parts = [tf.reshape(_prescaled(tensors[p], prescale), [-1]) for p, _, _ in layout]
+        flats.append(parts[0] if len(parts) == 1 else tf.concat(parts, 0))
+    launched, out = [], [None] * len(tensors)
+    with overlap.in_program_order() as done:
+        previous = []
+        for j, flat in enumerate(flats):
+            with tf.control_dependencies(previous):
+                x = ops.launch(flat, group, j, op, postscale, f"{name} bucket {j}")
+            launched.append(x)
+            previous = [x.handle]
+    with tf.control_dependencies([x.handle for x in launched]):
+        for layout, x in zip(layouts, launched, strict=True):
+            reduced = ops.complete(x)
+            total, offset = int(x.tensor.shape[0]), 0
+            for p, _, shape in layout:
+                n = shape.num_elements()
+                out[p] = tf.reshape(reduced if n == total else tf.slice(reduced, [offset], [n]), shape)
+                offset += n
+            done(reduced.op)
+    return [t if t is not None else tf.zeros_like(tensors[p]) for p, t in enumerate(out)]
