@@ -16,6 +16,8 @@ import numpy as np
 import tensorflow as tf
 
 import tf_plugin as hvd
+import tf_plugin.keras as hvd_keras
+from tf_plugin.core.world import world
 
 out_dir = sys.argv[1]
 STEPS = 4
@@ -70,6 +72,32 @@ for j, v in enumerate(model.trainable_variables):
     results[f"weight{j}"] = v.numpy()
 graphs = {"train_step": op_types(train_step, xs[0], ys[0])}
 
+
+@tf.function
+def twice(x, y):
+    """Two all-reduces of one tensor set in one graph (one group): each its own calls, never mixed."""
+    with tf.GradientTape(persistent=True) as tape:
+        loss = tf.reduce_mean(tf.square(model(x) - y))
+        doubled = 2.0 * loss
+    once = hvd.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
+    again = hvd.DistributedGradientTape(tape).gradient(doubled, model.trainable_variables)
+    return once, again
+
+
+once, again = twice(xs[0], ys[0])
+for j, (a, b) in enumerate(zip(once, again, strict=True)):
+    results[f"twice_{j}"] = np.stack([a.numpy(), b.numpy() / 2])
+
+# Keras fit with DistributedOptimizer: its train function traced by Keras
+groups = {"before_fit": sum(g is not None for g in world().collectives.attached.values())}
+keras.utils.set_random_seed(8)
+fitted = keras.Sequential([keras.Input((12,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
+fitted.compile(optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss="mse")
+fitted.fit(xs.reshape(-1, 12), ys.reshape(-1, 3), batch_size=8, epochs=1, shuffle=False, verbose=0)
+for j, v in enumerate(fitted.trainable_variables):
+    results[f"fit_weight{j}"] = v.numpy()
+groups["after_fit"] = sum(g is not None for g in world().collectives.attached.values())
+
 # ---------------------------------------------------------------- allreduce, grouped_allreduce
 values = {
     "float32": rng.standard_normal((5, 7)).astype(np.float32) * 3,
@@ -115,7 +143,7 @@ def differentiated(x):
 y, g = differentiated(args[0])
 results["differentiated_y"], results["differentiated_grad"] = y.numpy(), g.numpy()
 
-report = {"rank": rank, "graphs": graphs, "open_before": memfds()}
+report = {"rank": rank, "graphs": graphs, "groups": groups, "open_before": memfds()}
 hvd.shutdown()
 report["open_after"] = memfds()
 hvd.init()

@@ -40,7 +40,10 @@ def test_native_and_python_paths_agree_bit_for_bit(runs):
         assert not differ, differ
     # each rank trained on its own data: the averaged gradients and the weights are the same on both
     first, second = runs["native"][0][1], runs["native"][1][1]
-    assert all(first[k].tobytes() == second[k].tobytes() for k in first if k.startswith(("grad", "weight")))
+    assert all(first[k].tobytes() == second[k].tobytes() for k in first
+               if k.startswith(("grad", "weight", "fit_weight", "twice")))
+    for results in (first, second):      # two all-reduces of one set in one graph: the second doubled exactly
+        assert all(np.array_equal(results[k][0], results[k][1]) for k in results if k.startswith("twice"))
 
 
 def test_the_native_ops_are_in_the_traced_graphs(runs):
@@ -48,9 +51,12 @@ def test_the_native_ops_are_in_the_traced_graphs(runs):
         for name, types in report["graphs"].items():
             assert {"RdtShmAllreduceLaunch", "RdtShmAllreduceDone"} <= set(types), name
             assert not PY_FUNCS & set(types), (name, types)
+        # the tape's set, twice's, its gradients'... and fit's: a group of its own
+        assert 0 < report["groups"]["before_fit"] < report["groups"]["after_fit"]
     for report, _ in runs["python"]:
         for name, types in report["graphs"].items():
             assert "RdtShmAllreduceLaunch" not in types and PY_FUNCS & set(types), name
+        assert report["groups"] == {"before_fit": 0, "after_fit": 0}
 
 
 def test_shutdown_closes_the_groups_and_a_graph_over_them_fails_clearly(runs):
