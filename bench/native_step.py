@@ -15,7 +15,17 @@ back, four ways:
 - `hvd`: today's path inside tf.function, as DistributedGradientTape runs it:
   `hvd.grouped_allreduce` of the N tensors (fused into buckets, a launch and a wait
   numpy_function per bucket, the ring on the plugin's communication thread, over shm);
-- `hvd-each` (not run by default: slow): `hvd.allreduce` per tensor, N collectives.
+- `hvd-each` (not run by default: slow): `hvd.allreduce` per tensor, N collectives;
+- `hvd-native`: `hvd`'s step traced with RDMATENSOR_TF_OPS=native: the same
+  buckets, each one fused launch op and one completion op of the native ops
+  (tf_plugin/graph/native_allreduce.py);
+- `tape-none`, `tape`, `tape-native` (not run by default): a training step
+  proper, loss = sum(v * v) over the N variables, its gradients by a plain
+  tf.GradientTape, by hvd.DistributedGradientTape on today's path, and by
+  hvd.DistributedGradientTape on the native ops; then v -= 0.01 * gradient.
+
+The `hvd*` and `tape*` steps are traced with RDMATENSOR_TF_OPS set for their path
+(`python` for today's), so one run pairs them.
 
 Rounds are interleaved (every N and path in each round, the order of N rotating),
 each measurement --steps steps after --warmup; ranks meet at a barrier before
@@ -35,7 +45,8 @@ import subprocess
 import sys
 import time
 
-PATHS = ("none", "native", "native-each", "twin", "hvd", "hvd-each")
+PATHS = ("none", "native", "native-each", "twin", "hvd", "hvd-each", "hvd-native", "tape-none", "tape",
+         "tape-native")
 DEFAULT_PATHS = ("none", "native", "native-each", "twin", "hvd")
 ELEMENTS = 256
 
@@ -70,7 +81,7 @@ def rank_main(rank: int, sock_fd: int, sizes: list[int], paths: list[str], round
         barrier_group.allreduce(most, barrier)
 
     hvd = None
-    if {"hvd", "hvd-each"} & set(paths):
+    if {"hvd", "hvd-each", "hvd-native", "tape", "tape-native"} & set(paths):
         import tf_plugin as hvd
         hvd.init()
     rng = np.random.default_rng(rank)
@@ -78,6 +89,17 @@ def rank_main(rank: int, sock_fd: int, sizes: list[int], paths: list[str], round
 
     def make(path: str, n: int):
         vs = variables[:n]
+
+        if path.startswith("tape"):
+            @tf.function
+            def tape_step():
+                with tf.GradientTape() as tape:
+                    loss = tf.add_n([tf.reduce_sum(v * v) for v in vs])
+                if path != "tape-none":
+                    tape = hvd.DistributedGradientTape(tape)
+                for v, g in zip(vs, tape.gradient(loss, vs), strict=True):
+                    v.assign_sub(0.01 * g)
+            return traced(tape_step, path)
 
         @tf.function
         def step():
@@ -89,13 +111,27 @@ def rank_main(rank: int, sock_fd: int, sizes: list[int], paths: list[str], round
                                              together=path == "native")
             elif path == "twin":
                 reduced = ops.allreduce_many(grads, groups["python"], range(n), "average")
-            elif path == "hvd":
+            elif path in ("hvd", "hvd-native"):
                 reduced = hvd.grouped_allreduce(grads, op=hvd.Average, name=f"grouped{n}")
             else:
                 reduced = [hvd.allreduce(g, op=hvd.Average, name=f"g{j}") for j, g in enumerate(grads)]
             for v, r in zip(vs, reduced, strict=True):
                 v.assign(r * 2.0)
-        return step
+        return traced(step, path)
+
+    def traced(fn, path: str):
+        """fn traced now, with RDMATENSOR_TF_OPS chosen for its path (read when a graph is built)."""
+        before = os.environ.get("RDMATENSOR_TF_OPS")
+        if path.startswith(("hvd", "tape")):
+            os.environ["RDMATENSOR_TF_OPS"] = "native" if path.endswith("native") else "python"
+        try:
+            fn.get_concrete_function()
+        finally:
+            if before is None:
+                del os.environ["RDMATENSOR_TF_OPS"]
+            else:
+                os.environ["RDMATENSOR_TF_OPS"] = before
+        return fn
 
     times: dict = {(p, n): [] for p in paths for n in sizes}
     functions = {}

@@ -1,6 +1,7 @@
 """The shared-memory all-reduce as TensorFlow ops, eagerly and inside tf.function.
 
     g = ops.group(fds, rank, ranks, bucket_bytes)      # fds: every rank's segment (segment.py)
+    g, why = ops.local_group(bootstrap.allgather, rank, ranks, bucket_bytes, timeout)   # in a job
     y = ops.allreduce(x, g, bucket=0, op="average")
     ys = ops.allreduce_many(xs, g, buckets)             # one launch op and one completion op for all
 
