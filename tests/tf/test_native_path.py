@@ -4,7 +4,8 @@ bit for bit what the Python path (RDMATENSOR_TF_OPS=python: the ring on the
 communication thread) computes, with the native launch and completion ops in
 the traced graphs and no numpy_function; hvd.shutdown closes the groups,
 leaving no segment's descriptor or mapping, and a graph traced over a closed
-group fails with FailedPrecondition. Real processes (rdmatensor-run), the real
+group fails with FailedPrecondition; in a process set of 3 ranks, removing the
+set closes its groups. Real processes (rdmatensor-run), the real
 op library, no mocks."""
 import json
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 from .processes import run_workers
 
 SCRIPT = Path(__file__).parent / "native_path_script.py"
+SETS_SCRIPT = Path(__file__).parent / "native_sets_script.py"
 PY_FUNCS = {"PyFunc", "EagerPyFunc", "PyFuncStateless"}
 
 
@@ -66,3 +68,23 @@ def test_shutdown_closes_the_groups_and_a_graph_over_them_fails_clearly(runs):
     for report, _ in runs["python"]:
         assert report["open_before"] == report["open_after"] == 0
         assert report["after_shutdown"] == "ran"
+
+
+def test_a_process_set_on_the_native_ops_and_its_removal(tmp_path, monkeypatch):
+    monkeypatch.setenv("RDMATENSOR_TF_OPS", "native")
+    run_workers(SETS_SCRIPT, 3, "shm", tmp_path, timeout=240)
+    x = np.arange(40, dtype=np.float32).reshape(5, 8)
+    for rank in range(3):
+        rep = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert np.array_equal(rep["everyone"], x * 6) and np.array_equal(rep["everyone_after_removal"], x * 6)
+        assert "RdtShmAllreduceLaunch" in rep["everyone_ops"] and not PY_FUNCS & set(rep["everyone_ops"])
+        if rank in (0, 2):
+            assert np.array_equal(rep["pair"], x * 4)
+            assert np.array_equal(rep["pair_max"], [x * 3, x * 6])
+            assert "RdtShmAllreduceLaunch" in rep["pair_ops"] and not PY_FUNCS & set(rep["pair_ops"])
+            assert rep["pair_after_removal"].startswith("FailedPrecondition"), rep["pair_after_removal"]
+            # the pair's group gone (its own segment and its peer's), the global set's still open
+            assert rep["open_before"] > rep["open_after_removal"] > 0
+        else:
+            assert rep["open_before"] == rep["open_after_removal"] > 0
+        assert rep["open_after_shutdown"] == 0

@@ -55,24 +55,38 @@ def applies(collectives, tensors, op: str, scatter: bool = False, elastic: bool 
             and len(set(collectives.hosts)) == 1 and all(t.dtype in DTYPES for t in tensors))
 
 
+class _Unavailable:
+    """In place of a group that could not be made (on every rank alike): why."""
+
+    def __init__(self, why: str):
+        self.why = why
+
+    def close(self) -> None:
+        pass
+
+
 def group_for(collectives, buckets, layouts, tensors):
     """The native group of this tensor set in this plan, made now (an exchange with
-    every rank of the set) if the set is new; None when it could not be made."""
+    every rank of the set) if the set is new. When it cannot be made (on every rank
+    alike): BuildError with RDMATENSOR_TF_OPS=native set, else one line on stderr
+    and None (the Python path), for this set's every later graph too."""
     key = ("native", buckets.key)
-    if key in collectives.attached:
-        return collectives.attached[key]
-    sizes = [sum(shape.num_elements() for _, _, shape in layout) * tensors[layout[0][0]].dtype.size
-             for layout in layouts]
     with collectives._lock:          # the bootstrap channel: one exchange at a time  # noqa: SLF001
-        made, why = ops.local_group(collectives.bootstrap.allgather, collectives.rank, collectives.size, sizes,
-                                    collectives.timeout)
-    collectives.attached[key] = made
-    if made is None:
-        message = (f"rdmatensor: the native all-reduce cannot serve an all-reduce of {len(tensors)} tensors "
-                   f"({why})")
+        made = collectives.attached.get(key)
+        if made is None:
+            sizes = [sum(shape.num_elements() for _, _, shape in layout) * tensors[layout[0][0]].dtype.size
+                     for layout in layouts]
+            group, why = ops.local_group(collectives.bootstrap.allgather, collectives.rank, collectives.size,
+                                         sizes, collectives.timeout)
+            made = collectives.attached[key] = group if group is not None else _Unavailable(why)
+            if group is None and not chosen():
+                print(f"rdmatensor: the native all-reduce cannot serve an all-reduce of {len(tensors)} tensors "
+                      f"({why}); the Python path runs", file=sys.stderr)
+    if isinstance(made, _Unavailable):
         if chosen():
-            raise build.BuildError(f"{message}; {build.ENV}=native was set")
-        print(f"{message}; the Python path runs", file=sys.stderr)
+            raise build.BuildError(f"rdmatensor: the native all-reduce cannot serve an all-reduce of "
+                                   f"{len(tensors)} tensors ({made.why}); {build.ENV}=native was set")
+        return None
     return made
 
 
