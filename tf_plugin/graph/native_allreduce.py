@@ -25,7 +25,8 @@ Chosen only with RDMATENSOR_TF_OPS=native set explicitly (docs/native-ops.md
 says why), for static shapes, a reduction the executor has (average, sum,
 min, max, product: not Adasum), its dtypes (float16/32/64, int32/64: not
 bfloat16), more than one rank, all on one host, outside elastic jobs, not a
-reducescatter; anything else takes overlap.bucketed as before.
+reducescatter, without RDMATENSOR_CHECK_FINITE (the executor does not look
+for NaN and Inf); anything else takes overlap.bucketed as before.
 """
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ def applies(collectives, tensors, op: str, scatter: bool = False, elastic: bool 
     this plan runs on the native ops. Not in an elastic job: its step, traced
     once, runs again after a reset, and a group does not outlive its plan."""
     return (chosen() and not scatter and not elastic and op in contract.OPS and collectives.size > 1
+            and not getattr(collectives, "check_finite", False)          # RDMATENSOR_CHECK_FINITE: Python's check
             and len(set(collectives.hosts)) == 1 and all(t.dtype in DTYPES for t in tensors))
 
 
