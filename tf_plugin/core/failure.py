@@ -23,6 +23,7 @@ class JobFailure:
         self.rank = rank
         self.first: PeerLost | None = None        # what every collective of this rank raises from now on
         self._sessions: list = []
+        self._hooks: list = []                    # fn(first): what else fails with the job (a native group)
         self._lock = threading.Lock()
 
     def watch(self, session, ranks=None) -> None:
@@ -39,11 +40,24 @@ class JobFailure:
         if first is not None:
             session.abort(first)
 
+    def on_failure(self, fn) -> None:
+        """Call fn(PeerLost) when the job fails (at once if it did): something
+        that is no session but must stop waiting too, as a native all-reduce group."""
+        with self._lock:
+            first = self.first
+            if first is None:
+                self._hooks.append(fn)
+        if first is not None:
+            fn(first)
+
     def _failed(self, error: PeerLost) -> None:
         with self._lock:
             if self.first is None:
                 self.first = PeerLost(f"rank {error.peer} was lost, so rank {self.rank} cannot go on: {error}",
                                       peer=error.peer)
             first, sessions = self.first, list(self._sessions)
+            hooks, self._hooks = self._hooks, []
         for s in sessions:
             s.abort(first)
+        for fn in hooks:
+            fn(first)

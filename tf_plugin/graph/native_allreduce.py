@@ -30,8 +30,10 @@ for NaN and Inf); anything else takes overlap.bucketed as before.
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -67,9 +69,10 @@ class _Unavailable:
         pass
 
 
-def group_for(collectives, buckets, layouts, tensors):
+def group_for(collectives, buckets, layouts, tensors, failure=None):
     """The native group of this tensor set in this plan, made now (an exchange with
-    every rank of the set) if the set is new. When it cannot be made (on every rank
+    every rank of the set) if the set is new; `failure` (core/failure.py's
+    JobFailure) aborts it when the job loses a rank. When it cannot be made (on every rank
     alike): BuildError with RDMATENSOR_TF_OPS=native set, else one line on stderr
     and None (the Python path), for this set's every later graph too."""
     key = ("native", buckets.key)
@@ -81,6 +84,8 @@ def group_for(collectives, buckets, layouts, tensors):
             group, why = ops.local_group(collectives.bootstrap.allgather, collectives.rank, collectives.size,
                                          sizes, collectives.timeout)
             made = collectives.attached[key] = group if group is not None else _Unavailable(why)
+            if group is not None and failure is not None:     # a lost rank: every wait ends now, naming it
+                failure.on_failure(functools.partial(_abort, weakref.ref(group)))
             if group is None and not chosen():
                 print(f"rdmatensor: the native all-reduce cannot serve an all-reduce of {len(tensors)} tensors "
                       f"({why}); the Python path runs", file=sys.stderr)
@@ -90,6 +95,12 @@ def group_for(collectives, buckets, layouts, tensors):
                                    f"{len(tensors)} tensors ({made.why}); {build.ENV}=native was set")
         return None
     return made
+
+
+def _abort(group, error) -> None:
+    g = group()
+    if g is not None:
+        g.abort(f"{type(error).__name__}: {error}")
 
 
 def _prescaled(t: tf.Tensor, prescale: float) -> tf.Tensor:

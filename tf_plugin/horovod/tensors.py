@@ -130,7 +130,7 @@ def _allreduce_many(tensors, names, op: str, compression, group: Group, prescale
                                               scatter)
         layouts = [[(int(key), offset, sent[int(key)].shape) for key, offset, _ in b.members]
                    for b in buckets.buckets]
-        native = native_allreduce.group_for(collectives, buckets, layouts, sent) \
+        native = native_allreduce.group_for(collectives, buckets, layouts, sent, world().failure) \
             if native_allreduce.applies(collectives, sent, op, scatter, elastic=world().round >= 0) else None
         if native is not None:       # every rank on one host: the compiled ops, no Python in the step
             reduced = native_allreduce.bucketed(sent, layouts, native, op, prescale, postscale,
