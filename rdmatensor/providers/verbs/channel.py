@@ -352,11 +352,12 @@ class VerbsChannel(Channel):
             found = self._reap()
         return found
 
-    def _reap(self, spin: float = 0.0) -> bool:
+    def _reap(self, spin: float = 0.0, wait_turn: float = 0.0) -> bool:
         """Take in what the CQ holds (spinning up to `spin` s for something); True if any.
-        Completions are handled in order by one thread at a time; any failure
+        Completions are handled in order by one thread at a time: while another takes
+        them, wait up to `wait_turn` s for it, else leave them to it. Any failure
         becomes the channel's sticky error."""
-        if not self._poll_lock.acquire(blocking=False):
+        if not (self._poll_lock.acquire(timeout=wait_turn) if wait_turn > 0 else self._poll_lock.acquire(False)):
             return False
         sent = self._sent
         try:
@@ -419,9 +420,16 @@ class VerbsChannel(Channel):
             quiet = self._polled_at + DEFER_SECONDS - time.monotonic()
             if quiet <= 0 and self._reap():       # else the waiter that polls takes in what completes
                 continue
-            if self._bye and not ep.in_flight:
-                self.lost(PeerLost(f"peer {self.peer} closed the session", peer=self.peer))
-                return
+            if self._bye:
+                # the peer flushed its writes before its goodbye, but their completions may still be
+                # in the CQ while a waiter polls it: take them in before reporting the peer gone, or
+                # a recv of its last value finds the peer lost and the value not yet arrived. A
+                # waiter holds the poll lock at most SLEEP_SECONDS at a time, taking them in itself
+                if self._reap(wait_turn=SLEEP_SECONDS + 0.05):
+                    continue
+                if not ep.in_flight:
+                    self.lost(PeerLost(f"peer {self.peer} closed the session", peer=self.peer))
+                    return
             ep.deferring = quiet > 0
             try:
                 ep.post_owed()            # no room: the completions that make some wake this thread
