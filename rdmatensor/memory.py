@@ -241,6 +241,26 @@ _OFFERS = _Offers()
 os.register_at_fork(after_in_child=_OFFERS.forget)
 
 
+def offer_descriptor(fd: int) -> tuple[bytes, str, str]:
+    """Offer a duplicate of `fd` to one local process of this user that proves the
+    nonce (fetch_descriptor): (the offer's key, the hand-over address, the nonce).
+    The address and nonce travel only over an authenticated channel;
+    withdraw_descriptor(key) once the peer took it or gave up."""
+    parked, sender = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        with sender:
+            socket.send_fds(sender, [b"\1"], [fd])
+        return _OFFERS.offer(parked)
+    except BaseException:
+        parked.close()
+        raise
+
+
+def withdraw_descriptor(key: bytes) -> None:
+    """Nobody may take the offer any more (its duplicate descriptor is closed)."""
+    _OFFERS.withdraw(key)
+
+
 def _abstract(address: str) -> str:
     return f"\0rdmatensor-arenas-{address}"
 
@@ -307,8 +327,9 @@ def _take_one_fd(sock: socket.socket, what: str, flags: int = 0) -> int:
     return fds[0]
 
 
-def _fetch(name: str, pid: int, address: str, nonce: bytes) -> int:
-    """The descriptor of segment `name`, from its owner `pid`."""
+def fetch_descriptor(name: str, pid: int, address: str, nonce: bytes) -> int:
+    """The descriptor of segment `name`, from its owner `pid` (an arena's, or one
+    offer_descriptor() offered), proven by the peer's credentials; the caller closes it."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.settimeout(HANDOVER_TIMEOUT)
         try:
@@ -349,7 +370,7 @@ def _open_shared(locator: str, size: int | None) -> tuple[str, mmap.mmap]:
     name, pid, address, nonce = m.groups()
     if size is not None and size <= 0:
         raise ForeignSegment(f"shared segment {name} cannot be mapped at {size} bytes")
-    fd = _fetch(name, int(pid), address, bytes.fromhex(nonce))
+    fd = fetch_descriptor(name, int(pid), address, bytes.fromhex(nonce))
     try:
         st = os.fstat(fd)
         if (os.readlink(f"/proc/self/fd/{fd}") != f"/memfd:{name} (deleted)"

@@ -8,7 +8,6 @@ the traced graphs and what was left open after hvd.shutdown to OUT_DIR.
     python native_path_script.py OUT_DIR
 """
 import json
-import os
 import sys
 
 import keras
@@ -16,6 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_plugin as hvd
+from tf_plugin.native import segment
 import tf_plugin.keras as hvd_keras
 from tf_plugin.core.world import world
 
@@ -23,19 +23,6 @@ out_dir = sys.argv[1]
 STEPS = 4
 hvd.init()
 rank = hvd.rank()
-
-
-def memfds() -> int:
-    """This process's descriptors and mappings of native all-reduce segments."""
-    fds = 0
-    for entry in os.listdir("/proc/self/fd"):
-        try:
-            fds += os.readlink(f"/proc/self/fd/{entry}").startswith("/memfd:rdmatensor-shm-allreduce-")
-        except OSError:
-            pass
-    with open("/proc/self/maps") as f:
-        maps = sum("/memfd:rdmatensor-shm-allreduce-" in line for line in f)
-    return fds + maps
 
 
 def op_types(fn, *args) -> list[str]:
@@ -143,9 +130,9 @@ def differentiated(x):
 y, g = differentiated(args[0])
 results["differentiated_y"], results["differentiated_grad"] = y.numpy(), g.numpy()
 
-report = {"rank": rank, "graphs": graphs, "groups": groups, "open_before": memfds()}
+report = {"rank": rank, "graphs": graphs, "groups": groups, "open_before": segment.held()}
 hvd.shutdown()
-report["open_after"] = memfds()
+report["open_after"] = segment.held()
 hvd.init()
 try:
     train_step(xs[0], ys[0])               # traced over the group the shutdown closed

@@ -7,30 +7,19 @@ RDMATENSOR_TF_OPS=native as every worker of a 3-rank job; writes what it saw to 
     python native_sets_script.py OUT_DIR
 """
 import json
-import os
 import sys
 
 import numpy as np
 import tensorflow as tf
 
 import tf_plugin as hvd
+from tf_plugin.native import segment
 
 out_dir = sys.argv[1]
 hvd.init()
 rank = hvd.rank()
 pair = hvd.add_process_set([0, 2])
 member = rank in (0, 2)
-
-
-def memfds() -> int:
-    fds = 0
-    for entry in os.listdir("/proc/self/fd"):
-        try:
-            fds += os.readlink(f"/proc/self/fd/{entry}").startswith("/memfd:rdmatensor-shm-allreduce-")
-        except OSError:
-            pass
-    with open("/proc/self/maps") as f:
-        return fds + sum("/memfd:rdmatensor-shm-allreduce-" in line for line in f)
 
 
 x = tf.constant(np.arange(40, dtype=np.float32).reshape(5, 8) * (rank + 1))   # integers: any order sums exactly
@@ -53,9 +42,9 @@ if member:
     summed, (top, top2) = in_pair(x)
     report.update(pair=summed.numpy().tolist(), pair_max=[top.numpy().tolist(), top2.numpy().tolist()],
                   pair_ops=sorted({op.type for op in in_pair.get_concrete_function(x).graph.get_operations()}))
-report["open_before"] = memfds()
+report["open_before"] = segment.held()
 hvd.remove_process_set(pair)
-report["open_after_removal"] = memfds()
+report["open_after_removal"] = segment.held()
 if member:
     try:
         in_pair(x)
@@ -64,6 +53,6 @@ if member:
         report["pair_after_removal"] = "FailedPrecondition: " + exc.message[:200]
 report["everyone_after_removal"] = everyone(x).numpy().tolist()
 hvd.shutdown()
-report["open_after_shutdown"] = memfds()
+report["open_after_shutdown"] = segment.held()
 with open(f"{out_dir}/rank{rank}.json", "w") as f:
     json.dump(report, f)

@@ -165,6 +165,19 @@ def exchange(sock: socket.socket, rank: int, ranks: int, fd: int) -> list[int]:
     return [fds[r] for r in range(ranks)]
 
 
+def held() -> int:
+    """How many descriptors and mappings of segments this process holds (none
+    once every group it made is closed: what a leak check counts)."""
+    count = 0
+    for entry in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{entry}").startswith(f"/memfd:{NAME}")
+        except OSError:                       # the listing's own descriptor, gone by now
+            pass
+    with open("/proc/self/maps") as maps:
+        return count + sum(f"/memfd:{NAME}" in line for line in maps)
+
+
 # ------------------------------------------------- descriptors over a job's channel
 class Offer:
     """Segment `fd` offered to one peer: `locator` is what the peer needs to take it
@@ -172,18 +185,11 @@ class Offer:
     withdraw() once the peer took it or gave up (a descriptor not taken is closed)."""
 
     def __init__(self, fd: int):
-        parked, sender = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
-        try:
-            with sender:
-                socket.send_fds(sender, [b"\1"], [fd])
-            self._digest, address, nonce = memory._OFFERS.offer(parked)
-        except BaseException:
-            parked.close()
-            raise
+        self._key, address, nonce = memory.offer_descriptor(fd)
         self.locator = f"{os.getpid()}:{address}:{nonce}"
 
     def withdraw(self) -> None:
-        memory._OFFERS.withdraw(self._digest)
+        memory.withdraw_descriptor(self._key)
 
 
 def take(locator: str, rank: int) -> int:
@@ -194,7 +200,7 @@ def take(locator: str, rank: int) -> int:
     if not m:
         raise ValueError(f"rank {rank}'s segment locator {locator[:80]!r} is not one")
     pid, address, nonce = m.groups()
-    fd = memory._fetch(f"{NAME}{rank}", int(pid), address, bytes.fromhex(nonce))
+    fd = memory.fetch_descriptor(f"{NAME}{rank}", int(pid), address, bytes.fromhex(nonce))
     try:
         st = os.fstat(fd)
         if (not os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:{NAME}{rank} ")
