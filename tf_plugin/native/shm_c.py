@@ -6,6 +6,7 @@ No TensorFlow.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 
@@ -82,19 +83,10 @@ class CGroup(ShmGroup):
         check_args(self.bucket_bytes, bucket, array, op, label)
         out = np.empty_like(array)
         err = ctypes.create_string_buffer(MESSAGE)
-        with self._busy:
-            if self._closed:
-                raise contract.ShmClosed(f"rdmatensor shm all-reduce of {label} (bucket {bucket}): the group "
-                                         "was closed")
-            self._calls += 1
-        try:
+        with self._call(f"rdmatensor shm all-reduce of {label} (bucket {bucket})"):
             status = self.lib.rdt_shm_group_allreduce(self.handle, bucket, array.ctypes.data, out.ctypes.data,
                                                       array.size, DTYPES[array.dtype], OPS[op], float(scale),
                                                       label.encode(), err, MESSAGE)
-        finally:
-            with self._busy:
-                self._calls -= 1
-                self._busy.notify_all()
         if status:
             raise error_for(status, err.value.decode(errors="replace"))
         return out
@@ -116,20 +108,26 @@ class CGroup(ShmGroup):
                 (_INT * size)(*[DTYPES[a.dtype] for a in arrays]))
         names = (_STR * size)(*[lab.encode() for lab in labels])
         statuses = (_INT * size)()
-        with self._busy:
-            if self._closed:
-                raise contract.ShmClosed("rdmatensor shm all-reduce: the group was closed")
-            self._calls += 1
-        try:
+        with self._call("rdmatensor shm all-reduce"):
             status = self.lib.rdt_shm_group_allreduce_many(self.handle, m, *args, OPS[op], float(scale), names,
                                                            statuses, err, MESSAGE)
+        if status:
+            raise error_for(status, err.value.decode(errors="replace"))
+        return outs
+
+    @contextlib.contextmanager
+    def _call(self, what: str):
+        """One call into the executor, counted so close() waits for it; refused once closed."""
+        with self._busy:
+            if self._closed:
+                raise contract.ShmClosed(f"{what}: the group was closed")
+            self._calls += 1
+        try:
+            yield
         finally:
             with self._busy:
                 self._calls -= 1
                 self._busy.notify_all()
-        if status:
-            raise error_for(status, err.value.decode(errors="replace"))
-        return outs
 
     def abort(self, why: str = "aborted by the caller") -> None:
         with self._busy:
