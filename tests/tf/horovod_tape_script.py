@@ -120,6 +120,7 @@ report["mlp_max_diff"] = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))
                              for a, b in zip(model.trainable_variables, reference.trainable_variables, strict=True))
 report["mlp_trained_same"] = same_everywhere(model.trainable_variables)
 report["mlp_extensions"] = after["extensions"] - before["extensions"]
+report["mlp_native_requests"] = after["native_requests"] - before["native_requests"]
 
 
 if parts == "training":

@@ -52,9 +52,15 @@ def train_step(x, y):
 
 
 for s in range(STEPS):
+    if s == 1:                                  # after the traced first step: what a step moves
+        before = hvd.stats()
     grads = train_step(xs[s], ys[s])
     for j, g in enumerate(grads):
         results[f"grad{s}_{j}"] = g.numpy()
+after = hvd.stats()
+per_step = {k: (after[k] - before[k]) / (STEPS - 1) for k in ("bytes_sent", "bytes_received", "native_requests")}
+per_step["elements"] = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+per_step["buckets"] = after["buckets"]
 for j, v in enumerate(model.trainable_variables):
     results[f"weight{j}"] = v.numpy()
 graphs = {"train_step": op_types(train_step, xs[0], ys[0])}
@@ -130,7 +136,7 @@ def differentiated(x):
 y, g = differentiated(args[0])
 results["differentiated_y"], results["differentiated_grad"] = y.numpy(), g.numpy()
 
-report = {"rank": rank, "graphs": graphs, "groups": groups, "open_before": segment.held()}
+report = {"rank": rank, "graphs": graphs, "groups": groups, "open_before": segment.held(), "per_step": per_step}
 hvd.shutdown()
 report["open_after"] = segment.held()
 hvd.init()

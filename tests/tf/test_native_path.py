@@ -61,6 +61,19 @@ def test_the_native_ops_are_in_the_traced_graphs(runs):
         assert report["groups"] == {"before_fit": 0, "after_fit": 0}
 
 
+def test_a_native_step_is_counted_in_stats_as_the_ring_counts_its_bytes(runs):
+    """2 ranks: the tape's step moves its gradients' bytes each way, on both paths (the
+    ring's fused bucket pads each member to 64 bytes; the native request is packed)."""
+    for report, _ in runs["native"]:
+        step = report["per_step"]
+        assert step["bytes_sent"] == step["bytes_received"] == 4 * step["elements"], step
+        assert step["native_requests"] >= 1, step
+    for report, _ in runs["python"]:
+        step = report["per_step"]
+        assert 4 * step["elements"] <= step["bytes_sent"] < 4 * step["elements"] + 64 * 6, step
+        assert step["native_requests"] == 0, step
+
+
 def test_shutdown_closes_the_groups_and_a_graph_over_them_fails_clearly(runs):
     for report, _ in runs["native"]:
         assert report["open_before"] > 0 and report["open_after"] == 0

@@ -402,9 +402,19 @@ def test_the_twins_agree_with_numpy_bit_for_bit(kinds):
                 [b for b, _, _ in plan], inputs(seed, r, plan), op, scaling.factor(scale)))
             check([[(o.dtype.str, o.shape, o.tobytes()) for o in res] for res in got], seed, n, plan, op, scale,
                   f"{kinds} {op}")
+        # what each rank counts: per call, its slice from each peer and the rest of the result
+        # from them (stats' bytes each way, as the ring's): the same in both twins
+        for r, g in enumerate(groups):
+            moved = 0
+            for _, shape, dtype in plan:
+                count = int(np.prod(shape))
+                lo, hi = shm_twin.bounds(count, n, r)
+                moved += ((n - 1) * (hi - lo) + count - (hi - lo)) * np.dtype(dtype).itemsize
+            assert g.counters() == (len(OPS) * len(plan), len(OPS) * moved), (kinds, r)
     finally:
         for g in groups:
             g.close()
+    assert all(g.counters()[0] == len(OPS) * len(plan) for g in groups), "counters lost at close"
 
 
 def test_the_contract_refuses_and_breaks_alike():

@@ -87,6 +87,7 @@ class Collectives:
         # what lives as long as this plan (a native all-reduce group per tensor set, graph/native_allreduce.py):
         # closed with it, so an elastic reset, a shutdown or a removed process set closes them
         self.attached: dict = {}
+        self._retired_native = (0, 0)              # (calls, bytes moved) of closed native groups
 
     # ------------------------------------------------------------- calls
     def begin(self) -> int:
@@ -434,16 +435,31 @@ class Collectives:
         return self.attempt(number, body, entries_of(*request))
 
     # ---------------------------------------------------------------- misc
+    def _native_counters(self, attached: dict) -> tuple[int, int]:
+        """(calls, bytes moved each way) of the native groups in `attached` (their
+        executor counts them: nothing of theirs goes through the session)."""
+        calls = moved = 0
+        for thing in attached.values():
+            counters = getattr(thing, "counters", None)
+            if counters is not None:
+                c, m = counters()
+                calls, moved = calls + c, moved + m
+        return calls, moved
+
     def stats(self) -> dict:
         with self._lock:
             current = self.session.stats() if self.session is not None else {}
             totals = {k: self._retired[k] + current.get(k, 0) for k in COUNTED}
+            calls, moved = (a + b for a, b in zip(self._retired_native, self._native_counters(self.attached),
+                                                  strict=True))
+            totals["bytes_sent"] += moved
+            totals["bytes_received"] += moved
             return dict(totals, provider=current.get("provider"), generations=self.generations,
                         extensions=max(0, self.generations - 1), tensor_sets=len(self._order),
                         tensors=len(self.session.plan) if self.session else 0,
                         plugin_copies=self.meter.copies, comm_seconds=self.meter.comm_seconds,
                         ring_seconds=self.meter.ring_seconds, overlapped_seconds=self.meter.overlapped_seconds,
-                        overlap=self.meter.overlap, allreduces=self.meter.rounds,
+                        overlap=self.meter.overlap, allreduces=self.meter.rounds, native_requests=calls,
                         output_buffers=self.meter.tally["allocated"],
                         fusion_threshold=self.threshold,
                         buckets=sum(len(ts.analysis.buckets) for ts in self._order if ts.kind == "allreduce"),
@@ -459,6 +475,8 @@ class Collectives:
                     if thing is not None:
                         thing.close()
             finally:
+                self._retired_native = tuple(a + b for a, b in zip(self._retired_native,
+                                                                   self._native_counters(attached), strict=True))
                 self._retire(self.session)
             self.session = None
             self._rings.clear()

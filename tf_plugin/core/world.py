@@ -405,7 +405,9 @@ def stats() -> dict:
     provider (None in a job of one), fusion_threshold (bytes per all-reduce
     bucket) and buckets (over every all-reduce set planned), hierarchy (the
     ranks of each host, once an all-reduce was planned hierarchically; else
-    None: the flat ring)."""
+    None: the flat ring); native_requests: buckets the native all-reduce ran
+    (tf_plugin/native: its bytes are in bytes_sent and bytes_received, as many
+    each way as the ring's)."""
     w = world()
     out = w.collectives.stats()
     boot = w.bootstrap.stats()

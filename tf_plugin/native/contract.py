@@ -126,6 +126,12 @@ class ShmGroup(ABC):
         return [self.allreduce(b, a, op, scale, lab) for b, a, lab in zip(buckets, arrays, labels, strict=True)]
 
     @abstractmethod
+    def counters(self) -> tuple[int, int]:
+        """(calls this rank completed, bytes they moved across its boundary each way):
+        a call of n bytes moves (r-1)*s + n - s, s this rank's slice, 2(r-1)/r*n for
+        even slices, as many as a ring all-reduce sends and receives."""
+
+    @abstractmethod
     def abort(self, why: str = "aborted by the caller") -> None:
         """Break the group: waits end, this and later all-reduces raise."""
 

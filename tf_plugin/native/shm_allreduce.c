@@ -105,6 +105,7 @@ struct rdt_shm_group {
   char why[RDT_SHM_MESSAGE];
   _Atomic(uint32_t *) wait_addr;
   _Atomic int refs;
+  _Atomic uint64_t done_calls, moved_bytes; /* calls completed, bytes each moved to and from peers */
   pthread_t thread;
   int started;
 };
@@ -402,6 +403,20 @@ void rdt_shm_group_abort(rdt_shm_group *g, int status, const char *why) {
 
 int rdt_shm_group_status(rdt_shm_group *g) { return atomic_load(&g->aborted); }
 
+void rdt_shm_group_counters(rdt_shm_group *g, uint64_t *calls, uint64_t *bytes) {
+  *calls = atomic_load(&g->done_calls);
+  *bytes = atomic_load(&g->moved_bytes);
+}
+
+/* What a completed call moved across this rank's boundary, either way: in step 2 it
+ * reads its slice from each of n-1 peers and they read everything else of its input;
+ * in step 3 it reads everything else of the result and each peer reads its slice. */
+static uint64_t moved_by(const rdt_shm_group *g, const request *r) {
+  uint64_t lo, hi;
+  slice_of(r->count, g->ranks, g->rank, &lo, &hi);
+  return ((uint64_t)(g->ranks - 1) * (hi - lo) + (r->count - (hi - lo))) * dtype_size(r->dtype);
+}
+
 /* The status a request fails with once the group is aborted, and its message. */
 static int aborted_status(rdt_shm_group *g, const request *r, char *msg) {
   pthread_mutex_lock(&g->mu);
@@ -635,7 +650,12 @@ static void *executor(void *arg) {
       request *r = wave;
       if (r->status == RDT_SHM_OK) {
         int st = atomic_load(&g->aborted) ? aborted_status(g, r, r->msg) : step_out(g, r);
-        if (st != RDT_SHM_OK) fail(g, r, st);
+        if (st != RDT_SHM_OK) {
+          fail(g, r, st);
+        } else {
+          atomic_fetch_add(&g->moved_bytes, moved_by(g, r));
+          atomic_fetch_add(&g->done_calls, 1);
+        }
       }
       pthread_mutex_lock(&g->mu);
       wave = g->wave = r->next;
@@ -733,6 +753,8 @@ rdt_shm_group *rdt_shm_group_create(const int *fds, int rank, int ranks, uint32_
   g->total = total;
   g->next_id = 1;
   atomic_init(&g->refs, 1);
+  atomic_init(&g->done_calls, 0);
+  atomic_init(&g->moved_bytes, 0);
   pthread_mutex_init(&g->mu, NULL);
   pthread_cond_init(&g->cv, NULL);
   g->bucket_bytes = calloc(buckets ? buckets : 1, sizeof(uint64_t));

@@ -137,6 +137,11 @@ int rdt_shm_group_cancel(rdt_shm_group *g, uint64_t id, const char *why);
 /* 0 while live, else the status the group was aborted with. */
 int rdt_shm_group_status(rdt_shm_group *g);
 
+/* The calls this rank completed in the group, and the bytes they moved across its
+ * boundary each way (what it sent equals what it received: 2(n-1)/n of the data
+ * for even slices, as a ring all-reduce's). */
+void rdt_shm_group_counters(rdt_shm_group *g, uint64_t *calls, uint64_t *bytes);
+
 #ifdef __cplusplus
 }
 #endif

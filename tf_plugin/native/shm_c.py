@@ -47,6 +47,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.rdt_shm_group_abort.restype = None
         lib.rdt_shm_group_status.argtypes = [_P]
         lib.rdt_shm_group_status.restype = _INT
+        lib.rdt_shm_group_counters.argtypes = [_P, ctypes.POINTER(_U64), ctypes.POINTER(_U64)]
+        lib.rdt_shm_group_counters.restype = None
         lib._rdt_shm_bound = True
     return lib
 
@@ -75,6 +77,7 @@ class CGroup(ShmGroup):
         self._busy = threading.Condition()
         self._calls = 0
         self._closed = False
+        self._final = (0, 0)
 
     def allreduce(self, bucket: int, array, op: str = "sum", scale: float = 1.0, label: str | None = None
                   ) -> np.ndarray:
@@ -115,6 +118,14 @@ class CGroup(ShmGroup):
             raise error_for(status, err.value.decode(errors="replace"))
         return outs
 
+    def counters(self) -> tuple[int, int]:
+        with self._busy:
+            if self.handle is None:               # closed: as they were then
+                return self._final
+            calls, moved = _U64(), _U64()
+            self.lib.rdt_shm_group_counters(self.handle, ctypes.byref(calls), ctypes.byref(moved))
+            return calls.value, moved.value
+
     @contextlib.contextmanager
     def _call(self, what: str):
         """One call into the executor, counted so close() waits for it; refused once closed."""
@@ -146,5 +157,7 @@ class CGroup(ShmGroup):
             self.lib.rdt_shm_group_abort(self.handle, contract.CLOSED, b"the group was closed")
             while self._calls:
                 self._busy.wait()
+        self._final = self.counters()
+        with self._busy:
             handle, self.handle = self.handle, None
         self.lib.rdt_shm_group_release(handle)

@@ -80,6 +80,7 @@ class TwinGroup(ShmGroup):
         self._lock = threading.Lock()
         self._aborted, self._why = 0, ""
         self._closed = False
+        self._done, self._moved = 0, 0
 
     # --------------------------------------------------------------- contract
     def allreduce(self, bucket: int, array, op: str = "sum", scale: float = 1.0, label: str | None = None
@@ -91,11 +92,19 @@ class TwinGroup(ShmGroup):
             if self._aborted:
                 raise error_for(self._aborted, self._failed(bucket, label))
             try:
-                return self._run(bucket, array, op, float(scale), label)
+                result = self._run(bucket, array, op, float(scale), label)
+                lo, hi = bounds(array.size, self.ranks, self.rank)
+                self._done += 1
+                self._moved += ((self.ranks - 1) * (hi - lo) + array.size - (hi - lo)) * array.itemsize
+                return result
             except contract.ShmError as exc:
                 if not self._aborted:     # a call left half done puts the ranks out of step
                     self.abort(f"an earlier all-reduce failed ({str(exc)[:250]})")
                 raise
+
+    def counters(self) -> tuple[int, int]:
+        with self._lock:
+            return self._done, self._moved
 
     def abort(self, why: str = "aborted by the caller", status: int = contract.ABORTED) -> None:
         if self._aborted or self._closed and not self._maps:
