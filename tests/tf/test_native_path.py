@@ -51,13 +51,14 @@ def test_native_and_python_paths_agree_bit_for_bit(runs):
 def test_the_native_ops_are_in_the_traced_graphs(runs):
     for report, _ in runs["native"]:
         for name, types in report["graphs"].items():
-            assert {"RdtShmAllreduceLaunch", "RdtShmAllreduceDone"} <= set(types), name
+            assert {"RdtShmAllreduceLaunchFused", "RdtShmAllreduceDoneFused"} <= set(types), name
             assert not PY_FUNCS & set(types), (name, types)
         # the tape's set, twice's, its gradients'... and fit's: a group of its own
         assert 0 < report["groups"]["before_fit"] < report["groups"]["after_fit"]
     for report, _ in runs["python"]:
         for name, types in report["graphs"].items():
-            assert "RdtShmAllreduceLaunch" not in types and PY_FUNCS & set(types), name
+            assert PY_FUNCS & set(types), name
+            assert not {"RdtShmAllreduceLaunch", "RdtShmAllreduceLaunchFused"} & set(types), name
         assert report["groups"] == {"before_fit": 0, "after_fit": 0}
 
 
@@ -90,11 +91,11 @@ def test_a_process_set_on_the_native_ops_and_its_removal(tmp_path, monkeypatch):
     for rank in range(3):
         rep = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert np.array_equal(rep["everyone"], x * 6) and np.array_equal(rep["everyone_after_removal"], x * 6)
-        assert "RdtShmAllreduceLaunch" in rep["everyone_ops"] and not PY_FUNCS & set(rep["everyone_ops"])
+        assert "RdtShmAllreduceLaunchFused" in rep["everyone_ops"] and not PY_FUNCS & set(rep["everyone_ops"])
         if rank in (0, 2):
             assert np.array_equal(rep["pair"], x * 4)
             assert np.array_equal(rep["pair_max"], [x * 3, x * 6])
-            assert "RdtShmAllreduceLaunch" in rep["pair_ops"] and not PY_FUNCS & set(rep["pair_ops"])
+            assert "RdtShmAllreduceLaunchFused" in rep["pair_ops"] and not PY_FUNCS & set(rep["pair_ops"])
             assert rep["pair_after_removal"].startswith("FailedPrecondition"), rep["pair_after_removal"]
             # the pair's group gone (its own segment and its peer's), the global set's still open
             assert rep["open_before"] > rep["open_after_removal"] > 0

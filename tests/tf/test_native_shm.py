@@ -133,6 +133,25 @@ class Worker:
             tensors = [tf.constant(a) for a in arrays]
             for _ in range(steps):
                 out = [ops.allreduce(t, g, b, op, scale).numpy() for t, b in zip(tensors, buckets, strict=True)]
+        elif mode in ("fused", "fused-eager"):   # a bucket's members in one request (allreduce_fused)
+            members = {}
+            for i, b in enumerate(buckets):
+                members.setdefault(b, []).append(i)
+
+            def fused(*xs):
+                out = [None] * len(xs)
+                for b, idx in members.items():
+                    for i, y in zip(idx, ops.allreduce_fused([xs[i] for i in idx], g, b, op, scale), strict=True):
+                        out[i] = y
+                return out
+            step = fused if mode == "fused-eager" else tf.function(fused)
+            tensors = [tf.constant(a) for a in arrays]
+            for _ in range(steps):
+                out = [t.numpy() for t in step(*tensors)]
+            if mode == "fused":            # two ops per bucket, none per member
+                graph = step.get_concrete_function(*tensors).graph
+                kinds = [o.type for o in graph.get_operations()]
+                assert kinds.count("Slice") == 0 and kinds.count("ConcatV2") == 0 or g.kind == "python", kinds
         else:                              # one tf.function: every launch, then the completions
             together = mode == "function"      # one completion op for all, or one per tensor
             step = tf.function(lambda *xs: ops.allreduce_many(xs, g, buckets, op, scale, together=together))
@@ -152,6 +171,9 @@ class Worker:
             with tf.GradientTape() as tape:
                 if mode == "many":
                     y, z = ops.allreduce_many([x * x, 3.0 * x], g, [0, 1], "sum")
+                    loss = tf.reduce_sum(c * y) + tf.reduce_sum(z)
+                elif mode == "fused":
+                    y, z = ops.allreduce_fused([x * x, 3.0 * x], g, 0, "sum")
                     loss = tf.reduce_sum(c * y) + tf.reduce_sum(z)
                 else:
                     y = ops.allreduce(x * x, g, 0, "sum")
@@ -560,6 +582,29 @@ def test_ops_eager_and_in_tf_function_bit_identical(ranks):
     assert ranks.call("pending") == [0, 0]
 
 
+def test_a_fusion_bucket_in_one_request_bit_identical(ranks):
+    """allreduce_fused: a bucket's members (one dtype, any shapes, empty ones too)
+    back to back in one request, eagerly and in a tf.function, on the C ops
+    (two ops per bucket, no concatenation or slice in the graph) and on the twin."""
+    plan = [(0, (5,), "float32"), (0, (2, 3), "float32"), (1, (7,), "int64"), (0, (1000,), "float32"),
+            (2, (0,), "float64"), (2, (4, 1), "float64"), (1, (3,), "int64"), (3, (9,), "float16")]
+    sizes = {}
+    for b, shape, dtype in plan:
+        sizes[b] = sizes.get(b, 0) + int(np.prod(shape)) * np.dtype(dtype).itemsize
+    for kind in ("native", "python"):
+        assert ranks.group(f"fused-{kind}", [sizes[b] for b in range(4)], kind=kind) == [kind, kind]
+        try:
+            for seed, op in enumerate(OPS):
+                scale = 0.7 if op == "average" else 1.0
+                for mode in ("fused", "fused-eager"):
+                    got = ranks.call("run", name=f"fused-{kind}", plan=plan, op=op, scale=scale, seed=seed,
+                                     mode=mode, steps=2)
+                    check(got, seed, 2, plan, op, scale, f"{kind} {mode} {op}")
+        finally:
+            ranks.call("close_group", name=f"fused-{kind}")
+    assert ranks.call("pending") == [0, 0]
+
+
 def test_three_ranks_c_and_twin_together(ranks):
     """Three processes: two on the C ops, one on the Python twin, in one group: numpy's bits."""
     plan = [(0, (1000,), "float32"), (1, (7,), "int64"), (0, (1,), "float32"), (2, (0,), "float64"),
@@ -579,12 +624,12 @@ def test_the_gradient_is_the_allreduce_of_the_gradient(ranks):
     for kind in ("native", "python"):
         ranks.group(f"grad-{kind}", [64, 64], kind=kind)
         try:
-            for mode in ("eager", "function", "many"):
+            for mode in ("eager", "function", "many", "fused"):
                 got = ranks.call("gradient", name=f"grad-{kind}", mode=mode)
                 c_sum = np.arange(5) * 2 + 10.0
                 for r, (y, dx) in enumerate(got):
                     assert y == [5.0] * 5                       # 1*1 + 2*2
-                    want = 2 * (r + 1) * c_sum + (6.0 if mode == "many" else 0.0)
+                    want = 2 * (r + 1) * c_sum + (6.0 if mode in ("many", "fused") else 0.0)
                     assert dx == want.tolist(), (kind, mode, r)
         finally:
             ranks.call("close_group", name=f"grad-{kind}")

@@ -2,12 +2,13 @@
 every rank of the set is on one host (tf_plugin/native, docs/native-ops.md).
 
 Same structure as overlap.bucketed, other ops: per bucket of the plan, its
-members (prescaled as Horovod scales) reshaped flat and concatenated into ONE
-request, queued by RdtShmAllreduceLaunch as soon as they exist (the launches
-chained in bucket order, the first after the previous collective of the
-graph: overlap.in_program_order); after the last launch, an asynchronous
-RdtShmAllreduceDone per bucket (holding no inter-op thread while it waits),
-its result sliced back into the members. The op and the postscale are the
+members (prescaled as Horovod scales) copied back to back into ONE request by
+RdtShmAllreduceLaunchFused as soon as they exist (the launches chained in
+bucket order, the first after the previous collective of the graph:
+overlap.in_program_order); after the last launch, an asynchronous
+RdtShmAllreduceDoneFused per bucket (holding no inter-op thread while it
+waits), which copies the result out into the members' shapes: two ops per
+bucket, none per member. The op and the postscale are the
 executor's (an average divides by the number of ranks there, as the ring
 does); no Python runs in the step.
 
@@ -123,25 +124,19 @@ def bucketed(tensors: list, layouts: list[list[tuple]], group, op: str, prescale
     them (bucket j's members as (position, offset, shape); the offsets are the
     ring's and unused here: a bucket's request is its members back to back). A
     tensor in no bucket (zero elements) comes back as zeros."""
-    flats = []
-    for layout in layouts:
-        parts = [tf.reshape(_prescaled(tensors[p], prescale), [-1]) for p, _, _ in layout]
-        flats.append(parts[0] if len(parts) == 1 else tf.concat(parts, 0))
     launched, out = [], [None] * len(tensors)
     with overlap.in_program_order() as done:
         previous = []
-        for j, flat in enumerate(flats):
+        for j, layout in enumerate(layouts):
+            members = [_prescaled(tensors[p], prescale) for p, _, _ in layout]
             with tf.control_dependencies(previous):
-                x = ops.launch(flat, group, j, op, postscale, f"{name} bucket {j}")
+                x = ops.launch_fused(members, group, j, op, postscale, f"{name} bucket {j}")
             launched.append(x)
             previous = [x.handle]
     with tf.control_dependencies([x.handle for x in launched]):
         for layout, x in zip(layouts, launched, strict=True):
-            reduced = ops.complete(x)
-            total, offset = int(x.tensor.shape[0]), 0
-            for p, _, shape in layout:
-                n = shape.num_elements()
-                out[p] = tf.reshape(reduced if n == total else tf.slice(reduced, [offset], [n]), shape)
-                offset += n
-            done(reduced.op)
+            reduced = ops.complete_fused(x)
+            for (p, _, _), t in zip(layout, reduced, strict=True):
+                out[p] = t
+            done(reduced[0].op)
     return [t if t is not None else tf.zeros_like(tensors[p]) for p, t in enumerate(out)]

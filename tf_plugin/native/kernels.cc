@@ -10,7 +10,12 @@
 //       shape and the gradient (ops.py registers it);
 //   RdtShmAllreduceLaunchMany(tensors) -> handles   several launches in one op;
 //   RdtShmAllreduceDoneMany(handles, tensors) -> reduced   the same for several
-//       launches at once: one hand-over back to TensorFlow for all of them.
+//       launches at once: one hand-over back to TensorFlow for all of them;
+//   RdtShmAllreduceLaunchFused(tensors) -> handle   a fusion bucket: its tensors
+//       (one dtype) copied back to back into one request, one launch;
+//   RdtShmAllreduceDoneFused(handle, tensors) -> reduced   its completion, the
+//       result copied out into a tensor per member (their shapes are the
+//       inputs'): no TensorFlow op per member on either side.
 //
 // Both are stateful: never folded, and chained in program order inside a
 // tf.function, so the Python side emits every launch before any completion.
@@ -22,6 +27,7 @@
 // group (a collective left half done puts the ranks out of step).
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -103,6 +109,36 @@ REGISTER_OP("RdtShmAllreduceDoneMany")
       return absl::OkStatus();
     });
 
+REGISTER_OP("RdtShmAllreduceLaunchFused")
+    .Input("tensors: N * T")
+    .Output("handle: int64")
+    .Attr("T: {float, double, int32, int64, half}")
+    .Attr("N: int >= 1")
+    .Attr("group: string")
+    .Attr("bucket: int")
+    .Attr("reduce_op: {'sum', 'average', 'min', 'max', 'product'} = 'sum'")
+    .Attr("scale: float = 1.0")
+    .Attr("label: string = ''")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::ScalarShape);
+
+REGISTER_OP("RdtShmAllreduceDoneFused")
+    .Input("handle: int64")
+    .Input("tensors: N * T")
+    .Output("reduced: N * T")
+    .Attr("T: {float, double, int32, int64, half}")
+    .Attr("N: int >= 1")
+    .Attr("group: string")
+    .Attr("bucket: int")
+    .Attr("reduce_op: {'sum', 'average', 'min', 'max', 'product'} = 'sum'")
+    .Attr("scale: float = 1.0")
+    .Attr("label: string = ''")
+    .SetIsStateful()
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      for (int i = 0; i < c->num_outputs(); i++) c->set_output(i, c->input(1 + i));
+      return absl::OkStatus();
+    });
+
 namespace {
 
 // ---------------------------------------------------------------- groups
@@ -141,6 +177,7 @@ struct Pending {
   AsyncOpKernel::DoneCallback done;
   CancellationManager* cm = nullptr;
   CancellationToken token = CancellationManager::kInvalidToken;
+  bool split = false;              // RdtShmAllreduceDoneFused: the output goes out as its inputs' parts
   std::shared_ptr<Pending> self;   // held from submit to the executor's callback
   std::shared_ptr<Joint> joint;    // a RdtShmAllreduceDoneMany waiting for this one among others
 };
@@ -201,7 +238,20 @@ void Finish(Pending* p) {
     p->cm->DeregisterCallback(p->token);  // waits for a cancellation callback running now: it reads p
   }
   OpKernelContext* ctx = p->ctx;
-  if (p->status == RDT_SHM_OK) {
+  if (p->status == RDT_SHM_OK && p->split) {
+    const char* from = p->output.tensor_data().data();
+    for (int i = 0; i + 1 < ctx->num_inputs(); i++) {
+      Tensor* part = nullptr;
+      absl::Status s = ctx->allocate_output(i, ctx->input(1 + i).shape(), &part);
+      if (!s.ok()) {
+        ctx->SetStatus(s);
+        break;
+      }
+      const size_t n = part->tensor_data().size();
+      if (n > 0) std::memcpy(const_cast<char*>(part->tensor_data().data()), from, n);
+      from += n;
+    }
+  } else if (p->status == RDT_SHM_OK) {
     ctx->set_output(0, p->output);
   } else {
     ctx->SetStatus(StatusOf(p->status, p->message));
@@ -379,6 +429,39 @@ class LaunchOp : public OpKernel {
   Attrs a_;
 };
 
+// A fusion bucket's tensors copied back to back into one request: one launch,
+// however many members (their copy is the concatenation a graph would make).
+class LaunchFusedOp : public OpKernel {
+ public:
+  explicit LaunchFusedOp(OpKernelConstruction* c) : OpKernel(c), a_(c) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    std::shared_ptr<GroupRef> group = FindGroup(a_.group);
+    OP_REQUIRES(ctx, group != nullptr, NotOpen(a_.group, a_.label));
+    OpInputList tensors;
+    OP_REQUIRES_OK(ctx, ctx->input_list("tensors", &tensors));
+    int64_t total = 0;
+    for (int i = 0; i < tensors.size(); i++) total += tensors[i].NumElements();
+    Tensor packed;
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensors[0].dtype(), TensorShape({total}), &packed));
+    char* to = const_cast<char*>(packed.tensor_data().data());
+    for (int i = 0; i < tensors.size(); i++) {
+      const auto part = tensors[i].tensor_data();
+      if (!part.empty()) std::memcpy(to, part.data(), part.size());
+      to += part.size();
+    }
+    int64_t handle = 0;
+    OP_REQUIRES_OK(ctx, LaunchOne(ctx, group, packed, a_.bucket, OpCode(a_.op), a_.scale, a_.shared_label,
+                                  &handle));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<int64_t>()() = handle;
+  }
+
+ private:
+  Attrs a_;
+};
+
 // Several launches in one op: one stateful op (one link of the program-order
 // chain) for all of them. Every argument is checked before any is queued.
 class LaunchManyOp : public OpKernel {
@@ -470,9 +553,11 @@ class LaunchManyOp : public OpKernel {
   float scale_ = 1.0f;
 };
 
+// RdtShmAllreduceDone, and RdtShmAllreduceDoneFused (`split`: the result goes
+// out as one tensor per member, shaped as the inputs after the handle).
 class DoneOp : public AsyncOpKernel {
  public:
-  explicit DoneOp(OpKernelConstruction* c) : AsyncOpKernel(c), a_(c) {}
+  explicit DoneOp(OpKernelConstruction* c, bool split = false) : AsyncOpKernel(c), a_(c), split_(split) {}
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     const Tensor& h = ctx->input(0);
@@ -484,7 +569,16 @@ class DoneOp : public AsyncOpKernel {
                       errors::InvalidArgument("all-reduce of ", a_.label, ": handle ", handle,
                                               " is unknown (completed already, or never launched)"),
                       done);
+    if (split_) {
+      int64_t total = 0;
+      for (int i = 1; i < ctx->num_inputs(); i++) total += ctx->input(i).NumElements();
+      OP_REQUIRES_ASYNC(ctx, total == p->output.NumElements() && ctx->input(1).dtype() == p->output.dtype(),
+                        errors::InvalidArgument("all-reduce of ", a_.label, ": the members hold ", total,
+                                                " elements, the launch ", p->output.NumElements()),
+                        done);
+    }
     std::unique_lock<std::mutex> l(p->mu);
+    p->split = split_;
     if (p->finished) {             // the usual case once the executor is ahead: no wait, no cancellation
       l.unlock();
       p->ctx = ctx;
@@ -512,6 +606,12 @@ class DoneOp : public AsyncOpKernel {
 
  private:
   Attrs a_;
+  bool split_;
+};
+
+class DoneFusedOp : public DoneOp {
+ public:
+  explicit DoneFusedOp(OpKernelConstruction* c) : DoneOp(c, true) {}
 };
 
 // Waits for several launched all-reduces at once: one asynchronous completion
@@ -586,6 +686,8 @@ REGISTER_KERNEL_BUILDER(Name("RdtShmAllreduceLaunch").Device(DEVICE_CPU), Launch
 REGISTER_KERNEL_BUILDER(Name("RdtShmAllreduceLaunchMany").Device(DEVICE_CPU), LaunchManyOp);
 REGISTER_KERNEL_BUILDER(Name("RdtShmAllreduceDone").Device(DEVICE_CPU), DoneOp);
 REGISTER_KERNEL_BUILDER(Name("RdtShmAllreduceDoneMany").Device(DEVICE_CPU), DoneManyOp);
+REGISTER_KERNEL_BUILDER(Name("RdtShmAllreduceLaunchFused").Device(DEVICE_CPU), LaunchFusedOp);
+REGISTER_KERNEL_BUILDER(Name("RdtShmAllreduceDoneFused").Device(DEVICE_CPU), DoneFusedOp);
 
 // ---------------------------------------------------------------- for ops.py (ctypes)
 extern "C" {

@@ -4,6 +4,7 @@
     g, why = ops.local_group(bootstrap.allgather, rank, ranks, bucket_bytes, timeout)   # in a job
     y = ops.allreduce(x, g, bucket=0, op="average")
     ys = ops.allreduce_many(xs, g, buckets)             # one launch op and one completion op for all
+    ys = ops.allreduce_fused(xs, g, bucket=0)           # xs back to back in one request (a fusion bucket)
 
 With the op library (build.py builds it on first use; RDMATENSOR_TF_OPS=native,
 the default when it builds) a group is registered in the library under its name
@@ -13,7 +14,11 @@ group's executor thread, returns a handle at once) and RdtShmAllreduceDone
 stateful ops run in program order, so launches go before completions: the
 executor works through its queue while the completions wait. allreduce_many is
 RdtShmAllreduceLaunchMany and RdtShmAllreduceDoneMany, two ops however many
-tensors (together=False: a launch and a completion per tensor). Errors are
+tensors (together=False: a launch and a completion per tensor). allreduce_fused
+is RdtShmAllreduceLaunchFused and RdtShmAllreduceDoneFused: the tensors (one
+dtype) copied back to back into one request of one bucket by the launch kernel,
+and the result copied out into one tensor per member by the completion kernel,
+so a fusion bucket costs two ops however many members. Errors are
 TensorFlow's types: DeadlineExceeded (a peer did not arrive in time; the message
 names it), Aborted (the group was aborted, or broken by an
 earlier failure), Unavailable (a peer aborted), Cancelled (the step was
@@ -215,6 +220,7 @@ class Launched(NamedTuple):
     op: str
     scale: float
     label: str
+    members: tuple = ()            # launch_fused: the tensors `tensor` holds back to back
 
 
 def _attrs(launched: Launched) -> dict:
@@ -302,6 +308,50 @@ def complete_many(launched: list) -> list:
         labels=[x.label for x in launched])
 
 
+def launch_fused(tensors, group, bucket: int, op: str = "sum", scale: float = 1.0, label: str | None = None
+                 ) -> Launched:
+    """Queue the all-reduce of `tensors` (one dtype, static shapes) back to back as
+    one request of bucket `bucket`, which must hold all their bytes (a fusion
+    bucket): one launch op on the native path; on the twin, a concatenation."""
+    members = tuple(tf.convert_to_tensor(t) for t in tensors)
+    if not members:
+        raise ValueError("launch_fused: no tensors")
+    if len({t.dtype for t in members}) > 1:
+        raise ValueError(f"launch_fused {label or ''}: one dtype per request, not "
+                         f"{sorted({t.dtype.name for t in members})}")
+    if op not in contract.OPS:
+        raise ValueError(f"op {op!r}: one of {', '.join(contract.OPS)}")
+    native = group.native if isinstance(group, NativeGroup) else None
+    if native is None:
+        flat = [tf.reshape(t, [-1]) for t in members]
+        return launch(flat[0] if len(flat) == 1 else tf.concat(flat, 0), group, bucket, op, scale,
+                      label)._replace(members=members)
+    scale = scaling.factor(scale)
+    handle = native.module.rdt_shm_allreduce_launch_fused(list(members), group=group.name, bucket=int(bucket),
+                                                          reduce_op=op, scale=scale, label=label or "")
+    return Launched(handle, members[0], group.name, native, int(bucket), op, scale, label or "", members)
+
+
+def complete_fused(launched: Launched) -> list:
+    """The results of launch_fused, one per member, shaped as the member."""
+    if launched.native is not None:
+        return launched.native.module.rdt_shm_allreduce_done_fused(launched.handle, list(launched.members),
+                                                                   **_attrs(launched))
+    reduced, out, offset = complete(launched), [], 0
+    for t in launched.members:
+        n = t.shape.num_elements()
+        out.append(tf.reshape(reduced if len(launched.members) == 1 else tf.slice(reduced, [offset], [n]),
+                              t.shape))
+        offset += n
+    return out
+
+
+def allreduce_fused(tensors, group, bucket: int, op: str = "sum", scale: float = 1.0, label: str | None = None
+                    ) -> list:
+    """`tensors` all-reduced as one request of bucket `bucket` (see launch_fused)."""
+    return complete_fused(launch_fused(tensors, group, bucket, op, scale, label))
+
+
 # ------------------------------------------------------------------ the Python twin
 def _twin_call(name: str, bucket: int, op: str, scale: float, label: str, array: np.ndarray) -> np.ndarray:
     twin = _twins.get(name)
@@ -355,6 +405,22 @@ def _done_many_gradient(op, *grads):
     launched = [Launched(h, g, group, lib, b, reduce_op, scale, lab)
                 for h, g, b, lab in zip(handles, grads, op.get_attr("buckets"), labels, strict=True)]
     return [None] * n + complete_many(launched)
+
+
+@tf.RegisterGradient("RdtShmAllreduceDoneFused")
+def _done_fused_gradient(op, *grads):
+    """The members' gradients: the same fused all-reduce of their upstream gradients."""
+    attrs = {k: op.get_attr(k) for k in ("group", "bucket", "reduce_op", "scale", "label")}
+    attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
+    lib = native_library()
+    if lib is None:
+        raise build.BuildError("the gradient of a native all-reduce needs the op library")
+    grads = [tf.zeros_like(op.inputs[1 + i]) if g is None else tf.convert_to_tensor(g) for i, g in enumerate(grads)]
+    label = f"{attrs['label'] or getattr(op, 'name', 'allreduce')}/grad"
+    handle = lib.module.rdt_shm_allreduce_launch_fused(grads, group=attrs["group"], bucket=attrs["bucket"],
+                                                       reduce_op=attrs["reduce_op"], scale=attrs["scale"],
+                                                       label=label)
+    return [None] + list(lib.module.rdt_shm_allreduce_done_fused(handle, grads, **{**attrs, "label": label}))
 
 
 @tf.RegisterGradient("RdtShmAllreduceDone")
