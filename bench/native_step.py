@@ -22,7 +22,12 @@ back, four ways:
 - `tape-none`, `tape`, `tape-native` (not run by default): a training step
   proper, loss = sum(v * v) over the N variables, its gradients by a plain
   tf.GradientTape, by hvd.DistributedGradientTape on today's path, and by
-  hvd.DistributedGradientTape on the native ops; then v -= 0.01 * gradient.
+  hvd.DistributedGradientTape on the native ops; then v -= 0.01 * gradient;
+- `tape-sync` (not run by default): the sync floor of the tape step: the plain
+  tape, and once every gradient exists, one native all-reduce of one float (the
+  ranks meet once), before any update. What an all-reduce costs above it is
+  what moving and reducing the gradients costs; below it, waiting for the slower
+  rank and the step's one join, which every synchronous all-reduce pays.
 
 The `hvd*` and `tape*` steps are traced with RDMATENSOR_TF_OPS set for their path
 (`python` for today's), so one run pairs them.
@@ -45,8 +50,8 @@ import subprocess
 import sys
 import time
 
-PATHS = ("none", "native", "native-each", "twin", "hvd", "hvd-each", "hvd-native", "tape-none", "tape",
-         "tape-native")
+PATHS = ("none", "native", "native-each", "twin", "hvd", "hvd-each", "hvd-native", "tape-none", "tape-sync",
+         "tape", "tape-native")
 DEFAULT_PATHS = ("none", "native", "native-each", "twin", "hvd")
 ELEMENTS = 256
 
@@ -95,10 +100,15 @@ def rank_main(rank: int, sock_fd: int, sizes: list[int], paths: list[str], round
             def tape_step():
                 with tf.GradientTape() as tape:
                     loss = tf.add_n([tf.reduce_sum(v * v) for v in vs])
-                if path != "tape-none":
+                if path not in ("tape-none", "tape-sync"):
                     tape = hvd.DistributedGradientTape(tape)
-                for v, g in zip(vs, tape.gradient(loss, vs), strict=True):
-                    v.assign_sub(0.01 * g)
+                grads, met = tape.gradient(loss, vs), []
+                if path == "tape-sync":        # no op per tensor: the updates wait for the meeting
+                    with tf.control_dependencies(grads):
+                        met = [ops.allreduce(tf.zeros(1), barrier_group, most)]
+                with tf.control_dependencies(met):
+                    for v, g in zip(vs, grads, strict=True):
+                        v.assign_sub(0.01 * g)
             return traced(tape_step, path)
 
         @tf.function
@@ -133,6 +143,20 @@ def rank_main(rank: int, sock_fd: int, sizes: list[int], paths: list[str], round
                 os.environ["RDMATENSOR_TF_OPS"] = before
         return fn
 
+    times = timed_rounds(make, meet, rank, sizes, paths, rounds, steps, warmup)
+    meet()
+    for g in groups.values():
+        g.close()
+    if hvd is not None:
+        hvd.shutdown()
+    return {f"{p}:{n}": t for (p, n), t in times.items()}
+
+
+def timed_rounds(make, meet, rank: int, sizes: list[int], paths: list[str], rounds: int, steps: int,
+                 warmup: int) -> dict:
+    """µs per step of make(path, n)'s step, per (path, n), one figure per round:
+    rounds interleaved (every N and path in each, the order of N rotating), the
+    ranks meeting before the warm-up and before the timed steps."""
     times: dict = {(p, n): [] for p in paths for n in sizes}
     functions = {}
     for r in range(rounds):
@@ -150,12 +174,7 @@ def rank_main(rank: int, sock_fd: int, sizes: list[int], paths: list[str], round
                 times[(p, n)].append((time.perf_counter() - t0) / steps * 1e6)
         if rank == 0:
             print(f"round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
-    meet()
-    for g in groups.values():
-        g.close()
-    if hvd is not None:
-        hvd.shutdown()
-    return {f"{p}:{n}": t for (p, n), t in times.items()}
+    return times
 
 
 def table(result: dict, sizes: list[int], paths: list[str]) -> tuple[str, dict]:
