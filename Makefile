@@ -80,6 +80,23 @@ bench-ring: setup
 bench-native: setup
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m bench.native_step --rounds 5
 
+# The tape step against real Horovod (built by horovod-reference), in turn:
+# rdmatensor's plain, sync-floor, Python-path and native steps, then Horovod's
+# plain, sync-floor and DistributedGradientTape steps at its default cycle
+# time and at 0, NATIVE_PAIRS times (about 4 minutes each); JSON in
+# docs/native-step/ (docs/native-ops.md reads it).
+NATIVE_PAIRS ?= 2
+NATIVE_DIR ?= docs/native-step
+.PHONY: bench-native-vs-horovod
+bench-native-vs-horovod: setup horovod-reference
+	mkdir -p $(NATIVE_DIR)
+	for i in $$(seq $(NATIVE_PAIRS)); do \
+	    $(PY) -m bench.native_step --paths tape-none,tape-sync,tape,tape-native \
+	        --json $(NATIVE_DIR)/rdmatensor-$$i.json || exit 1; \
+	    $(PY) -m bench.horovod_step --json $(NATIVE_DIR)/horovod-$$i.json || exit 1; \
+	    $(PY) -m bench.horovod_step --cycle-time 0 --json $(NATIVE_DIR)/horovod-cycle0-$$i.json || exit 1; \
+	done
+
 # The step-time model (docs/step-model.md): its predictions for cases the fit
 # never saw against paired measurements on this host, 2 ranks, shm and tcp
 # (about 3 minutes); bench-step-model-fit refits its constants first (about 3).
