@@ -19,7 +19,7 @@ def test_keras_fit_on_the_native_path(tmp_path):
 
 
 def test_a_killed_rank_on_the_native_path(tmp_path):
-    test_rank_death.test_a_rank_killed_mid_training_fails_the_job_fast_and_clean(tmp_path, "tcp", "ring", 2, 0)
+    test_rank_death.test_a_rank_killed_mid_training_fails_the_job_fast_and_clean(tmp_path, "shm", "ring", 2, 0)
 
 
 def test_broken_scripts_on_the_native_path(tmp_path, monkeypatch):

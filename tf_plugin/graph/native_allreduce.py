@@ -25,9 +25,10 @@ graph traced over it then fails with FailedPrecondition naming the group
 Chosen only with RDMATENSOR_TF_OPS=native set explicitly (docs/native-ops.md
 says why), for static shapes, a reduction the executor has (average, sum,
 min, max, product: not Adasum), its dtypes (float16/32/64, int32/64: not
-bfloat16), more than one rank, all on one host, outside elastic jobs, not a
-reducescatter, without RDMATENSOR_CHECK_FINITE (the executor does not look
-for NaN and Inf); anything else takes overlap.bucketed as before.
+bfloat16), more than one rank, all on one host, the job's provider shm or
+auto (RDMATENSOR_PROVIDER=verbs or tcp keeps that provider), outside elastic
+jobs, not a reducescatter, without RDMATENSOR_CHECK_FINITE (the executor does
+not look for NaN and Inf); anything else takes overlap.bucketed as before.
 """
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ def applies(collectives, tensors, op: str, scatter: bool = False, elastic: bool 
     once, runs again after a reset, and a group does not outlive its plan."""
     return (chosen() and not scatter and not elastic and op in contract.OPS and collectives.size > 1
             and not getattr(collectives, "check_finite", False)          # RDMATENSOR_CHECK_FINITE: Python's check
-            and len(set(collectives.hosts)) == 1 and all(t.dtype in DTYPES for t in tensors))
+            and len(set(collectives.hosts)) == 1 and all(t.dtype in DTYPES for t in tensors)
+            and getattr(collectives, "provider", "auto") in ("auto", "shm"))   # RDMATENSOR_PROVIDER=verbs: verbs
 
 
 class _Unavailable:
