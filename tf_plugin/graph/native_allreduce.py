@@ -28,7 +28,9 @@ min, max, product: not Adasum), its dtypes (float16/32/64, int32/64: not
 bfloat16), more than one rank, all on one host, the job's provider shm or
 auto (RDMATENSOR_PROVIDER=verbs or tcp keeps that provider), outside elastic
 jobs, not a reducescatter, without RDMATENSOR_CHECK_FINITE (the executor does
-not look for NaN and Inf); anything else takes overlap.bucketed as before.
+not look for NaN and Inf), no time line recording when the graph is traced
+(RDMATENSOR_TIMELINE, hvd.start_timeline: it records the Python path's
+buckets and rings); anything else takes overlap.bucketed as before.
 """
 from __future__ import annotations
 
@@ -59,7 +61,8 @@ def applies(collectives, tensors, op: str, scatter: bool = False, elastic: bool 
     return (chosen() and not scatter and not elastic and op in contract.OPS and collectives.size > 1
             and not getattr(collectives, "check_finite", False)          # RDMATENSOR_CHECK_FINITE: Python's check
             and len(set(collectives.hosts)) == 1 and all(t.dtype in DTYPES for t in tensors)
-            and getattr(collectives, "provider", "auto") in ("auto", "shm"))   # RDMATENSOR_PROVIDER=verbs: verbs
+            and getattr(collectives, "provider", "auto") in ("auto", "shm")   # RDMATENSOR_PROVIDER=verbs: verbs
+            and getattr(getattr(collectives, "comm", None), "timeline", None) is None)   # it records the ring
 
 
 class _Unavailable:
