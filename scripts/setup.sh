@@ -13,7 +13,7 @@ venv="${1:-.venv}"
 # Open MPI's mpirun, one of the launchers a job can be started with (tests/tf/test_launchers.py);
 # OpenSSH, which rdmatensor-run starts remote ranks with (the two-VM job runs sshd in each VM).
 packages=(rdma-core ibverbs-providers ibverbs-utils perftest python3-pyverbs
-          python3-venv python3-dev gcc libc6-dev libibverbs-dev qemu-system-x86 linux-image-amd64
+          python3-venv python3-dev gcc g++ libc6-dev libibverbs-dev qemu-system-x86 linux-image-amd64
           busybox-static iproute2 kmod cpio gzip procps openssl openmpi-bin
           openssh-client openssh-server)
 
@@ -54,5 +54,20 @@ if [ ! -f "$hvd/horovod/runner/http/http_server.py" ]; then
 fi
 # The verbs endpoint in C, rebuilt when its source changed.
 bash scripts/build_native.sh "$venv"
+# The TensorFlow ops of the shared-memory all-reduce (tf_plugin/native): built
+# here against the TensorFlow present, so a job never waits for g++ on its
+# first step (the cache hit costs TensorFlow's import, a few seconds).
+log=$(mktemp)
+if ! TF_CPP_MIN_LOG_LEVEL=2 "$venv/bin/python" -c "
+import sys
+from tf_plugin.native import build
+sys.exit(0 if build.library('ops') is not None else 1)
+" 2> "$log"; then
+  grep -v "oneDNN\|absl::InitializeLog\|cpu_feature_guard\|rebuild TensorFlow" "$log" >&2 || true
+  rm -f "$log"
+  echo "setup: the TensorFlow op library did not build (above); the Python path would run" >&2
+  exit 1
+fi
+rm -f "$log"
 "$venv/bin/python" -c "import pyverbs, numpy, grpc" \
   || { echo "setup: the virtualenv cannot import pyverbs/numpy/grpc" >&2; exit 1; }

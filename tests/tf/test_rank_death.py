@@ -23,7 +23,8 @@ SCRIPT = Path(__file__).parent / "rank_death_script.py"
 PEER_TIMEOUT = 10.0
 
 
-@pytest.mark.parametrize("provider,mode,workers,ps", [("tcp", "ring", 2, 0), ("grpc", "ps", 2, 1)])
+@pytest.mark.parametrize("provider,mode,workers,ps",
+                         [("tcp", "ring", 2, 0), ("shm", "ring", 2, 0), ("grpc", "ps", 2, 1)])
 def test_a_rank_killed_mid_training_fails_the_job_fast_and_clean(tmp_path, provider, mode, workers, ps):
     victim = 1
     cmd = [sys.executable, "-m", "rdmatensor.runner.cli", "-np", str(workers), "--ps", str(ps), "--provider", provider,

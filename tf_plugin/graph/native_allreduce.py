@@ -22,10 +22,10 @@ an elastic reset, a shutdown or removing the process set closes it, and a
 graph traced over it then fails with FailedPrecondition naming the group
 (trace the step again: a new plan makes a new group).
 
-Chosen only with RDMATENSOR_TF_OPS=native set explicitly (docs/native-ops.md
-says why), for static shapes, a reduction the executor has (average, sum,
-min, max, product: not Adasum), its dtypes (float16/32/64, int32/64: not
-bfloat16), more than one rank, all on one host, the job's provider shm or
+The default (RDMATENSOR_TF_OPS unset or `native`; `python` turns it off), for
+static shapes, a reduction the executor has (average, sum, min, max,
+product: not Adasum), its dtypes (float16/32/64, int32/64: not bfloat16),
+more than one rank, all on one host, the job's provider shm or
 auto (RDMATENSOR_PROVIDER=verbs or tcp keeps that provider), outside elastic
 jobs, not a reducescatter, without RDMATENSOR_CHECK_FINITE (the executor does
 not look for NaN and Inf), no time line recording when the graph is traced
@@ -50,8 +50,14 @@ DTYPES = (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
 
 
 def chosen() -> bool:
-    """RDMATENSOR_TF_OPS=native set explicitly (a bad value raises SettingError)."""
-    return build.choice() == "native" and os.environ.get(build.ENV, "").strip().lower() == "native"
+    """RDMATENSOR_TF_OPS chooses the native ops: unset (the default) or `native`
+    (a bad value raises SettingError)."""
+    return build.choice() == "native"
+
+
+def insisted() -> bool:
+    """RDMATENSOR_TF_OPS=native set explicitly: where the ops cannot serve, an error, not the Python path."""
+    return chosen() and os.environ.get(build.ENV, "").strip().lower() == "native"
 
 
 def applies(collectives, tensors, op: str, scatter: bool = False, elastic: bool = False) -> bool:
@@ -79,8 +85,8 @@ def group_for(collectives, buckets, layouts, tensors, failure=None):
     """The native group of this tensor set in this plan, made now (an exchange with
     every rank of the set) if the set is new; `failure` (core/failure.py's
     JobFailure) aborts it when the job loses a rank. When it cannot be made (on every rank
-    alike): BuildError with RDMATENSOR_TF_OPS=native set, else one line on stderr
-    and None (the Python path), for this set's every later graph too."""
+    alike): BuildError with RDMATENSOR_TF_OPS=native set explicitly, else one line
+    on stderr and None (the Python path), for this set's every later graph too."""
     key = ("native", buckets.key)
     with collectives._lock:          # the bootstrap channel: one exchange at a time  # noqa: SLF001
         made = collectives.attached.get(key)
@@ -92,11 +98,11 @@ def group_for(collectives, buckets, layouts, tensors, failure=None):
             made = collectives.attached[key] = group if group is not None else _Unavailable(why)
             if group is not None and failure is not None:     # a lost rank: every wait ends now, naming it
                 failure.on_failure(functools.partial(_abort, weakref.ref(group)))
-            if group is None and not chosen():
+            if group is None and not insisted():
                 print(f"rdmatensor: the native all-reduce cannot serve an all-reduce of {len(tensors)} tensors "
                       f"({why}); the Python path runs", file=sys.stderr)
     if isinstance(made, _Unavailable):
-        if chosen():
+        if insisted():
             raise build.BuildError(f"rdmatensor: the native all-reduce cannot serve an all-reduce of "
                                    f"{len(tensors)} tensors ({made.why}); {build.ENV}=native was set")
         return None
