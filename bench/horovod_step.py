@@ -95,30 +95,14 @@ def launch(args) -> int:
             print(f"horovodrun failed: exit status {proc.returncode}", file=sys.stderr)
             return 1
         result = json.loads(out.read_text())
-    sizes = [int(n) for n in args.sizes.split(",")]
-    text, figures = native_step.table(result, sizes, args.paths.split(","))
     cycle = "Horovod's default" if args.cycle_time is None else f"{args.cycle_time} ms"
-    print(f"real Horovod, 2 ranks, cycle time {cycle}, {native_step.ELEMENTS} float32 per tensor, "
-          f"{args.rounds} rounds of {args.steps} steps (after {args.warmup}); rank 0's µs per step: "
-          f"median (range over the rounds)\n")
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"ranks": 2, "elements": native_step.ELEMENTS, "rounds": args.rounds, "steps": args.steps,
-                       "cycle_time_ms": args.cycle_time, "paths": figures}, f, indent=1)
-            f.write("\n")
+    native_step.report(args, result, f"real Horovod, 2 ranks, cycle time {cycle}", cycle_time_ms=args.cycle_time)
     return 0
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.horovod_step", description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", default="10,50,200,400", help="tensors per step, comma-separated")
-    p.add_argument("--paths", default=",".join(PATHS), help=f"some of {','.join(PATHS)}")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=20, help="steps timed together")
-    p.add_argument("--warmup", type=int, default=3)
+    p = native_step.parser("python -m bench.horovod_step", __doc__, PATHS, PATHS)
     p.add_argument("--cycle-time", type=float, help="HOROVOD_CYCLE_TIME in ms (default: Horovod's)")
-    p.add_argument("--json", help="write the figures here")
     p.add_argument("--out", help=argparse.SUPPRESS)          # a rank: where rank 0 writes its times
     args = p.parse_args(argv)
     paths = args.paths.split(",")

@@ -221,29 +221,37 @@ def launch(args) -> int:
     if any(p.returncode for p in procs):
         print(f"a rank failed: exit codes {[p.returncode for p in procs]}", file=sys.stderr)
         return 1
-    result = json.loads(outs[0].strip().splitlines()[-1])
-    sizes = [int(n) for n in args.sizes.split(",")]
-    paths = args.paths.split(",")
-    text, figures = table(result, sizes, paths)
-    print(f"2 ranks, {ELEMENTS} float32 per tensor, {args.rounds} rounds of {args.steps} steps "
+    report(args, json.loads(outs[0].strip().splitlines()[-1]), "2 ranks")
+    return 0
+
+
+def report(args, result: dict, who: str, **recorded) -> None:
+    """Rank 0's times as the table, and as JSON in --json with `recorded` beside them."""
+    text, figures = table(result, [int(n) for n in args.sizes.split(",")], args.paths.split(","))
+    print(f"{who}, {ELEMENTS} float32 per tensor, {args.rounds} rounds of {args.steps} steps "
           f"(after {args.warmup}); rank 0's µs per step: median (range over the rounds)\n")
     print(text)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"ranks": 2, "elements": ELEMENTS, "rounds": args.rounds, "steps": args.steps,
+            json.dump({"ranks": 2, "elements": ELEMENTS, "rounds": args.rounds, "steps": args.steps, **recorded,
                        "paths": figures}, f, indent=1)
             f.write("\n")
-    return 0
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.native_step", description=__doc__.split("\n\n")[0])
+def parser(prog: str, doc: str, paths, default_paths) -> argparse.ArgumentParser:
+    """The options this bench and bench.horovod_step share."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
     p.add_argument("--sizes", default="10,50,200,400", help="tensors per step, comma-separated")
-    p.add_argument("--paths", default=",".join(DEFAULT_PATHS), help=f"some of {','.join(PATHS)}")
+    p.add_argument("--paths", default=",".join(default_paths), help=f"some of {','.join(paths)}")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=20, help="steps timed together")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--json", help="write the figures here")
+    return p
+
+
+def main(argv=None) -> int:
+    p = parser("python -m bench.native_step", __doc__, PATHS, DEFAULT_PATHS)
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     p.add_argument("--sock", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

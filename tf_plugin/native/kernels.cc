@@ -47,14 +47,18 @@
 
 using namespace tensorflow;  // NOLINT
 
+// What every all-reduce op carries: the reduction and the postscale the executor applies.
+#define RDT_REDUCTION_ATTRS                                                  \
+  .Attr("reduce_op: {'sum', 'average', 'min', 'max', 'product'} = 'sum'") \
+      .Attr("scale: float = 1.0")
+
 REGISTER_OP("RdtShmAllreduceLaunch")
     .Input("tensor: T")
     .Output("handle: int64")
     .Attr("T: {float, double, int32, int64, half}")
     .Attr("group: string")
     .Attr("bucket: int")
-    .Attr("reduce_op: {'sum', 'average', 'min', 'max', 'product'} = 'sum'")
-    .Attr("scale: float = 1.0")
+    RDT_REDUCTION_ATTRS
     .Attr("label: string = ''")
     .SetIsStateful()
     .SetShapeFn(shape_inference::ScalarShape);
@@ -66,8 +70,7 @@ REGISTER_OP("RdtShmAllreduceDone")
     .Attr("T: {float, double, int32, int64, half}")
     .Attr("group: string")
     .Attr("bucket: int")
-    .Attr("reduce_op: {'sum', 'average', 'min', 'max', 'product'} = 'sum'")
-    .Attr("scale: float = 1.0")
+    RDT_REDUCTION_ATTRS
     .Attr("label: string = ''")
     .SetIsStateful()
     .SetShapeFn([](shape_inference::InferenceContext* c) {
@@ -82,8 +85,7 @@ REGISTER_OP("RdtShmAllreduceLaunchMany")
     .Attr("N: int >= 1")
     .Attr("group: string")
     .Attr("buckets: list(int)")
-    .Attr("reduce_op: {'sum', 'average', 'min', 'max', 'product'} = 'sum'")
-    .Attr("scale: float = 1.0")
+    RDT_REDUCTION_ATTRS
     .Attr("labels: list(string)")
     .SetIsStateful()
     .SetShapeFn([](shape_inference::InferenceContext* c) {
@@ -99,8 +101,7 @@ REGISTER_OP("RdtShmAllreduceDoneMany")
     .Attr("T: list({float, double, int32, int64, half})")
     .Attr("group: string")
     .Attr("buckets: list(int)")
-    .Attr("reduce_op: {'sum', 'average', 'min', 'max', 'product'} = 'sum'")
-    .Attr("scale: float = 1.0")
+    RDT_REDUCTION_ATTRS
     .Attr("labels: list(string)")
     .SetIsStateful()
     .SetShapeFn([](shape_inference::InferenceContext* c) {
@@ -116,8 +117,7 @@ REGISTER_OP("RdtShmAllreduceLaunchFused")
     .Attr("N: int >= 1")
     .Attr("group: string")
     .Attr("bucket: int")
-    .Attr("reduce_op: {'sum', 'average', 'min', 'max', 'product'} = 'sum'")
-    .Attr("scale: float = 1.0")
+    RDT_REDUCTION_ATTRS
     .Attr("label: string = ''")
     .SetIsStateful()
     .SetShapeFn(shape_inference::ScalarShape);
@@ -130,8 +130,7 @@ REGISTER_OP("RdtShmAllreduceDoneFused")
     .Attr("N: int >= 1")
     .Attr("group: string")
     .Attr("bucket: int")
-    .Attr("reduce_op: {'sum', 'average', 'min', 'max', 'product'} = 'sum'")
-    .Attr("scale: float = 1.0")
+    RDT_REDUCTION_ATTRS
     .Attr("label: string = ''")
     .SetIsStateful()
     .SetShapeFn([](shape_inference::InferenceContext* c) {
