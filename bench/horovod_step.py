@@ -104,10 +104,7 @@ def main(argv=None) -> int:
     p = native_step.parser("python -m bench.horovod_step", __doc__, PATHS, PATHS)
     p.add_argument("--cycle-time", type=float, help="HOROVOD_CYCLE_TIME in ms (default: Horovod's)")
     p.add_argument("--out", help=argparse.SUPPRESS)          # a rank: where rank 0 writes its times
-    args = p.parse_args(argv)
-    paths = args.paths.split(",")
-    if not set(paths) <= set(PATHS) or args.rounds < 3:
-        p.error(f"--paths: some of {','.join(PATHS)}; --rounds: 3 or more")
+    args, paths = native_step.parsed(p, argv, PATHS)
     if args.out is None:
         return launch(args)
     sizes = [int(n) for n in args.sizes.split(",")]

@@ -250,14 +250,20 @@ def parser(prog: str, doc: str, paths, default_paths) -> argparse.ArgumentParser
     return p
 
 
+def parsed(p: argparse.ArgumentParser, argv, known) -> tuple[argparse.Namespace, list[str]]:
+    """The arguments and the paths asked for, every one of `known` (else p.error)."""
+    args = p.parse_args(argv)
+    paths = args.paths.split(",")
+    if not set(paths) <= set(known) or args.rounds < 3:
+        p.error(f"--paths: some of {','.join(known)}; --rounds: 3 or more")
+    return args, paths
+
+
 def main(argv=None) -> int:
     p = parser("python -m bench.native_step", __doc__, PATHS, DEFAULT_PATHS)
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     p.add_argument("--sock", type=int, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    paths = args.paths.split(",")
-    if not set(paths) <= set(PATHS) or args.rounds < 3:
-        p.error(f"--paths: some of {','.join(PATHS)}; --rounds: 3 or more")
+    args, paths = parsed(p, argv, PATHS)
     if args.rank is None:
         return launch(args)
     sizes = [int(n) for n in args.sizes.split(",")]

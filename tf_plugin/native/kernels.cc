@@ -409,49 +409,32 @@ absl::Status NotOpen(const std::string& group, const std::string& label) {
                                     " cannot run");
 }
 
+// RdtShmAllreduceLaunch, and RdtShmAllreduceLaunchFused (`fused`: a fusion
+// bucket's tensors copied back to back into one request: one launch however many
+// members; their copy is the concatenation a graph would make).
 class LaunchOp : public OpKernel {
  public:
-  explicit LaunchOp(OpKernelConstruction* c) : OpKernel(c), a_(c) {}
+  explicit LaunchOp(OpKernelConstruction* c, bool fused = false) : OpKernel(c), a_(c), fused_(fused) {}
 
   void Compute(OpKernelContext* ctx) override {
     std::shared_ptr<GroupRef> group = FindGroup(a_.group);
     OP_REQUIRES(ctx, group != nullptr, NotOpen(a_.group, a_.label));
-    int64_t handle = 0;
-    OP_REQUIRES_OK(ctx, LaunchOne(ctx, group, ctx->input(0), a_.bucket, OpCode(a_.op), a_.scale, a_.shared_label,
-                                  &handle));
-    Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
-    out->scalar<int64_t>()() = handle;
-  }
-
- private:
-  Attrs a_;
-};
-
-// A fusion bucket's tensors copied back to back into one request: one launch,
-// however many members (their copy is the concatenation a graph would make).
-class LaunchFusedOp : public OpKernel {
- public:
-  explicit LaunchFusedOp(OpKernelConstruction* c) : OpKernel(c), a_(c) {}
-
-  void Compute(OpKernelContext* ctx) override {
-    std::shared_ptr<GroupRef> group = FindGroup(a_.group);
-    OP_REQUIRES(ctx, group != nullptr, NotOpen(a_.group, a_.label));
-    OpInputList tensors;
-    OP_REQUIRES_OK(ctx, ctx->input_list("tensors", &tensors));
-    int64_t total = 0;
-    for (int i = 0; i < tensors.size(); i++) total += tensors[i].NumElements();
-    Tensor packed;
-    OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensors[0].dtype(), TensorShape({total}), &packed));
-    char* to = const_cast<char*>(packed.tensor_data().data());
-    for (int i = 0; i < tensors.size(); i++) {
-      const auto part = tensors[i].tensor_data();
-      if (!part.empty()) std::memcpy(to, part.data(), part.size());
-      to += part.size();
+    Tensor in = ctx->input(0);
+    if (fused_) {
+      OpInputList tensors;
+      OP_REQUIRES_OK(ctx, ctx->input_list("tensors", &tensors));
+      int64_t total = 0;
+      for (int i = 0; i < tensors.size(); i++) total += tensors[i].NumElements();
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensors[0].dtype(), TensorShape({total}), &in));
+      char* to = const_cast<char*>(in.tensor_data().data());
+      for (int i = 0; i < tensors.size(); i++) {
+        const auto part = tensors[i].tensor_data();
+        if (!part.empty()) std::memcpy(to, part.data(), part.size());
+        to += part.size();
+      }
     }
     int64_t handle = 0;
-    OP_REQUIRES_OK(ctx, LaunchOne(ctx, group, packed, a_.bucket, OpCode(a_.op), a_.scale, a_.shared_label,
-                                  &handle));
+    OP_REQUIRES_OK(ctx, LaunchOne(ctx, group, in, a_.bucket, OpCode(a_.op), a_.scale, a_.shared_label, &handle));
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
     out->scalar<int64_t>()() = handle;
@@ -459,6 +442,12 @@ class LaunchFusedOp : public OpKernel {
 
  private:
   Attrs a_;
+  bool fused_;
+};
+
+class LaunchFusedOp : public LaunchOp {
+ public:
+  explicit LaunchFusedOp(OpKernelConstruction* c) : LaunchOp(c, true) {}
 };
 
 // Several launches in one op: one stateful op (one link of the program-order
