@@ -109,6 +109,13 @@ def group_for(collectives, buckets, layouts, tensors, failure=None):
     return made
 
 
+def preload() -> None:
+    """Load the op library now when it is chosen: XLA takes an op's XLA kernel only
+    if its library was loaded before the process's first XLA compilation."""
+    if chosen():
+        ops.native_library()
+
+
 def _abort(group, error) -> None:
     g = group()
     if g is not None:
@@ -136,6 +143,13 @@ def bucketed(tensors: list, layouts: list[list[tuple]], group, op: str, prescale
     ring's and unused here: a bucket's request is its members back to back). A
     tensor in no bucket (zero elements) comes back as zeros."""
     launched, out = [], [None] * len(tensors)
+    if ops.in_xla():            # one custom call per bucket, chained by a token (no async ops in XLA)
+        for j, layout in enumerate(layouts):
+            members = [_prescaled(tensors[p], prescale) for p, _, _ in layout]
+            for (p, _, _), t in zip(layout, ops.allreduce_xla(members, group, j, op, postscale,
+                                                              f"{name} bucket {j}"), strict=True):
+                out[p] = t
+        return [t if t is not None else tf.zeros_like(tensors[p]) for p, t in enumerate(out)]
     with overlap.in_program_order() as done:
         previous = []
         for j, layout in enumerate(layouts):

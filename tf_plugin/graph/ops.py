@@ -35,6 +35,7 @@ import tensorflow as tf
 from rdmatensor import TensorSpec, UnknownTensor, UsageError
 
 from . import ingest
+from .tf_errors import refuse_in_xla
 
 _sessions: dict[int, object] = {}
 _held: dict[tuple[int, str], object] = {}     # (rank, name) -> Received TensorFlow may still hold
@@ -117,6 +118,7 @@ def send(tensor, name: str, dst: int) -> None:
     if _recorder is not None:
         _recorder.sends.append(TensorSpec(name, tuple(tensor.shape.as_list()), tensor.dtype.as_numpy_dtype,
                                           src=_recorder.rank, dst=dst))
+    refuse_in_xla(f"send of {name!r}")
     tf.numpy_function(partial(_send_np, name, dst), [tensor], Tout=[], stateful=True, name="rdmatensor_send")
 
 
@@ -154,6 +156,7 @@ def recv(name: str, src: int, dtype, shape, copy: bool = False) -> tf.Tensor:
     if _recorder is not None:
         _recorder.recvs.append(TensorSpec(name, tuple(shape.as_list()), dtype.as_numpy_dtype,
                                           src=src, dst=_recorder.rank))
+    refuse_in_xla(f"recv of {name!r}")
     out = tf.py_function(partial(_recv_tf, name, src, copy), [], Tout=dtype, name="rdmatensor_recv")
     out.set_shape(shape)
     return out

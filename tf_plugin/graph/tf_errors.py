@@ -48,11 +48,26 @@ def as_horovod_errors():
         raise InvalidArgument(str(exc)) from exc
 
 
+def refuse_in_xla(what: str) -> None:
+    """Raise InvalidArgument now, at trace time, when the graph being built is
+    compiled by XLA (tf.function(jit_compile=True)): `what` runs in Python
+    there, which XLA cannot compile; without this, XLA fails later, deep
+    inside the compilation, naming PyFunc."""
+    from tensorflow.python.ops import control_flow_util
+    if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+        raise InvalidArgument(
+            f"{what} runs in Python, which XLA cannot compile: compile this function with jit_compile=False. "
+            f"Under XLA only the all-reduce (hvd.allreduce, grouped_allreduce, DistributedGradientTape, "
+            f"DistributedOptimizer) of ranks on one host over shm, with static shapes and Sum, Average, Min, "
+            f"Max or Product, runs (docs/native-ops.md)")
+
+
 def numpy_function(fn, inputs: list, Tout, name: str, fallback):
     """tf.numpy_function(fn, inputs, Tout), stateful, for a collective in a graph:
     a PlanMismatch that fn raises reaches TensorFlow as FailedPreconditionError.
     `fallback(arrays)` gives outputs of the right dtypes for that case (never
-    read: the op that follows raises first)."""
+    read: the op that follows raises first). Refused under XLA (refuse_in_xla)."""
+    refuse_in_xla(f"the collective {name!r}")
     single = not isinstance(Tout, (list, tuple))
     touts = [Tout] if single else list(Tout)
 

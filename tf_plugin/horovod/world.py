@@ -19,6 +19,9 @@ def init(model=None, provider: str | None = None, cluster=None, token: str | Non
     trainable variables, broadcast of all its variables from rank 0) are planned
     now, in one exchange. Calling init() again only plans ahead for the model given."""
     _core.init(provider, cluster, token, timeout, fusion_threshold, check_finite, process_sets)
+    if _core.size() > 1:
+        from ..graph import native_allreduce     # TensorFlow: the Horovod API's users have it
+        native_allreduce.preload()
     if model is not None:
         from .tensors import plan_ahead          # TensorFlow: only when a model asks for it
         plan_ahead(model)

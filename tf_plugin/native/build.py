@@ -4,9 +4,10 @@ Two libraries, from the sources beside this file:
 
 - "c": the executor alone (shm_allreduce.c), plain C, about a second of gcc;
   framework-free (shm_c.CGroup over ctypes);
-- "ops": the TensorFlow ops (kernels.cc, a thin C++ file of AsyncOpKernels)
-  linked with the executor, built as Horovod builds its ops, with
-  tf.sysconfig.get_compile_flags() / get_link_flags() (10-30 s of g++).
+- "ops": the TensorFlow ops (kernels.cc, a thin C++ file of AsyncOpKernels,
+  and xla_ops.cc, their XLA kernel and FFI handler) linked with the executor,
+  built as Horovod builds its ops, with tf.sysconfig.get_compile_flags() /
+  get_link_flags() and libtensorflow_cc for XLA (20-60 s of g++).
 
 The cache key is the TensorFlow version, the sha256 of the sources, the
 compilers and the flags; the file names carry it, so a change of any of them
@@ -44,7 +45,7 @@ HERE = Path(__file__).resolve().parent
 ENV = "RDMATENSOR_TF_OPS"
 CHOICES = ("native", "python")
 SOURCES = {"c": ("shm_allreduce.c", "shm_allreduce.h"),
-           "ops": ("shm_allreduce.c", "shm_allreduce.h", "kernels.cc")}
+           "ops": ("shm_allreduce.c", "shm_allreduce.h", "groups.h", "kernels.cc", "xla_ops.cc")}
 C_FLAGS = ("-O2", "-std=c11", "-fPIC", "-ffp-contract=off", "-Wall")
 CXX_FLAGS = ("-O2", "-fPIC", "-ffp-contract=off")
 WHAT = {"c": "shared-memory all-reduce (C)", "ops": "TensorFlow ops of the shared-memory all-reduce"}
@@ -103,8 +104,15 @@ def _compiler(names: tuple[str, ...], what: str) -> str:
 
 
 def _tensorflow() -> tuple[str, list[str], list[str]]:
+    """TensorFlow's version, and its flags as Horovod builds its ops, plus what the
+    XLA kernel needs: the headers XLA's include (in the wheel's include/external)
+    and libtensorflow_cc, which exports XLA and its FFI API."""
     import tensorflow as tf
-    return tf.__version__, list(tf.sysconfig.get_compile_flags()), list(tf.sysconfig.get_link_flags())
+    include = Path(tf.sysconfig.get_include())
+    extra = [f"-I{include / 'external' / d}" for d in ("highwayhash", "farmhash_archive/src")
+             if (include / "external" / d).is_dir()]
+    return (tf.__version__, [*tf.sysconfig.get_compile_flags(), *extra],
+            [*tf.sysconfig.get_link_flags(), "-l:libtensorflow_cc.so.2"])
 
 
 def plan(kind: str, package_dir: Path = HERE) -> dict:
@@ -141,8 +149,8 @@ def _compile(step: dict, package_dir: Path, out: Path, scratch: Path) -> None:
     if step["kind"] == "c":
         _run([step["cc"], "-shared", str(obj), "-o", str(out), "-lpthread"], scratch)
     else:
-        _run([step["cxx"], *step["cxx_flags"], "-shared", str(src / "kernels.cc"), str(obj), "-o", str(out),
-              *step["link_flags"], "-lpthread"], scratch)
+        _run([step["cxx"], *step["cxx_flags"], "-shared", str(src / "kernels.cc"), str(src / "xla_ops.cc"), str(obj),
+              "-o", str(out), *step["link_flags"], "-lpthread"], scratch)
 
 
 def build(kind: str = "ops", package_dir: Path = HERE, directory: Path | None = None) -> Built:

@@ -35,6 +35,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "groups.h"
 #include "shm_allreduce.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
@@ -669,6 +670,13 @@ class DoneManyOp : public AsyncOpKernel {
 };
 
 }  // namespace
+
+rdt_shm_group* rdt::AcquireGroup(const std::string& name) {
+  std::shared_ptr<GroupRef> ref = FindGroup(name);
+  if (ref == nullptr) return nullptr;
+  rdt_shm_group_retain(ref->g);
+  return ref->g;
+}
 
 REGISTER_KERNEL_BUILDER(Name("RdtShmAllreduceLaunch").Device(DEVICE_CPU), LaunchOp);
 REGISTER_KERNEL_BUILDER(Name("RdtShmAllreduceLaunchMany").Device(DEVICE_CPU), LaunchManyOp);

@@ -80,6 +80,9 @@ class NativeLibrary:
         cdll.rdt_tf_group_remove.argtypes = [ctypes.c_char_p]
         cdll.rdt_tf_group_remove.restype = ctypes.c_int
         cdll.rdt_tf_pending.restype = ctypes.c_long
+        cdll.rdt_xla_register.restype = ctypes.c_char_p
+        # the XLA handler (xla_ops.cc): why it is not registered, or "" when it is
+        self.xla_refused = cdll.rdt_xla_register().decode()
 
     def pending(self) -> int:
         """Launched all-reduces whose completion has not run yet."""
@@ -346,6 +349,35 @@ def complete_fused(launched: Launched) -> list:
     return out
 
 
+def in_xla() -> bool:
+    """Whether the graph being built is compiled by XLA (tf.function(jit_compile=True))."""
+    from tensorflow.python.ops import control_flow_util
+    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+
+
+def allreduce_xla(tensors, group, bucket: int, op: str = "sum", scale: float = 1.0, label: str | None = None
+                  ) -> list:
+    """`tensors` all-reduced as one request of bucket `bucket` inside an XLA
+    compilation: one RdtShmAllreduceXla op (a typed-FFI custom call), chained
+    after the graph's previous one by a token, so every rank runs them in one
+    order. The native group only: the twin has no XLA route."""
+    members = [tf.convert_to_tensor(t) for t in tensors]
+    if not isinstance(group, NativeGroup):
+        raise build.BuildError("an all-reduce inside XLA needs the native ops (RDMATENSOR_TF_OPS is python, or "
+                               "the op library is not built); compile with jit_compile=False")
+    if group.native.xla_refused:
+        raise build.BuildError(f"this TensorFlow's XLA refused the all-reduce's handler "
+                               f"({group.native.xla_refused}); compile with jit_compile=False")
+    graph = tf.compat.v1.get_default_graph()
+    token = getattr(graph, "_rdmatensor_xla_token", None)
+    if token is None:
+        token = tf.constant(0, tf.int32)
+    reduced, graph._rdmatensor_xla_token = group.native.module.rdt_shm_allreduce_xla(  # noqa: SLF001
+        members, token, group=group.name, bucket=int(bucket), reduce_op=op, scale=scaling.factor(scale),
+        label=label or "")
+    return list(reduced)
+
+
 def allreduce_fused(tensors, group, bucket: int, op: str = "sum", scale: float = 1.0, label: str | None = None
                     ) -> list:
     """`tensors` all-reduced as one request of bucket `bucket` (see launch_fused)."""
@@ -421,6 +453,26 @@ def _done_fused_gradient(op, *grads):
                                                        reduce_op=attrs["reduce_op"], scale=attrs["scale"],
                                                        label=label)
     return [None] + list(lib.module.rdt_shm_allreduce_done_fused(handle, grads, **{**attrs, "label": label}))
+
+
+@tf.RegisterGradient("RdtShmAllreduceXla")
+def _xla_gradient(op, *grads):
+    """The members' gradients: the same all-reduce of their upstream gradients, inside XLA too."""
+    attrs = {k: op.get_attr(k) for k in ("group", "bucket", "reduce_op", "scale", "label")}
+    attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
+    lib = native_library()
+    if lib is None:
+        raise build.BuildError("the gradient of a native all-reduce needs the op library")
+    n = len(op.inputs) - 1
+    upstream = [tf.zeros_like(op.inputs[i]) if g is None else tf.convert_to_tensor(g)
+                for i, g in enumerate(grads[:n])]
+    graph = tf.compat.v1.get_default_graph()
+    token = getattr(graph, "_rdmatensor_xla_token", None)
+    if token is None:
+        token = op.outputs[-1]
+    reduced, graph._rdmatensor_xla_token = lib.module.rdt_shm_allreduce_xla(  # noqa: SLF001
+        upstream, token, **{**attrs, "label": f"{attrs['label'] or op.name}/grad"})
+    return list(reduced) + [None]
 
 
 @tf.RegisterGradient("RdtShmAllreduceDone")
