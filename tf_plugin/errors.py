@@ -54,7 +54,12 @@ def _tensorflow_typed() -> dict:
         """The ranks called different collectives (or tensors of different shapes or dtypes)."""
         __qualname__ = "CollectiveMismatch"
 
-        def __init__(self, message: str, *, peer: int | None = None, tensor: str | None = None):
+        # (node_def, op, message) as TensorFlow's own errors take them, so that autograph re-raises
+        # this type (not a StagingError) when it surfaces through a traced function; or (message).
+        def __init__(self, node_def=None, op=None, message=None, *payloads, peer: int | None = None,
+                     tensor: str | None = None):
+            if message is None:
+                node_def, message = None, node_def
             tf.errors.FailedPreconditionError.__init__(self, None, None, message)
             self.peer, self.tensor = peer, tensor
 
@@ -65,7 +70,9 @@ def _tensorflow_typed() -> dict:
         """A collective's arguments are wrong on this rank (splits that do not add up, a scalar to gather)."""
         __qualname__ = "InvalidArgument"
 
-        def __init__(self, message: str):
+        def __init__(self, node_def=None, op=None, message=None, *payloads):    # as CollectiveMismatch's
+            if message is None:
+                node_def, message = None, node_def
             tf.errors.InvalidArgumentError.__init__(self, None, None, message)
 
         def __str__(self) -> str:
