@@ -27,7 +27,11 @@ back, four ways:
   tape, and once every gradient exists, one native all-reduce of one float (the
   ranks meet once), before any update. What an all-reduce costs above it is
   what moving and reducing the gradients costs; below it, waiting for the slower
-  rank and the step's one join, which every synchronous all-reduce pays.
+  rank and the step's one join, which every synchronous all-reduce pays;
+- `tape-xla-none`, `tape-xla` (not run by default): `tape-none` and
+  `tape-native` compiled by XLA (tf.function(jit_compile=True)): the
+  all-reduce is one custom call per bucket, which copies the members in and
+  out of XLA's buffers and waits on XLA's thread.
 
 The `hvd*` and `tape*` steps are traced with RDMATENSOR_TF_OPS set for their path
 (`python` for today's), so one run pairs them.
@@ -51,7 +55,7 @@ import sys
 import time
 
 PATHS = ("none", "native", "native-each", "twin", "hvd", "hvd-each", "hvd-native", "tape-none", "tape-sync",
-         "tape", "tape-native")
+         "tape", "tape-native", "tape-xla-none", "tape-xla")
 DEFAULT_PATHS = ("none", "native", "native-each", "twin", "hvd")
 ELEMENTS = 256
 
@@ -86,7 +90,7 @@ def rank_main(rank: int, sock_fd: int, sizes: list[int], paths: list[str], round
         barrier_group.allreduce(most, barrier)
 
     hvd = None
-    if {"hvd", "hvd-each", "hvd-native", "tape", "tape-native"} & set(paths):
+    if {"hvd", "hvd-each", "hvd-native", "tape", "tape-native", "tape-xla"} & set(paths):
         import tf_plugin as hvd
         hvd.init()
     rng = np.random.default_rng(rank)
@@ -96,11 +100,11 @@ def rank_main(rank: int, sock_fd: int, sizes: list[int], paths: list[str], round
         vs = variables[:n]
 
         if path.startswith("tape"):
-            @tf.function
+            @tf.function(jit_compile=path.startswith("tape-xla"))
             def tape_step():
                 with tf.GradientTape() as tape:
                     loss = tf.add_n([tf.reduce_sum(v * v) for v in vs])
-                if path not in ("tape-none", "tape-sync"):
+                if path not in ("tape-none", "tape-sync", "tape-xla-none"):
                     tape = hvd.DistributedGradientTape(tape)
                 grads, met = tape.gradient(loss, vs), []
                 if path == "tape-sync":        # no op per tensor: the updates wait for the meeting
@@ -133,7 +137,7 @@ def rank_main(rank: int, sock_fd: int, sizes: list[int], paths: list[str], round
         """fn traced now, with RDMATENSOR_TF_OPS chosen for its path (read when a graph is built)."""
         before = os.environ.get("RDMATENSOR_TF_OPS")
         if path.startswith(("hvd", "tape")):
-            os.environ["RDMATENSOR_TF_OPS"] = "native" if path.endswith("native") else "python"
+            os.environ["RDMATENSOR_TF_OPS"] = "native" if path.endswith(("native", "xla")) else "python"
         try:
             fn.get_concrete_function()
         finally:
