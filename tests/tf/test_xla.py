@@ -75,3 +75,10 @@ def test_what_stays_in_python_is_refused_at_trace_time(ranks):
             said = report[f"refused_{name}"]
             assert said.startswith("tf_plugin.errors.InvalidArgument:"), said[:300]
             assert "runs in Python, which XLA cannot compile: compile this function with jit_compile=False" in said
+
+
+def test_one_rank_under_xla_scales_in_the_graph(tmp_path):
+    run_workers(SCRIPT, 1, "shm", tmp_path, timeout=200)
+    results = dict(np.load(tmp_path / "rank0.npz"))
+    assert results["alone"].tolist() == [0.0, 0.5, 1.0, 1.5] and results["empty"].shape == (0,)
+    assert json.loads((tmp_path / "rank0.json").read_text()) == {"hlo": False}

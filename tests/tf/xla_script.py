@@ -3,7 +3,8 @@ hvd.allreduce of several ops and dtypes, grouped_allreduce, DistributedGradientT
 training steps of an MLP (each rank its own data) beside the same steps without
 XLA and one process on the global batch, Keras fit with DistributedOptimizer and
 model.compile(jit_compile=True), and collectives that stay in Python refused at
-trace time. Run as every worker of a 2-rank job on one host; writes its results
+trace time. Run as every worker of a 2-rank job on one host (or as one rank:
+the all-reduce with nothing to move); writes its results
 (npz) and what it saw (json) to OUT_DIR.
 
     python xla_script.py OUT_DIR
@@ -27,6 +28,17 @@ results, report = {}, {}
 
 def hlo(fn, *args) -> str:
     return fn.experimental_get_compiler_ir(*args)(stage="hlo")
+
+
+if size == 1:              # nothing to move: scaled in the graph, as the Python path scales
+    x = tf.constant(np.arange(4, dtype=np.float32))
+    alone = tf.function(lambda t: hvd.allreduce(t, op=hvd.Average, prescale_factor=2.0, postscale_factor=0.25),
+                        jit_compile=True)
+    empty = tf.function(lambda t: hvd.allreduce(t[:0], op=hvd.Sum), jit_compile=True)
+    np.savez(f"{out_dir}/rank0.npz", alone=alone(x).numpy(), empty=empty(x).numpy())
+    with open(f"{out_dir}/rank0.json", "w") as f:
+        json.dump({"hlo": "PyFunc" in hlo(alone, x)}, f)
+    sys.exit(0)
 
 
 # ---------------------------------------------------------------- hvd.allreduce under XLA

@@ -122,6 +122,18 @@ def _abort(group, error) -> None:
         g.abort(f"{type(error).__name__}: {error}")
 
 
+def in_xla() -> bool:
+    """Whether the graph being built is compiled by XLA (ops.in_xla)."""
+    return not tf.executing_eagerly() and ops.in_xla()
+
+
+def alone(t: tf.Tensor, prescale: float, postscale: float) -> tf.Tensor:
+    """An all-reduce with nothing to move (one rank, or no element), in the graph:
+    `t` scaled as core/scaling.py scales (the prescale, then the postscale), so
+    that it compiles under XLA."""
+    return _prescaled(_prescaled(t, prescale), postscale)
+
+
 def _prescaled(t: tf.Tensor, prescale: float) -> tf.Tensor:
     """t times the prescale, as core/scaling.py multiplies (Horovod's ScaleBuffer)."""
     pre = scaling.factor(prescale)

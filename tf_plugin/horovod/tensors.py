@@ -120,7 +120,9 @@ def _allreduce_many(tensors, names, op: str, compression, group: Group, prescale
     sent = [p[0] for p in packed]
     collectives = group.collectives
     empty = not any(t.shape.num_elements() for t in sent) if overlap.static(sent) else False
-    if tf.executing_eagerly() or not overlap.static(sent) or group.size == 1 or op == "adasum" or empty:
+    if (group.size == 1 or empty) and op != "adasum" and native_allreduce.in_xla() and overlap.static(sent):
+        reduced = [native_allreduce.alone(t, prescale, postscale) for t in sent]     # nothing to move
+    elif tf.executing_eagerly() or not overlap.static(sent) or group.size == 1 or op == "adasum" or empty:
         reduced = _through_numpy(lambda arrays: group.collectives.allreduce(names, arrays, op, prescale, postscale,
                                                                              scatter),
                                  sent, [t.shape for t in sent], "rdmatensor_allreduce")
