@@ -5,7 +5,8 @@ communication thread) computes, with the native launch and completion ops in
 the traced graphs and no numpy_function; hvd.shutdown closes the groups,
 leaving no segment's descriptor or mapping, and a graph traced over a closed
 group fails with FailedPrecondition; in a process set of 3 ranks, removing the
-set closes its groups. Real processes (rdmatensor-run), the real
+set closes its groups; a graph with the ops saves and loads as a SavedModel, and
+an inference export carries no collective. Real processes (rdmatensor-run), the real
 op library, no mocks."""
 import json
 from pathlib import Path
@@ -102,3 +103,16 @@ def test_a_process_set_on_the_native_ops_and_its_removal(tmp_path, monkeypatch):
         else:
             assert rep["open_before"] == rep["open_after_removal"] > 0
         assert rep["open_after_shutdown"] == 0
+
+
+SAVED_SCRIPT = Path(__file__).parent / "native_saved_script.py"
+
+
+def test_a_graph_with_the_native_ops_saves_and_loads_and_an_inference_export_has_no_collective(tmp_path):
+    run_workers(SAVED_SCRIPT, 2, "shm", tmp_path, timeout=240)
+    for rank in range(2):
+        rep = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert rep["native_ops"] == ["RdtShmAllreduceDoneFused", "RdtShmAllreduceLaunchFused"], rep
+        assert rep["step"] == [2.0, 4.0, 6.0]                 # x * v summed over 2 ranks, v = 1
+        assert rep["loaded_step"] == [6.0, 10.0, 14.0]        # the loaded step, v = 1 + [2, 4, 6]
+        assert rep["exported_collectives"] == [] and rep["exported_ops"] > 0
