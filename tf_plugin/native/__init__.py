@@ -7,7 +7,7 @@ C executes", with a Python twin behind one contract (docs/native-ops.md).
     shm_twin     the Python twin: numpy over the same segments, the same protocol
     shm_c        the C executor (shm_allreduce.c, shm_allreduce.h) behind the contract, through ctypes
     build        builds the C library and the TensorFlow op library (kernels.cc: the ops;
-                 xla_ops.cc: their XLA kernel and FFI handler; groups.h: the registry they share)
+                 xla_ops.cc: their XLA kernel and FFI handler; groups.h: what they share)
                  on first use, into a cache (build/ beside this file, else $XDG_CACHE_HOME/rdmatensor)
     ops          TensorFlow: groups for the ops (local_group: made over a job's channel),
                  allreduce / launch / complete / fused, inside XLA too, the gradients

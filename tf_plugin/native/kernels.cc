@@ -341,14 +341,7 @@ int DtypeCode(DataType t) {
   }
 }
 
-int OpCode(const std::string& op) {
-  if (op == "sum") return RDT_SHM_SUM;
-  if (op == "average") return RDT_SHM_AVERAGE;
-  if (op == "min") return RDT_SHM_MIN;
-  if (op == "max") return RDT_SHM_MAX;
-  if (op == "product") return RDT_SHM_PRODUCT;
-  return 0;
-}
+using rdt::OpCode;
 
 struct Attrs {
   std::string group, op, label;
@@ -670,6 +663,15 @@ class DoneManyOp : public AsyncOpKernel {
 };
 
 }  // namespace
+
+int rdt::OpCode(const std::string& op) {
+  if (op == "sum") return RDT_SHM_SUM;
+  if (op == "average") return RDT_SHM_AVERAGE;
+  if (op == "min") return RDT_SHM_MIN;
+  if (op == "max") return RDT_SHM_MAX;
+  if (op == "product") return RDT_SHM_PRODUCT;
+  return 0;
+}
 
 rdt_shm_group* rdt::AcquireGroup(const std::string& name) {
   std::shared_ptr<GroupRef> ref = FindGroup(name);

@@ -439,30 +439,30 @@ def _done_many_gradient(op, *grads):
     return [None] * n + complete_many(launched)
 
 
-@tf.RegisterGradient("RdtShmAllreduceDoneFused")
-def _done_fused_gradient(op, *grads):
-    """The members' gradients: the same fused all-reduce of their upstream gradients."""
-    attrs = {k: op.get_attr(k) for k in ("group", "bucket", "reduce_op", "scale", "label")}
-    attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
+def _for_gradient(op) -> tuple[NativeLibrary, dict]:
+    """The op library and the attributes of a one-bucket all-reduce `op`, its label marked /grad."""
     lib = native_library()
     if lib is None:
         raise build.BuildError("the gradient of a native all-reduce needs the op library")
+    attrs = {k: op.get_attr(k) for k in ("group", "bucket", "reduce_op", "scale", "label")}
+    attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
+    attrs["label"] = f"{attrs['label'] or getattr(op, 'name', 'allreduce')}/grad"
+    return lib, attrs
+
+
+@tf.RegisterGradient("RdtShmAllreduceDoneFused")
+def _done_fused_gradient(op, *grads):
+    """The members' gradients: the same fused all-reduce of their upstream gradients."""
+    lib, attrs = _for_gradient(op)
     grads = [tf.zeros_like(op.inputs[1 + i]) if g is None else tf.convert_to_tensor(g) for i, g in enumerate(grads)]
-    label = f"{attrs['label'] or getattr(op, 'name', 'allreduce')}/grad"
-    handle = lib.module.rdt_shm_allreduce_launch_fused(grads, group=attrs["group"], bucket=attrs["bucket"],
-                                                       reduce_op=attrs["reduce_op"], scale=attrs["scale"],
-                                                       label=label)
-    return [None] + list(lib.module.rdt_shm_allreduce_done_fused(handle, grads, **{**attrs, "label": label}))
+    handle = lib.module.rdt_shm_allreduce_launch_fused(grads, **attrs)
+    return [None] + list(lib.module.rdt_shm_allreduce_done_fused(handle, grads, **attrs))
 
 
 @tf.RegisterGradient("RdtShmAllreduceXla")
 def _xla_gradient(op, *grads):
     """The members' gradients: the same all-reduce of their upstream gradients, inside XLA too."""
-    attrs = {k: op.get_attr(k) for k in ("group", "bucket", "reduce_op", "scale", "label")}
-    attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
-    lib = native_library()
-    if lib is None:
-        raise build.BuildError("the gradient of a native all-reduce needs the op library")
+    lib, attrs = _for_gradient(op)
     n = len(op.inputs) - 1
     upstream = [tf.zeros_like(op.inputs[i]) if g is None else tf.convert_to_tensor(g)
                 for i, g in enumerate(grads[:n])]
@@ -470,19 +470,13 @@ def _xla_gradient(op, *grads):
     token = getattr(graph, "_rdmatensor_xla_token", None)
     if token is None:
         token = op.outputs[-1]
-    reduced, graph._rdmatensor_xla_token = lib.module.rdt_shm_allreduce_xla(  # noqa: SLF001
-        upstream, token, **{**attrs, "label": f"{attrs['label'] or op.name}/grad"})
+    reduced, graph._rdmatensor_xla_token = lib.module.rdt_shm_allreduce_xla(upstream, token, **attrs)  # noqa: SLF001
     return list(reduced) + [None]
 
 
 @tf.RegisterGradient("RdtShmAllreduceDone")
 def _done_gradient(op, grad):
     """Horovod's gradient of an all-reduce: the same all-reduce of the upstream gradient."""
-    attrs = {k: op.get_attr(k) for k in ("group", "bucket", "reduce_op", "scale", "label")}
-    attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
-    attrs["label"] = f"{attrs['label'] or getattr(op, 'name', 'allreduce')}/grad"
-    lib = native_library()
-    if lib is None:
-        raise build.BuildError("the gradient of a native all-reduce needs the op library")
+    lib, attrs = _for_gradient(op)
     handle = lib.module.rdt_shm_allreduce_launch(grad, **attrs)
     return [None, lib.module.rdt_shm_allreduce_done(handle, grad, **attrs)]

@@ -87,15 +87,6 @@ bool Lookup(int64_t id, Settings* out) {
   return true;
 }
 
-int OpCode(const std::string& op) {
-  if (op == "sum") return RDT_SHM_SUM;
-  if (op == "average") return RDT_SHM_AVERAGE;
-  if (op == "min") return RDT_SHM_MIN;
-  if (op == "max") return RDT_SHM_MAX;
-  if (op == "product") return RDT_SHM_PRODUCT;
-  return 0;
-}
-
 class AllreduceXlaOp : public XlaOpKernel {
  public:
   explicit AllreduceXlaOp(OpKernelConstruction* c) : XlaOpKernel(c) {
@@ -111,7 +102,7 @@ class AllreduceXlaOp : public XlaOpKernel {
                 errors::InvalidArgument("all-reduce of ", s_.label, ": bucket ", bucket, " is out of range"));
     if (s_.label.empty()) s_.label = c->def().name();
     s_.bucket = static_cast<uint32_t>(bucket);
-    s_.op = OpCode(op);
+    s_.op = rdt::OpCode(op);
     s_.scale = scale;
   }
 
