@@ -122,9 +122,7 @@ def _abort(group, error) -> None:
         g.abort(f"{type(error).__name__}: {error}")
 
 
-def in_xla() -> bool:
-    """Whether the graph being built is compiled by XLA (ops.in_xla)."""
-    return not tf.executing_eagerly() and ops.in_xla()
+in_xla = ops.in_xla       # whether the graph being built is compiled by XLA (for horovod/tensors.py)
 
 
 def alone(t: tf.Tensor, prescale: float, postscale: float) -> tf.Tensor:
