@@ -1,4 +1,4 @@
-"""The differential run: the same seeded sequences of eager collectives under real
+"""The differential run: the same seeded sequences of collectives under real
 Horovod (horovodrun --gloo, built by `make horovod-reference`) and under
 tf_plugin (rdmatensor-run), every outcome compared, and both against the numpy
 model of Horovod's semantics (model.py).
@@ -6,6 +6,7 @@ model of Horovod's semantics (model.py).
     python -m tests.differential.compare --ranks 2 --providers shm,tcp --seeds 1-20 --calls 500 [--out DIR]
     python -m tests.differential.compare ... --no-horovod     (the model alone judges)
     python -m tests.differential.compare ... --recorded DIR   (Horovod's recordings of an earlier run)
+    python -m tests.differential.compare ... --graph 0.4      (40% of the calls each in a tf.function)
 
 Judged, per call and member rank:
 - an agreeing call returns on every member, and its values equal the model's
@@ -32,15 +33,16 @@ from pathlib import Path
 import numpy as np
 
 from .model import expected, tolerance
-from .sequence import OURS, as_seen_by, call, inputs, seeds_of
+from .sequence import OURS, as_seen_by, call, in_graph, inputs, seeds_of
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def launch(impl: str, ranks: int, provider: str, out: Path, seeds: str, calls: int, timeout: float) -> None:
+def launch(impl: str, ranks: int, provider: str, out: Path, seeds: str, calls: int, timeout: float,
+           graph: float = 0.0) -> None:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", RDMATENSOR_TIMEOUT=os.environ.get("RDMATENSOR_TIMEOUT", "20"),
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    worker = ["-m", "tests.differential.worker", str(out), impl, seeds, str(calls)]
+    worker = ["-m", "tests.differential.worker", str(out), impl, seeds, str(calls), f"{graph:g}"]
     if impl == "horovod":
         venv = ROOT / ".venv-horovod" / "bin"
         cmd = [str(venv / "horovodrun"), "-np", str(ranks), "-H", f"localhost:{ranks}", "--gloo",
@@ -75,7 +77,7 @@ def same(got: np.ndarray, want: np.ndarray, tol) -> bool:
     return bool(np.all(np.abs(got.astype(np.float64) - want.astype(np.float64)) <= tol))
 
 
-def judge(ranks: int, seeds: list[int], calls: int, ours: dict, horovod: dict | None) -> dict:
+def judge(ranks: int, seeds: list[int], calls: int, ours: dict, horovod: dict | None, graph: float = 0.0) -> dict:
     counts = Counter()
     problems: list[str] = []
     for seed in seeds:
@@ -86,6 +88,8 @@ def judge(ranks: int, seeds: list[int], calls: int, ours: dict, horovod: dict | 
             if any((ours[r].get((seed, index)) or ("",))[0] == "skipped" for r in members):
                 counts["skipped"] += 1
                 continue
+            if in_graph(seed, index, graph):
+                counts["calls in a graph"] += 1
             if c.mismatch:
                 counts[f"changed:{c.change}"] += 1
                 outcomes = [ours[r].get((seed, index)) for r in members]
@@ -156,6 +160,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-horovod", action="store_true", help="judge against the numpy model alone")
     ap.add_argument("--json", help="write the counts here")
     ap.add_argument("--timeout", type=float, default=3000)
+    ap.add_argument("--graph", type=float, default=0.0,
+                    help="the share of calls made inside a tf.function of their own (0: every call eager)")
     args = ap.parse_args(argv)
     seeds = seeds_of(args.seeds)
     out = Path(args.out or tempfile.mkdtemp(prefix="rdmatensor-diff-"))
@@ -166,16 +172,17 @@ def main(argv=None) -> int:
         source = Path(args.recorded) if args.recorded else out
         horovod = load(source, "horovod", args.ranks)
         if horovod is None:
-            launch("horovod", args.ranks, "gloo", source, args.seeds, args.calls, args.timeout)
+            launch("horovod", args.ranks, "gloo", source, args.seeds, args.calls, args.timeout, args.graph)
             horovod = load(source, "horovod", args.ranks)
-        print(f"  Horovod against the model: {judge_horovod(args.ranks, seeds, args.calls, horovod)}", flush=True)
+        print(f"  Horovod against the model: {judge_horovod(args.ranks, seeds, args.calls, horovod, args.graph)}",
+              flush=True)
     report, failed = {}, False
     for provider in [p for p in args.providers.split(",") if p]:      # none: Horovod's recordings alone
         sub = out / provider
         sub.mkdir(exist_ok=True)
         for seed in seeds:    # a job per seed: a job's plan keeps every tensor set it ever called (see docs)
-            launch("rdmatensor", args.ranks, provider, sub, str(seed), args.calls, args.timeout)
-        result = judge(args.ranks, seeds, args.calls, load(sub, "rdmatensor", args.ranks), horovod)
+            launch("rdmatensor", args.ranks, provider, sub, str(seed), args.calls, args.timeout, args.graph)
+        result = judge(args.ranks, seeds, args.calls, load(sub, "rdmatensor", args.ranks), horovod, args.graph)
         report[provider] = result
         counts = result["counts"]
         print(f"  {provider}: {json.dumps(counts, sort_keys=True)}", flush=True)
@@ -186,13 +193,13 @@ def main(argv=None) -> int:
                        or counts.get("error class differs"))
     if args.json:
         Path(args.json).write_text(json.dumps({"ranks": args.ranks, "seeds": args.seeds, "calls": args.calls,
-                                               "providers": report}, indent=1))
+                                               "graph": args.graph, "providers": report}, indent=1))
     return 1 if failed else 0
 
 
-def judge_horovod(ranks: int, seeds: list[int], calls: int, horovod: dict) -> dict:
+def judge_horovod(ranks: int, seeds: list[int], calls: int, horovod: dict, graph: float = 0.0) -> dict:
     """Horovod's own outcomes against the model: the model's check."""
-    result = judge(ranks, seeds, calls, horovod, None)
+    result = judge(ranks, seeds, calls, horovod, None, graph)
     counts = result["counts"]
     skipped = sum(1 for r in horovod for o in horovod[r].values() if o[0] == "skipped")
     return {"agreeing calls": counts.get("agreeing calls", 0), "values equal to the model":

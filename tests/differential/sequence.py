@@ -1,5 +1,6 @@
-"""Seeded random sequences of eager collectives, the same on every rank and under
-every implementation, with now and then one rank calling something else.
+"""Seeded random sequences of collectives, the same on every rank and under
+every implementation, with now and then one rank calling something else; a
+share of them (in_graph) each inside a tf.function of its own.
 
 A call is drawn from (seed, index) alone, so any rank (and the comparison) can
 rebuild it, and its inputs from (seed, index, rank, tensor). Each seed draws
@@ -16,7 +17,8 @@ A *change* is made on one rank (the victim) only:
 - only this project's promise judges these, as Horovod waits for ever on them:
   kind (another collective), count (a grouped call of another size);
 - name (another name, the same call) is no change at all: eager Horovod ignores
-  names, and so must the result.
+  names, and so must the result. In a graph Horovod waits for ever on it (its
+  ranks meet on the op's name): there only this project's promise judges it.
 
 A grouped all-reduce of mixed dtypes is this project's extension (Horovod
 refuses it before it communicates): only the numpy model judges it.
@@ -174,10 +176,17 @@ def as_seen_by(c: Call, rank: int, seed: int) -> Call:
     raise ValueError(c.change)
 
 
-def judged_by_horovod(c: Call) -> bool:
-    """Whether real Horovod makes this call (it waits for ever on OURS, and refuses
-    a grouped all-reduce of mixed dtypes)."""
-    return c.change not in OURS and len(set(c.dtypes)) == 1
+def judged_by_horovod(c: Call, graph: bool = False) -> bool:
+    """Whether real Horovod makes this call (it waits for ever on OURS, and on
+    another name in a graph, where a name is what its ranks meet on; it refuses a
+    grouped all-reduce of mixed dtypes)."""
+    return c.change not in OURS and not (graph and c.change == "name") and len(set(c.dtypes)) == 1
+
+
+def in_graph(seed: int, index: int, share: float) -> bool:
+    """Whether call `index` of seed `seed` is made inside a tf.function (on every
+    rank alike), for a run that makes `share` of its calls there."""
+    return share > 0 and np.random.default_rng([seed, index, 11]).random() < share
 
 
 def inputs(c: Call, rank: int, seed: int) -> list[np.ndarray]:

@@ -1,8 +1,9 @@
 """One rank of a differential run: the seeded sequences of sequence.py, called
 through a Horovod API (real Horovod or tf_plugin), every outcome recorded.
 
-    python -m tests.differential.worker OUT_DIR IMPL SEEDS CALLS
-        IMPL: horovod | rdmatensor;  SEEDS: "1-20" or "3,5"
+    python -m tests.differential.worker OUT_DIR IMPL SEEDS CALLS [GRAPH]
+        IMPL: horovod | rdmatensor;  SEEDS: "1-20" or "3,5";
+        GRAPH: the share of calls made inside a tf.function (sequence.in_graph), 0 by default
 
 Writes OUT_DIR/IMPL-s{SEEDS}-rank{R}.pkl: {(seed, index): ("ok", [arrays]) | ("error",
 TensorFlow error class, message) | ("skipped", why)}. Prints progress every
@@ -18,7 +19,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from .sequence import as_seen_by, call, inputs, judged_by_horovod, process_sets, seeds_of
+from .sequence import as_seen_by, call, in_graph, inputs, judged_by_horovod, process_sets, seeds_of
 
 
 def tf_class(exc: BaseException) -> str:
@@ -30,9 +31,9 @@ def tf_class(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-def run(hvd, c, arrays, ps):
+def run(hvd, c, t, ps):
+    """Call c on tensors t: its outputs."""
     kw = {} if ps is None else {"process_set": ps}
-    t = [tf.constant(a) for a in arrays]
     op = getattr(hvd, c.op)
     if c.kind == "allreduce":
         return [hvd.allreduce(t[0], op=op, prescale_factor=c.prescale, postscale_factor=c.postscale, name=c.name,
@@ -54,7 +55,15 @@ def run(hvd, c, arrays, ps):
     raise ValueError(c.kind)
 
 
-def main(out_dir: str, impl: str, seeds: str, calls: int) -> None:
+def made(hvd, c, arrays, ps, graph: bool) -> list:
+    """Call c eagerly, or traced into a tf.function of its own (static shapes) and run once."""
+    tensors = [tf.constant(a) for a in arrays]
+    if not graph:
+        return run(hvd, c, tensors, ps)
+    return list(tf.function(lambda *ts: run(hvd, c, list(ts), ps))(*tensors))
+
+
+def main(out_dir: str, impl: str, seeds: str, calls: int, graph: float = 0.0) -> None:
     if impl == "horovod":
         import horovod.tensorflow as hvd
     else:
@@ -75,11 +84,12 @@ def main(out_dir: str, impl: str, seeds: str, calls: int) -> None:
             mine = views[rank]
             if rank not in c.members:
                 continue
-            if impl == "horovod" and not all(judged_by_horovod(v) for v in views.values()):
+            traced = in_graph(seed, index, graph)
+            if impl == "horovod" and not all(judged_by_horovod(v, traced) for v in views.values()):
                 record[(seed, index)] = ("skipped", "Horovod waits for ever on it, or refuses it")
                 continue
             try:
-                out = run(hvd, mine, inputs(mine, rank, seed), sets[c.process_set])
+                out = made(hvd, mine, inputs(mine, rank, seed), sets[c.process_set], traced)
                 record[(seed, index)] = ("ok", [np.array(o) for o in out])
             except Exception as exc:  # noqa: BLE001 - every outcome is recorded
                 record[(seed, index)] = ("error", tf_class(exc), str(exc)[:300])
@@ -98,4 +108,4 @@ def main(out_dir: str, impl: str, seeds: str, calls: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]) if len(sys.argv) > 5 else 0.0)

@@ -44,7 +44,7 @@ import tensorflow as tf
 
 from ..core import scaling
 from ..native import build, contract, ops
-from . import overlap
+from . import overlap, tf_errors
 
 DTYPES = (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
 
@@ -86,15 +86,23 @@ def group_for(collectives, buckets, layouts, tensors, failure=None):
     every rank of the set) if the set is new; `failure` (core/failure.py's
     JobFailure) aborts it when the job loses a rank. When it cannot be made (on every rank
     alike): BuildError with RDMATENSOR_TF_OPS=native set explicitly, else one line
-    on stderr and None (the Python path), for this set's every later graph too."""
+    on stderr and None (the Python path), for this set's every later graph too.
+    Where the ranks' sets differ (a mismatch): None, and nothing kept, so that
+    the Python path raises the mismatch as it does eagerly."""
     key = ("native", buckets.key)
     with collectives._lock:          # the bootstrap channel: one exchange at a time  # noqa: SLF001
         made = collectives.attached.get(key)
         if made is None:
             sizes = [sum(shape.num_elements() for _, _, shape in layout) * tensors[layout[0][0]].dtype.size
                      for layout in layouts]
-            group, why = ops.local_group(collectives.bootstrap.allgather, collectives.rank, collectives.size,
-                                         sizes, collectives.timeout)
+            # this rank's call, numbered as the Python path numbers its own: where a rank makes another
+            # collective here, both fail (a mismatch) and every rank's next call still has one number
+            collectives.begin()
+            with tf_errors.as_horovod_errors():
+                group, why = ops.local_group(collectives.bootstrap.allgather, collectives.rank, collectives.size,
+                                             sizes, collectives.timeout, agreed=repr(buckets.key))
+            if why == ops.SETS_DIFFER:      # a mismatch: the Python path raises it, and nothing is kept
+                return None
             made = collectives.attached[key] = group if group is not None else _Unavailable(why)
             if group is not None and failure is not None:     # a lost rank: every wait ends now, naming it
                 failure.on_failure(functools.partial(_abort, weakref.ref(group)))

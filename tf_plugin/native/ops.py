@@ -165,8 +165,11 @@ def group(fds, rank: int, ranks: int, bucket_bytes, timeout: float | None = None
     return PythonGroup(name, fds, rank, ranks, bucket_bytes, timeout)
 
 
-def local_group(allgather, rank: int, ranks: int, bucket_bytes, timeout: float, name: str | None = None
-                ) -> tuple[NativeGroup | None, str | None]:
+SETS_DIFFER = "the ranks' tensor sets differ"
+
+
+def local_group(allgather, rank: int, ranks: int, bucket_bytes, timeout: float, name: str | None = None,
+                agreed: str = "") -> tuple[NativeGroup | None, str | None]:
     """A native group among the ranks of one host, its segments handed over
     through `allgather(tag, bytes) -> every rank's bytes` (the job's
     authenticated channel: only locators travel there; each descriptor goes
@@ -175,7 +178,10 @@ def local_group(allgather, rank: int, ranks: int, bucket_bytes, timeout: float, 
     calls it with the same buckets, at the same point of its program: two
     exchanges. (group, None), or (None, why) on every rank when any rank
     could not make or take a segment, or the ranks' buckets differ: the
-    caller then takes another path, on every rank alike."""
+    caller then takes another path, on every rank alike. `agreed` names what
+    this rank all-reduces (its tensor set): where the ranks' differ, or their
+    buckets do, why is SETS_DIFFER: they called different collectives here, which
+    the caller's other path reports as the mismatch it is."""
     bucket_bytes = [int(b) for b in bucket_bytes]
     fd, offers, fds, made, why = -1, {}, [], None, None
     try:
@@ -185,15 +191,16 @@ def local_group(allgather, rank: int, ranks: int, bucket_bytes, timeout: float, 
             for peer in range(ranks):
                 if peer != rank:
                     offers[peer] = segment.Offer(fd)
-            mine = {"locators": {str(p): o.locator for p, o in offers.items()}, "buckets": bucket_bytes}
+            mine = {"locators": {str(p): o.locator for p, o in offers.items()}, "buckets": bucket_bytes,
+                    "set": agreed}
         except Exception as exc:  # noqa: BLE001 - told to every rank, which then all take the other path
             mine = {"error": f"rank {rank}: {type(exc).__name__}: {exc}"}
         got = [json.loads(raw) for raw in allgather("native_segments", json.dumps(mine).encode())]
         errors = [g["error"] for g in got if "error" in g]
         if errors:
             return None, errors[0]
-        if any(g["buckets"] != bucket_bytes for g in got):
-            return None, f"the ranks' buckets differ: {[g['buckets'] for g in got]}"
+        if any(g["buckets"] != bucket_bytes or g["set"] != agreed for g in got):
+            return None, SETS_DIFFER
         try:
             fds = [fd if r == rank else segment.take(got[r]["locators"][str(rank)], r) for r in range(ranks)]
             made = group(fds, rank, ranks, bucket_bytes, timeout, name=name, kind="native")
