@@ -4,7 +4,8 @@ bit for bit what the Python path (RDMATENSOR_TF_OPS=python: the ring on the
 communication thread) computes, with the native launch and completion ops in
 the traced graphs and no numpy_function; hvd.shutdown closes the groups,
 leaving no segment's descriptor or mapping, and a graph traced over a closed
-group fails with FailedPrecondition; in a process set of 3 ranks, removing the
+group fails with FailedPrecondition; after a native all-reduce fails, every rank
+recovers and the step traced before runs again; in a process set of 3 ranks, removing the
 set closes its groups; a graph with the ops saves and loads as a SavedModel, and
 an inference export carries no collective. Real processes (rdmatensor-run), the real
 op library, no mocks."""
@@ -116,3 +117,24 @@ def test_a_graph_with_the_native_ops_saves_and_loads_and_an_inference_export_has
         assert rep["step"] == [2.0, 4.0, 6.0]                 # x * v summed over 2 ranks, v = 1
         assert rep["loaded_step"] == [6.0, 10.0, 14.0]        # the loaded step, v = 1 + [2, 4, 6]
         assert rep["exported_collectives"] == [] and rep["exported_ops"] > 0
+
+
+RECOVERY_SCRIPT = Path(__file__).parent / "native_recovery_script.py"
+
+
+def test_after_a_native_all_reduce_fails_every_rank_recovers_and_the_traced_step_runs_again(tmp_path,
+                                                                                              monkeypatch):
+    # Before its mender, the step's group stayed broken: every later all-reduce of the set
+    # raised AbortedError on both ranks, for the rest of the job.
+    monkeypatch.setenv("RDMATENSOR_TIMEOUT", "5")
+    run_workers(RECOVERY_SCRIPT, 2, "shm", tmp_path, timeout=240)
+    x = np.arange(6, dtype=np.float32).reshape(3, 2)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert reports[0]["mismatch"] == "DeadlineExceededError", reports[0]       # its wait timed out
+    assert reports[1]["mismatch"] == "FailedPreconditionError", reports[1]     # told why by rank 0
+    for rep in reports:
+        assert rep["mismatch_seconds"] < 60, rep
+        for key in ("before", "retraced", "after"):
+            assert np.array_equal(rep[key], 2 * x + 1), (key, rep)
+        assert np.array_equal(rep["allgather"], np.concatenate([x, x + 1])), rep
+    assert reports[0]["generations"] == reports[1]["generations"]

@@ -87,14 +87,33 @@ class Collectives:
         # what lives as long as this plan (a native all-reduce group per tensor set, graph/native_allreduce.py):
         # closed with it, so an elastic reset, a shutdown or a removed process set closes them
         self.attached: dict = {}
+        self.mender = None                         # graph/native_allreduce.Mender once a native group is attached
         self._retired_native = (0, 0)              # (calls, bytes moved) of closed native groups
 
     # ------------------------------------------------------------- calls
     def begin(self) -> int:
         """The next call's number (every rank numbers its calls alike)."""
         with self._lock:
+            self.mend()
             number, self.calls = self.calls, self.calls + 1
             return number
+
+    def mend(self) -> None:
+        """A native all-reduce that failed (a wait timed out, the ranks all-reduced
+        different things) broke its group out of Python's sight, and its peers
+        reset from their side of that call (attempt). Before this rank's next
+        call: the same reset, which makes every attached group afresh."""
+        why = self.mender.broken(self.attached) if self.mender is not None and self.size > 1 else None
+        if why is None:
+            return
+        lost = self.job_failure()
+        if lost is not None:
+            raise lost
+        self._abandon(PlanMismatch(why))
+        try:
+            self._next_generation(self.calls, [], failed=why, cause=True)
+        except Settled as settled:
+            raise settled.error from None
 
     def attempt(self, number: int, body, entries: list):
         """Run call `number` (body(), which moves its values). If it fails after
@@ -230,6 +249,10 @@ class Collectives:
         self._rings.clear()
         if reset is not None:
             self.resets.append(reset)
+            if self.mender is not None:      # every rank, in one order: the groups a traced graph names, afresh
+                self._retired_native = tuple(a + b for a, b in zip(self._retired_native,
+                                                                   self._native_counters(self.attached), strict=True))
+                self.mender.remake(self)
         return reset
 
     def _stop_if_job_failed(self) -> None:

@@ -91,6 +91,8 @@ def group_for(collectives, buckets, layouts, tensors, failure=None):
     the Python path raises the mismatch as it does eagerly."""
     key = ("native", buckets.key)
     with collectives._lock:          # the bootstrap channel: one exchange at a time  # noqa: SLF001
+        with tf_errors.as_horovod_errors():
+            collectives.mend()       # a group broken by a failed all-reduce: made afresh first
         made = collectives.attached.get(key)
         if made is None:
             sizes = [sum(shape.num_elements() for _, _, shape in layout) * tensors[layout[0][0]].dtype.size
@@ -104,8 +106,9 @@ def group_for(collectives, buckets, layouts, tensors, failure=None):
             if why == ops.SETS_DIFFER:      # a mismatch: the Python path raises it, and nothing is kept
                 return None
             made = collectives.attached[key] = group if group is not None else _Unavailable(why)
-            if group is not None and failure is not None:     # a lost rank: every wait ends now, naming it
-                failure.on_failure(functools.partial(_abort, weakref.ref(group)))
+            if collectives.mender is None:
+                collectives.mender = Mender(failure)
+            collectives.mender.watch(group)
             if group is None and not insisted():
                 print(f"rdmatensor: the native all-reduce cannot serve an all-reduce of {len(tensors)} tensors "
                       f"({why}); the Python path runs", file=sys.stderr)
@@ -122,6 +125,44 @@ def preload() -> None:
     if its library was loaded before the process's first XLA compilation."""
     if chosen():
         ops.native_library()
+
+
+class Mender:
+    """How a plan's native groups come back after a failed all-reduce: a group
+    that failed (a timeout, a mismatch, a peer's abort) stays broken, so the
+    plan resets as after any failed call (core/collectives.py: every rank in one
+    exchange) and then makes every group afresh under its own name: a graph
+    traced over a group finds the new one when it runs next. A lost rank
+    (`failure`, core/failure.py) aborts them all: every wait ends, naming it."""
+
+    def __init__(self, failure):
+        self.failure = failure
+
+    def watch(self, group) -> None:
+        if group is not None and self.failure is not None:
+            self.failure.on_failure(functools.partial(_abort, weakref.ref(group)))
+
+    @staticmethod
+    def broken(attached: dict) -> str | None:
+        """Why a group of the plan is broken, or None while every one is live."""
+        for key, group in attached.items():
+            status = group.status() if key[0] == "native" and not isinstance(group, _Unavailable) else 0
+            if status not in (0, contract.CLOSED):
+                return (f"the native all-reduce of group {group.name} failed on this rank "
+                        f"({type(contract.error_for(status, '')).__name__})")
+        return None
+
+    def remake(self, collectives) -> None:
+        """Every group of the plan closed and made again (an exchange with every
+        rank, which calls this at the same point, in the same order)."""
+        for key, old in list(collectives.attached.items()):
+            if key[0] != "native" or isinstance(old, _Unavailable):
+                continue
+            old.close()
+            group, why = ops.local_group(collectives.bootstrap.allgather, collectives.rank, collectives.size,
+                                         old.bucket_bytes, collectives.timeout, name=old.name, agreed=repr(key[1]))
+            collectives.attached[key] = group if group is not None else _Unavailable(why)
+            self.watch(group)
 
 
 def _abort(group, error) -> None:

@@ -136,6 +136,10 @@ class ShmGroup(ABC):
         """Break the group: waits end, this and later all-reduces raise."""
 
     @abstractmethod
+    def status(self) -> int:
+        """0 while live, else the status this rank's side was aborted with (CLOSED once closed)."""
+
+    @abstractmethod
     def close(self) -> None:
         """Abort and let go of the segments' memory (idempotent)."""
 

@@ -118,6 +118,9 @@ class TwinGroup(ShmGroup):
         except IndexError:      # closed meanwhile (its segment unmapped): nothing left to tell
             pass
 
+    def status(self) -> int:
+        return self._aborted
+
     def close(self) -> None:
         if self._closed:
             return
