@@ -5,7 +5,8 @@ communication thread) computes, with the native launch and completion ops in
 the traced graphs and no numpy_function; hvd.shutdown closes the groups,
 leaving no segment's descriptor or mapping, and a graph traced over a closed
 group fails with FailedPrecondition; after a native all-reduce fails, every rank
-recovers and the step traced before runs again; in a process set of 3 ranks, removing the
+recovers and the step traced before runs again; no Python of ours runs on a steady
+step; in a process set of 3 ranks, removing the
 set closes its groups; a graph with the ops saves and loads as a SavedModel, and
 an inference export carries no collective. Real processes (rdmatensor-run), the real
 op library, no mocks."""
@@ -138,3 +139,24 @@ def test_after_a_native_all_reduce_fails_every_rank_recovers_and_the_traced_step
             assert np.array_equal(rep[key], 2 * x + 1), (key, rep)
         assert np.array_equal(rep["allgather"], np.concatenate([x, x + 1])), rep
     assert reports[0]["generations"] == reports[1]["generations"]
+
+
+NO_PYTHON_SCRIPT = Path(__file__).parent / "native_no_python_script.py"
+LIVENESS_THREADS = ("rdmatensor-heartbeat-", "rdmatensor-ctl_", "Thread-")     # the ping, its server's threads
+
+
+def test_no_python_of_ours_runs_on_the_steady_native_step(tmp_path):
+    """50 steady DistributedGradientTape steps under a profile hook on every Python
+    thread: no function of rdmatensor/ or tf_plugin/ is called on the step's thread,
+    the communication thread never starts, the divergence watchdog sleeps (it woke
+    every 0.25 s before), and only the once-a-second liveness ping may run."""
+    run_workers(NO_PYTHON_SCRIPT, 2, "shm", tmp_path, timeout=240)
+    for rank in range(2):
+        rep = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert rep["native_requests"] == 50 and rep["python_rounds"] == 0, rep
+        assert not rep["comm_thread_started"] and np.isfinite(rep["loss"]), rep
+        threads = {frame.split(":")[0] for frame in rep["frames"]}
+        assert all(t.startswith(LIVENESS_THREADS) for t in threads), rep["frames"]
+        assert all(any(part in f for part in ("rdmatensor/control/", "rdmatensor/session/", "providers/contract.py",
+                                              "checked_collectives.py:<lambda>"))    # the status a ping asks for
+                   for f in rep["frames"]), rep["frames"]

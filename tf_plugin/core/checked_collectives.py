@@ -102,6 +102,9 @@ class CheckedCollectives(Collectives):
         self._planning: Planning | None = None
         self._local_bad: dict = {}          # (set key, bucket) -> this rank's inputs holding NaN or Inf
         self._stop = threading.Event()
+        self._wake = threading.Event()      # set as a call of the Python path begins (or on close)
+        self._in_flight = 0                 # calls of the Python path under way on this rank
+        self._flight = threading.Lock()
         self._watchdog = None
         if self.size > 1:
             self._watchdog = threading.Thread(target=self._watch, daemon=True,
@@ -115,10 +118,21 @@ class CheckedCollectives(Collectives):
         if failed is not None:
             return super()._next_generation(number, missing, failed, cause)
         self._planning = Planning([request for _, request in missing], number, self.generations)
+        self._wake.set()
         try:
             return super()._next_generation(number, missing, failed, cause)
         finally:
             self._planning = None
+
+    def attempt(self, number: int, body, entries: list):
+        with self._flight:
+            self._in_flight += 1
+        self._wake.set()
+        try:
+            return super().attempt(number, body, entries)
+        finally:
+            with self._flight:
+                self._in_flight -= 1
 
     def launch(self, group, j: int, arrays: list) -> int:
         kind, op, names, described = group.request
@@ -154,6 +168,7 @@ class CheckedCollectives(Collectives):
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._watchdog is not None:
             self._watchdog.join(timeout=2)
         super().close()
@@ -199,7 +214,13 @@ class CheckedCollectives(Collectives):
     # ---------------------------------------------------------- divergence
     def _watch(self) -> None:
         seen: dict = {}                      # a peer's exchange message -> when it was first seen unread
-        while not self._stop.wait(WATCH_EVERY):
+        while not self._stop.is_set():
+            self._wake.clear()
+            if not self._in_flight and self._planning is None:
+                self._wake.wait()            # nothing to judge: no Python while only native steps run
+                continue
+            if self._stop.wait(WATCH_EVERY):
+                break
             try:
                 error = self._divergence(seen)
                 stalled = None if error else self._stalled()
