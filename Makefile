@@ -144,8 +144,10 @@ horovod-reference: setup
 # takes; mismatches injected on one rank) under horovodrun --gloo and
 # rdmatensor-run, every outcome compared, both against a numpy model of
 # Horovod's semantics: 20 seeds of DIFF_CALLS calls on 2 ranks and DIFF_CALLS3 on
-# 3, over shm and tcp (about 35 minutes); then verbs in the SoftRoCE VM, replayed
-# against Horovod's recordings. Counts in docs/differential/.
+# 3, over shm and tcp (about 35 minutes); the 2-rank seeds again over shm with
+# half of the calls each in a tf.function of its own (the native all-reduce
+# there; about 30 minutes); then verbs in the SoftRoCE VM, replayed against
+# Horovod's recordings. Counts in docs/differential/.
 DIFF_CALLS ?= 500
 DIFF_CALLS3 ?= 250
 DIFF_DIR ?= test-results/differential
@@ -155,6 +157,8 @@ horovod-diff: setup horovod-reference
 	    --out $(DIFF_DIR)/2 --json docs/differential/ranks2.json
 	$(PY) -m tests.differential.compare --ranks 3 --providers shm,tcp --seeds 1-20 --calls $(DIFF_CALLS3) \
 	    --out $(DIFF_DIR)/3 --json docs/differential/ranks3.json
+	$(PY) -m tests.differential.compare --ranks 2 --providers shm --seeds 1-20 --calls $(DIFF_CALLS) --graph 0.5 \
+	    --out $(DIFF_DIR)/graph2 --json docs/differential/graph2.json
 	$(PY) -m tests.differential.compare --ranks 2 --providers "" --seeds 1-2 --calls 200 --out $(DIFF_DIR)/verbs-horovod
 	$(PY) -m rdmatensor softroce vm --timeout 1500 --share $(DIFF_DIR) --share docs/differential -- \
 	    env RDMATENSOR_TIMEOUT=60 $(PY) -m tests.differential.compare --ranks 2 --providers verbs --seeds 1-2 \
