@@ -1,10 +1,10 @@
 """A native all-reduce that fails, and what follows. Rank 0 runs a step traced
 over a native group while rank 1 makes another collective (a reducescatter, on
-the Python path): a mismatch the native op can only see as its wait timing
-out. Both ranks must raise; then a new trace, the step traced before the
-failure and an eager collective must work again on both ranks, with the
-right values. Run as every worker of a 2-rank job on one host, with a short
-RDMATENSOR_TIMEOUT; writes OUT_DIR/rank{r}.json.
+the Python path): a mismatch the native op alone could only see as its wait
+timing out; rank 1's watchdog sees rank 0 waiting in the native group. Both
+ranks must raise; then a new trace, the step traced before the failure and an
+eager collective must work again on both ranks, with the right values. Run as
+every worker of a 2-rank job on one host; writes OUT_DIR/rank{r}.json.
 
     python native_recovery_script.py OUT_DIR
 """

@@ -126,15 +126,15 @@ RECOVERY_SCRIPT = Path(__file__).parent / "native_recovery_script.py"
 def test_after_a_native_all_reduce_fails_every_rank_recovers_and_the_traced_step_runs_again(tmp_path,
                                                                                               monkeypatch):
     # Before its mender, the step's group stayed broken: every later all-reduce of the set
-    # raised AbortedError on both ranks, for the rest of the job.
-    monkeypatch.setenv("RDMATENSOR_TIMEOUT", "5")
+    # raised AbortedError on both ranks, for the rest of the job. Before rank 1's watchdog
+    # looked at the native groups, rank 0 waited for its timeout (DeadlineExceededError).
+    monkeypatch.setenv("RDMATENSOR_TIMEOUT", "12")
     run_workers(RECOVERY_SCRIPT, 2, "shm", tmp_path, timeout=240)
     x = np.arange(6, dtype=np.float32).reshape(3, 2)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert reports[0]["mismatch"] == "DeadlineExceededError", reports[0]       # its wait timed out
-    assert reports[1]["mismatch"] == "FailedPreconditionError", reports[1]     # told why by rank 0
     for rep in reports:
-        assert rep["mismatch_seconds"] < 60, rep
+        assert rep["mismatch"] == "FailedPreconditionError", rep      # a mismatch, on both: Horovod's type
+        assert rep["mismatch_seconds"] < 10, rep                       # the watchdog's 2 s, not the timeout
         for key in ("before", "retraced", "after"):
             assert np.array_equal(rep[key], 2 * x + 1), (key, rep)
         assert np.array_equal(rep["allgather"], np.concatenate([x, x + 1])), rep

@@ -493,6 +493,37 @@ def test_a_peer_abort_ends_the_wait_at_once():
                 g.close()
 
 
+def test_a_peer_ahead_is_seen_and_an_abort_as_a_mismatch_fails_its_wait_as_one():
+    """peer_ahead names a peer that began a call this rank has not (what the
+    divergence watchdog judges), and nothing once both made it; a group aborted as
+    a mismatch fails the peer's wait at once with ShmMismatch, not at its timeout."""
+    for kinds in (("c", "c"), ("py", "c"), ("c", "py")):
+        groups = _groups(kinds, [64, 64], timeout=20.0)
+        seen = []
+
+        def judge(groups=groups, seen=seen):
+            deadline = time.monotonic() + 5
+            while groups[1].peer_ahead() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            seen.append(groups[1].peer_ahead())
+            groups[1].abort("the ranks diverged", contract.MISMATCH)
+        try:
+            assert groups[0].peer_ahead() is None and groups[1].peer_ahead() is None
+            _threads(groups, lambda r, g: g.allreduce(1, np.ones(2, np.float32)))
+            assert groups[0].peer_ahead() is None and groups[1].peer_ahead() is None, kinds
+            judging = threading.Thread(target=judge)
+            judging.start()
+            started = time.monotonic()
+            with pytest.raises(contract.ShmMismatch, match="rank 1 found that the ranks called different"):
+                groups[0].allreduce(0, np.ones(2, np.float32))
+            judging.join()
+            assert seen == [(0, 0, 1)], (kinds, seen)
+            assert time.monotonic() - started < 5, kinds
+        finally:
+            for g in groups:
+                g.close()
+
+
 # ------------------------------------------------------------------ the build cache
 def _package(tmp: Path) -> Path:
     pkg = tmp / "pkg"

@@ -247,8 +247,15 @@ class CheckedCollectives(Collectives):
         - a peer's proposal for the number of a call that moves values here
           (the peer plans while this rank runs a planned set);
         - a peer's object exchange unread for the grace period while a call
-          moves values here."""
+          moves values here;
+        - a peer waiting for the grace period in a native all-reduce this rank
+          has not begun, while this rank plans or moves values (_native_ahead)."""
         session, planning, active = self.session, self._planning, dict(self._active)
+        if planning is not None or active:       # a native all-reduce's peer has no session to look at
+            ahead = self._native_ahead(seen, planning.entries if planning is not None else
+                                       next(iter(active.values()))[2])
+            if ahead is not None:
+                return ahead
         if session is None or session.closed or (planning is None and not active):
             return None
         if planning is not None and planning.generation != self.generations:
@@ -279,6 +286,27 @@ class CheckedCollectives(Collectives):
                 if time.monotonic() - first > self.grace:
                     return PlanMismatch(f"rank {src} is in the exchange {tag!r} while rank {self.rank} is in "
                                         f"{describe(next(iter(numbers.values())))}: {WHY}", peer=src)
+        return None
+
+    def _native_ahead(self, seen: dict, entries: list) -> PlanMismatch | None:
+        """A peer that has waited the grace period in a native all-reduce (a traced
+        step's, graph/native_allreduce.py) which this rank has not begun, while this
+        rank makes a call of the Python path: the ranks diverged. Its group is aborted
+        here, so that the peer's wait ends now rather than at its timeout, and both
+        ranks reset at their next call (Collectives.mend)."""
+        ahead = self.mender.ahead(self.attached) if self.mender is not None else []
+        now, current = time.monotonic(), set()
+        for group, (peer, bucket, call) in ahead:
+            key = ("native", group.name, peer, bucket, call)
+            current.add(key)
+            if now - seen.setdefault(key, now) > self.grace:
+                error = PlanMismatch(f"rank {self.ranks[peer]} has waited {self.grace:g} s in a native all-reduce "
+                                     f"(bucket {bucket} of group {group.name}, its call {call}) while rank "
+                                     f"{self.ranks[self.rank]} is in {describe(entries)}: {WHY}", peer=peer)
+                self.mender.diverged(group, str(error))
+                return error
+        for key in [k for k in seen if k[0] == "native" and k not in current]:
+            del seen[key]
         return None
 
     def _stalled(self) -> Timeout | None:

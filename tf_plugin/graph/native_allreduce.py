@@ -152,6 +152,24 @@ class Mender:
                         f"({type(contract.error_for(status, '')).__name__})")
         return None
 
+    @staticmethod
+    def ahead(attached: dict) -> list:
+        """(group, (peer, bucket, call)) for each group where a peer has begun a call
+        this rank has not (checked_collectives.py judges how long that lasts)."""
+        found = []
+        for key, group in list(attached.items()):
+            if key[0] == "native" and not isinstance(group, _Unavailable):
+                peer = group.peer_ahead()
+                if peer is not None:
+                    found.append((group, peer))
+        return found
+
+    @staticmethod
+    def diverged(group, why: str) -> None:
+        """Abort `group` as a mismatch: a peer waiting in it fails now with
+        FailedPreconditionError, as a mismatch does, not at its timeout."""
+        group.abort(why, contract.MISMATCH)
+
     def remake(self, collectives) -> None:
         """Every group of the plan closed and made again (an exchange with every
         rank, which calls this at the same point, in the same order)."""

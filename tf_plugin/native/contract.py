@@ -132,12 +132,19 @@ class ShmGroup(ABC):
         even slices, as many as a ring all-reduce sends and receives."""
 
     @abstractmethod
-    def abort(self, why: str = "aborted by the caller") -> None:
-        """Break the group: waits end, this and later all-reduces raise."""
+    def abort(self, why: str = "aborted by the caller", status: int = ABORTED) -> None:
+        """Break the group: waits end, this and later all-reduces raise. A peer
+        waiting on it fails with PEER_ABORTED, or with MISMATCH when `status` is
+        MISMATCH (this rank found that the ranks called different collectives)."""
 
     @abstractmethod
     def status(self) -> int:
         """0 while live, else the status this rank's side was aborted with (CLOSED once closed)."""
+
+    @abstractmethod
+    def peer_ahead(self) -> tuple[int, int, int] | None:
+        """(peer, bucket, the peer's call number there) for a peer that has begun a
+        call this rank has not begun, nor queued; None when there is none."""
 
     @abstractmethod
     def close(self) -> None:

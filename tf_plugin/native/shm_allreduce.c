@@ -403,6 +403,25 @@ void rdt_shm_group_abort(rdt_shm_group *g, int status, const char *why) {
 
 int rdt_shm_group_status(rdt_shm_group *g) { return atomic_load(&g->aborted); }
 
+int rdt_shm_group_peer_ahead(rdt_shm_group *g, uint32_t *bucket, uint64_t *call) {
+  pthread_mutex_lock(&g->mu);
+  int pending = g->head != NULL || g->wave != NULL;
+  pthread_mutex_unlock(&g->mu);
+  if (pending || atomic_load(&g->aborted)) return -1;
+  for (uint32_t b = 0; b < g->buckets; b++) {
+    uint64_t mine = atomic_load_explicit(in_seq(g, g->rank, b), memory_order_acquire);
+    for (int r = 0; r < g->ranks; r++) {
+      uint64_t theirs = r == g->rank ? 0 : atomic_load_explicit(in_seq(g, r, b), memory_order_acquire);
+      if (theirs > mine) {
+        *bucket = b;
+        *call = theirs;
+        return r;
+      }
+    }
+  }
+  return -1;
+}
+
 void rdt_shm_group_counters(rdt_shm_group *g, uint64_t *calls, uint64_t *bytes) {
   *calls = atomic_load(&g->done_calls);
   *bytes = atomic_load(&g->moved_bytes);
@@ -452,6 +471,13 @@ static int wait_for(rdt_shm_group *g, const request *r, int peer, _Atomic uint64
     if (v >= k) return RDT_SHM_OK;
     if (atomic_load(&g->aborted)) return aborted_status(g, r, msg);
     uint32_t peer_state = atomic_load_explicit(state_word(g, peer), memory_order_acquire);
+    if (peer_state == RDT_SHM_MISMATCH) { /* the peer saw the ranks call different collectives */
+      say(msg, RDT_SHM_MESSAGE,
+          "rdmatensor shm all-reduce of %s (bucket %u, call %llu): rank %d found that the ranks called different "
+          "collectives while rank %d waited for its %s",
+          r->label, r->bucket, (unsigned long long)k, peer, g->rank, what);
+      return RDT_SHM_MISMATCH;
+    }
     if (peer_state != 0) {
       say(msg, RDT_SHM_MESSAGE,
           "rdmatensor shm all-reduce of %s (bucket %u, call %llu): rank %d aborted its group (status %u) "

@@ -137,6 +137,12 @@ int rdt_shm_group_cancel(rdt_shm_group *g, uint64_t id, const char *why);
 /* 0 while live, else the status the group was aborted with. */
 int rdt_shm_group_status(rdt_shm_group *g);
 
+/* A peer that has begun a call of this group which this rank has not begun (nor
+ * queued): its rank, with the bucket and the peer's call number there; -1 when
+ * there is none. A caller that sees the same one for long knows the ranks called
+ * different collectives (tf_plugin/core/checked_collectives.py). */
+int rdt_shm_group_peer_ahead(rdt_shm_group *g, uint32_t *bucket, uint64_t *call);
+
 /* The calls this rank completed in the group, and the bytes they moved across its
  * boundary each way (what it sent equals what it received: 2(n-1)/n of the data
  * for even slices, as a ring all-reduce's). */

@@ -47,6 +47,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.rdt_shm_group_abort.restype = None
         lib.rdt_shm_group_status.argtypes = [_P]
         lib.rdt_shm_group_status.restype = _INT
+        lib.rdt_shm_group_peer_ahead.argtypes = [_P, ctypes.POINTER(_U32), ctypes.POINTER(_U64)]
+        lib.rdt_shm_group_peer_ahead.restype = _INT
         lib.rdt_shm_group_counters.argtypes = [_P, ctypes.POINTER(_U64), ctypes.POINTER(_U64)]
         lib.rdt_shm_group_counters.restype = None
         lib._rdt_shm_bound = True
@@ -140,14 +142,22 @@ class CGroup(ShmGroup):
                 self._calls -= 1
                 self._busy.notify_all()
 
-    def abort(self, why: str = "aborted by the caller") -> None:
+    def abort(self, why: str = "aborted by the caller", status: int = contract.ABORTED) -> None:
         with self._busy:
             if self.handle is not None:
-                self.lib.rdt_shm_group_abort(self.handle, contract.ABORTED, why.encode())
+                self.lib.rdt_shm_group_abort(self.handle, status, why.encode())
 
     def status(self) -> int:
         with self._busy:
             return self.lib.rdt_shm_group_status(self.handle) if self.handle is not None else contract.CLOSED
+
+    def peer_ahead(self) -> tuple[int, int, int] | None:
+        with self._busy:
+            if self.handle is None:
+                return None
+            bucket, call = _U32(), _U64()
+            peer = self.lib.rdt_shm_group_peer_ahead(self.handle, ctypes.byref(bucket), ctypes.byref(call))
+        return (peer, bucket.value, call.value) if peer >= 0 else None
 
     def close(self) -> None:
         with self._busy:

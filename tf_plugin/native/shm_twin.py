@@ -121,6 +121,18 @@ class TwinGroup(ShmGroup):
     def status(self) -> int:
         return self._aborted
 
+    def peer_ahead(self) -> tuple[int, int, int] | None:
+        if self._aborted or self._closed or self._lock.locked():     # aborted, or a call of mine under way
+            return None
+        for b in range(len(self.bucket_bytes)):
+            index = self.layout.in_seq(b) // 8
+            mine = int(self._words[self.rank][index])
+            for r in range(self.ranks):
+                theirs = int(self._words[r][index]) if r != self.rank else 0
+                if theirs > mine:
+                    return r, b, theirs
+        return None
+
     def close(self) -> None:
         if self._closed:
             return
@@ -193,6 +205,10 @@ class TwinGroup(ShmGroup):
             if self._aborted:
                 raise error_for(self._aborted, self._failed(b, label))
             state = int(self._states[peer][0])
+            if state == contract.MISMATCH:
+                raise contract.ShmMismatch(
+                    f"rdmatensor shm all-reduce of {label} (bucket {b}, call {k}): rank {peer} found that the ranks "
+                    f"called different collectives while rank {self.rank} waited for its {what}")
             if state:
                 raise contract.ShmPeerAborted(
                     f"rdmatensor shm all-reduce of {label} (bucket {b}, call {k}): rank {peer} aborted its group "
