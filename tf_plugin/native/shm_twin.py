@@ -122,16 +122,21 @@ class TwinGroup(ShmGroup):
         return self._aborted
 
     def peer_ahead(self) -> tuple[int, int, int] | None:
-        if self._aborted or self._closed or self._lock.locked():     # aborted, or a call of mine under way
+        if not self._lock.acquire(blocking=False):      # a call of mine under way (or a close)
             return None
-        for b in range(len(self.bucket_bytes)):
-            index = self.layout.in_seq(b) // 8
-            mine = int(self._words[self.rank][index])
-            for r in range(self.ranks):
-                theirs = int(self._words[r][index]) if r != self.rank else 0
-                if theirs > mine:
-                    return r, b, theirs
-        return None
+        try:
+            if self._aborted or self._closed:
+                return None
+            for b in range(len(self.bucket_bytes)):
+                index = self.layout.in_seq(b) // 8
+                mine = int(self._words[self.rank][index])
+                for r in range(self.ranks):
+                    theirs = int(self._words[r][index]) if r != self.rank else 0
+                    if theirs > mine:
+                        return r, b, theirs
+            return None
+        finally:
+            self._lock.release()
 
     def close(self) -> None:
         if self._closed:
