@@ -62,6 +62,9 @@ def lay_out(ts: TensorSet, room: list[int], hosts: list[str], n: int) -> None:
     """The TensorSpecs of a new set among n ranks on `hosts` (and, for an allreduce,
     its ring's analysis); `room`: per tensor of a gathered set, the most bytes
     any rank proposed."""
+    if ts.kind == "native":     # a native all-reduce's set (graph/native_allreduce.py): its group moves it
+        ts.specs = []
+        return
     prefix = f"s{ts.index}"
     shapes = [tuple(e["shape"]) for e in ts.entries]
     dtypes = [np.dtype(e["dtype"]) for e in ts.entries]

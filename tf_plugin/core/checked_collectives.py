@@ -221,6 +221,8 @@ class CheckedCollectives(Collectives):
                 continue
             if self._stop.wait(WATCH_EVERY):
                 break
+            if not self._in_flight and self._planning is None:     # the call ended meanwhile
+                continue
             try:
                 error = self._divergence(seen)
                 stalled = None if error else self._stalled()

@@ -107,9 +107,10 @@ def describe(entries: list[dict]) -> str:
     if not entries:
         return "an empty collective"
     kind, _, arg = entries[0]["op"].partition(":")
-    if kind == "allreduce":
+    if kind in ("allreduce", "native"):
         reduction = Reduction.of(arg)
-        op = f"{'reducescatter' if reduction.scatter else 'allreduce'} ({reduction.words()})"
+        op = f"{'reducescatter' if reduction.scatter else 'allreduce'} ({reduction.words()})" + \
+            (" on the native ops" if kind == "native" else "")
     else:
         op = {"broadcast": f"broadcast from rank {arg}"}.get(kind, kind)
     shown = ", ".join(f"{e['name']!r} {e['dtype']} {list(e['shape'])}" for e in entries[:3])

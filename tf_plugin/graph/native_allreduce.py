@@ -43,6 +43,7 @@ import numpy as np
 import tensorflow as tf
 
 from ..core import scaling
+from ..core.tensor_sets import entries_of
 from ..native import build, contract, ops
 from . import overlap, tf_errors
 
@@ -97,10 +98,13 @@ def group_for(collectives, buckets, layouts, tensors, failure=None):
         if made is None:
             sizes = [sum(shape.num_elements() for _, _, shape in layout) * tensors[layout[0][0]].dtype.size
                      for layout in layouts]
-            # this rank's call, numbered as the Python path numbers its own: where a rank makes another
-            # collective here, both fail (a mismatch) and every rank's next call still has one number
-            collectives.begin()
+            # A call of the plan's, its set agreed as any new set is (no slots of its own): a rank that
+            # makes another collective here fails with this one as a mismatch, a rank that resets takes
+            # this one into its reset, and every rank's next call still has one number.
+            request = ("native", *buckets.request[1:])
+            number = collectives.begin()
             with tf_errors.as_horovod_errors():
+                collectives.attempt(number, lambda: collectives.ensure([request], number), entries_of(*request))
                 group, why = ops.local_group(collectives.bootstrap.allgather, collectives.rank, collectives.size,
                                              sizes, collectives.timeout, agreed=repr(buckets.key))
             if why == ops.SETS_DIFFER:      # a mismatch: the Python path raises it, and nothing is kept
