@@ -42,12 +42,9 @@ def test_a_waiting_receiver_is_woken_by_its_completion_and_leaves_the_queue_arme
             return None
         ch = s._ctx.channels[0]
         before = ch.ep.wakeups
-        waits = []                                # how long each recv waited
         for k in range(2):
             s.send("go", go)
-            t0 = time.monotonic()
             with s.recv("x") as v:
-                waits.append(time.monotonic() - t0)
                 assert v[0] == k + 1 and v[-1] == k + 1
         woken = ch.ep.wakeups["slept"] - before["slept"]
         # Nothing else may take events now: whoever took the last one must have armed the CQ again.
@@ -56,17 +53,11 @@ def test_a_waiting_receiver_is_woken_by_its_completion_and_leaves_the_queue_arme
             armed = ch.ep.wait_event(20.0)
         with s.recv("x") as v:
             assert v[0] == 3
-        return woken, armed, waits
+        return woken, armed
 
     results = check(run_ranks(2, PLAN, "verbs", body))
-    woken, armed, waits = results[1]
-    # A wait longer than the spin slept. One that began after the write had landed (a
-    # receiver held off the CPU for the sender's 0.1 s, as on a loaded host: seen once, in
-    # a run beside other jobs) finds it while spinning, and has nothing to be woken by.
-    slept = sum(w > 0.02 for w in waits)
-    assert slept >= 1, f"no wait of the receiver outlasted its spin: {waits}"
-    assert woken == slept, f"{woken} of the receiver's {slept} waits that slept ({waits}) ended asleep on the " \
-        "completion channel"
+    woken, armed = results[1]
+    assert woken == 2, f"{woken} of the receiver's 2 waits ended asleep on the completion channel"
     assert armed, "no event came for a completion after a waiter slept on the channel: it left the CQ unarmed"
 
 
