@@ -7,10 +7,6 @@
 2. rdma:  the tests marked `rdma`, natively where this host has an ACTIVE
           RDMA port, else inside a SoftRoCE VM (`rdmatensor softroce vm`).
 
-In a VM, the rdma suite runs beside the host suite (the VM emulates its CPUs
-while the host tests mostly wait on their jobs' processes): its output is
-kept in test-results/rdma.log and printed after the host suite's.
-
 Arguments after `--` go to every pytest run (e.g. `-- -k write -x`).
 Ends with one line: `total: N passed, N failed, N skipped`.
 """
@@ -54,7 +50,6 @@ def main() -> int:
     if args.only in (None, "host"):
         suites.append(("host", [py, "-m", "pytest", "-m", "not rdma", "-rs",
                                 f"--junitxml={results}/host.xml", *extra], "natively"))
-    found = None
     if args.only in (None, "rdma"):
         pytest_rdma = [py, "-m", "pytest", "-m", "rdma", "-rs", f"--junitxml={results}/rdma.xml", *extra]
         found = active_port()
@@ -73,14 +68,6 @@ def main() -> int:
     ok = True
     summary = []
     started = time.monotonic()
-    beside = None             # the rdma suite in its VM, started first, beside the host suite
-    if len(suites) == 2 and not found:
-        name, cmd, where = suites.pop()
-        (results / f"{name}.xml").unlink(missing_ok=True)
-        log = open(results / f"{name}.log", "w")      # noqa: SIM115 - read back once the suite ends
-        print(f"\n=== {name} tests, {where}, beside the host tests (output after theirs)", flush=True)
-        beside = (name, subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), log,
-                  time.monotonic())
     for name, cmd, where in suites:
         junit = results / f"{name}.xml"
         junit.unlink(missing_ok=True)
@@ -96,19 +83,6 @@ def main() -> int:
             if c["tests"] == 0:
                 print(f"=== {name}: no test ran (exit status {rc})", flush=True)
         summary.append((name, passed, failed, c["skipped"], seconds, rc))
-    if beside is not None:
-        name, proc, log, t0 = beside
-        rc = proc.wait()
-        log.close()
-        print(f"\n=== {name} tests (ran beside the host tests)", flush=True)
-        print((results / f"{name}.log").read_text(errors="replace"), flush=True)
-        c = counts(results / f"{name}.xml")
-        failed = c["failures"] + c["errors"]
-        if rc != 0 or c["tests"] == 0:
-            ok = False
-            if c["tests"] == 0:
-                print(f"=== {name}: no test ran (exit status {rc})", flush=True)
-        summary.append((name, c["tests"] - failed - c["skipped"], failed, c["skipped"], time.monotonic() - t0, rc))
 
     print("\n=== summary")
     for name, passed, failed, skipped, seconds, rc in summary:
