@@ -88,8 +88,9 @@ def group_for(collectives, buckets, layouts, tensors, failure=None):
     JobFailure) aborts it when the job loses a rank. When it cannot be made (on every rank
     alike): BuildError with RDMATENSOR_TF_OPS=native set explicitly, else one line
     on stderr and None (the Python path), for this set's every later graph too.
-    Where the ranks' sets differ (a mismatch): None, and nothing kept, so that
-    the Python path raises the mismatch as it does eagerly."""
+    Where the ranks' sets differ, or a rank makes another collective here, the
+    plan's exchange raises the mismatch (FailedPreconditionError) on every rank,
+    now, at trace time, and nothing is kept."""
     key = ("native", buckets.key)
     with collectives._lock:          # the bootstrap channel: one exchange at a time  # noqa: SLF001
         with tf_errors.as_horovod_errors():
