@@ -234,6 +234,11 @@ class Collectives:
             peers = {r: f"{self.hosts[r]}:{g['port']}" for r, g in enumerate(got)}
         finally:
             reservation.close()            # the new session's control server binds it now
+        if reset is None and new and not any(ts.specs for _, ts in new):
+            for key, ts in new:            # sets with no slots (a native all-reduce's): agreed, no new session
+                self._sets[key] = ts
+                self._order.append(ts)
+            return None
         if reset is None:
             self.comm.drain()              # no ring still runs on the session being replaced
         session = connect(self.rank, peers, plan, provider=self.provider, token=self.token, timeout=self.timeout,
@@ -478,7 +483,8 @@ class Collectives:
             totals["bytes_sent"] += moved
             totals["bytes_received"] += moved
             return dict(totals, provider=current.get("provider"), generations=self.generations,
-                        extensions=max(0, self.generations - 1), tensor_sets=len(self._order),
+                        extensions=max(0, self.generations - 1),
+                        tensor_sets=sum(ts.kind != "native" for ts in self._order),
                         tensors=len(self.session.plan) if self.session else 0,
                         plugin_copies=self.meter.copies, comm_seconds=self.meter.comm_seconds,
                         ring_seconds=self.meter.ring_seconds, overlapped_seconds=self.meter.overlapped_seconds,
