@@ -92,6 +92,10 @@ def test_readme_launch_commands_run_as_typed():
                 venv = os.path.realpath(ROOT / ".venv")
                 assert {os.path.realpath(p) for _, _, p in ran} == {venv}, \
                     f"ranks ran under {sorted({p for _, _, p in ran})}, not the virtualenv {venv}"
+                # the op library `make setup` built beside the package serves this user too: no
+                # compiler ran into their own cache (it once did: a minute of g++ before the first step)
+                cache = Path(home) / ".cache" / "rdmatensor"
+                assert not cache.exists(), f"a library was built into {cache}: {sorted(os.listdir(cache))}"
         finally:
             train.unlink(missing_ok=True)
             for parent, mode in restore:

@@ -11,9 +11,10 @@ Two libraries, from the sources beside this file:
 
 The cache key is the TensorFlow version, the sha256 of the sources, the
 compilers and the flags; the file names carry it, so a change of any of them
-builds a new library beside the old one. The cache directory is `build/`
-beside this package when writable, else $XDG_CACHE_HOME/rdmatensor (default
-~/.cache/rdmatensor). Ranks starting together build once: a file lock
+builds a new library beside the old one. A library already built is taken from
+`build/` beside this package, else from $XDG_CACHE_HOME/rdmatensor (default
+~/.cache/rdmatensor), readable is enough; a build goes into the first of them
+that is writable. Ranks starting together build once: a file lock
 (fcntl.flock) per key, the compiler writing into a temporary file that
 os.replace puts in place. The op library records tf.__version__ (compiled in,
 and in the JSON beside it), and ops.py refuses one built for another.
@@ -153,24 +154,32 @@ def _compile(step: dict, package_dir: Path, out: Path, scratch: Path) -> None:
               "-o", str(out), *step["link_flags"], "-lpthread"], scratch)
 
 
+def _ready(where: Path, step: dict) -> bool:
+    """The library of `step` is in `where`, whole (its record is written last)."""
+    try:
+        meta = where / (step["name"][:-3] + ".json")
+        return (where / step["name"]).exists() and json.loads(meta.read_text()).get("key") == step["key"]
+    except (OSError, ValueError):
+        return False
+
+
 def build(kind: str = "ops", package_dir: Path = HERE, directory: Path | None = None) -> Built:
-    """The library of `kind`, from the cache or built now (once across processes)."""
+    """The library of `kind`, from the cache or built now (once across processes). Without
+    `directory`, a library already built in any cache is used, even one this user cannot
+    write (`make setup` built it beside the package as root): only a build needs a writable one."""
     step = plan(kind, package_dir)
+    if directory is None:
+        for candidate in cache_candidates(package_dir):
+            if _ready(candidate, step):
+                return Built(candidate / step["name"], True, 0.0, step["key"], step["tensorflow"])
     where = Path(directory) if directory is not None else cache_dir(package_dir)
     where.mkdir(parents=True, exist_ok=True)
     path, meta = where / step["name"], where / (step["name"][:-3] + ".json")
-
-    def ready() -> bool:
-        try:
-            return path.exists() and json.loads(meta.read_text()).get("key") == step["key"]
-        except (OSError, ValueError):
-            return False
-
-    if ready():
+    if _ready(where, step):
         return Built(path, True, 0.0, step["key"], step["tensorflow"])
     with open(where / f".lock-{step['key'][:16]}", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)          # another process may be building it: wait for it
-        if ready():
+        if _ready(where, step):
             return Built(path, True, 0.0, step["key"], step["tensorflow"])
         started = time.monotonic()
         with tempfile.TemporaryDirectory(dir=where, prefix=".build-") as scratch:
