@@ -47,17 +47,19 @@ def test_a_waiting_receiver_is_woken_by_its_completion_and_leaves_the_queue_arme
             with s.recv("x") as v:
                 assert v[0] == k + 1 and v[-1] == k + 1
         woken = ch.ep.wakeups["slept"] - before["slept"]
+        handed = ch.ep.wakeups["handed_over"] - before["handed_over"]
         # Nothing else may take events now: whoever took the last one must have armed the CQ again.
         with ch._event_lock:
             s.send("go", go)
             armed = ch.ep.wait_event(20.0)
         with s.recv("x") as v:
             assert v[0] == 3
-        return woken, armed
+        return woken, handed, armed
 
     results = check(run_ranks(2, PLAN, "verbs", body))
-    woken, armed = results[1]
-    assert woken == 2, f"{woken} of the receiver's 2 waits ended asleep on the completion channel"
+    woken, handed, armed = results[1]
+    assert woken == 2, (f"{woken} of the receiver's 2 waits ended asleep on the completion channel; "
+                        f"{handed} left to a thread holding its poll or event lock")
     assert armed, "no event came for a completion after a waiter slept on the channel: it left the CQ unarmed"
 
 

@@ -53,7 +53,6 @@
 #define MAX_REGION (4ULL << 30)
 #define INLINE_WANTED 64                   /* small writes go inline when the device allows */
 #define SLEEP_LOOK 0.01                     /* a sleeping waiter looks at its flag this often */
-#define HAND_OVER 0.1                      /* ...after waiting this long at most for wait_event() to end */
 #define SCRATCH_BYTES 64                   /* receives need an SGE; immediates never fill it */
 #define IMM_CREDIT 1u                      /* providers/contract.py's immediates: kind (2 bits), tag, index */
 #define IMM_PAIR 2u
@@ -151,6 +150,7 @@ typedef struct {
     int deferring;                         /* owe() takes immediates only while this is set */
     PyObject *on_owed;                     /* called once (then cleared) when owe() next takes one */
     uint64_t woken_waiting, woken_waiter;  /* CQ events taken by wait_event(); waits ended asleep on the channel */
+    uint64_t handed_over;                  /* waits left to another thread: it held the poll or the event lock */
     int halted;                            /* prepared writes post nothing while this is set */
     struct ibv_recv_wr recv_wrs[RECV_BATCH];
     struct ibv_sge recv_sges[RECV_BATCH];
@@ -1168,13 +1168,16 @@ static int sleep_for_flag(Waiter *self, PyObject *flag, double budget, unsigned 
     int set = got ? PyObject_IsTrue(got) : -1;
     Py_XDECREF(got);
     if (set == 0) {                        /* the background thread sleeps on the channel: end its wait */
-        uint64_t one = 1;
+        uint64_t one = 1;                  /* (one wait_event() at most: however starved of CPU it is,
+                                            * it lets go before the budget, and this wait ends asleep) */
         if (write(ep->nudge_fd, &one, sizeof one) < 0) { /* full: it is being woken anyway */ }
-        got = PyObject_CallFunction(self->event_acquire, "id", 1, budget < HAND_OVER ? budget : HAND_OVER);
+        got = PyObject_CallFunction(self->event_acquire, "id", 1, budget);
         set = got ? PyObject_IsTrue(got) : -1;
         Py_XDECREF(got);
     }
-    if (set <= 0)                          /* still held: the background thread hands the value over */
+    if (set == 0)                          /* still held: the holder hands the value over */
+        ep->handed_over++;
+    if (set <= 0)
         return set;
     set = 0;
     double deadline = now() + budget;
@@ -1287,10 +1290,15 @@ static PyObject *waiter_vectorcall(Waiter *self, PyObject *const *args, size_t n
         if (!first || first == POST_FAILED)
             Py_RETURN_NONE;
     }
-    PyObject *got = PyObject_CallOneArg(self->acquire, Py_False);
+    /* Another thread reaping holds the poll lock for one poll: wait the spin for it, as the spin
+     * would have. One that keeps it longer (a waiter asleep) hands the value over. */
+    PyObject *got = spin > 0 ? PyObject_CallFunction(self->acquire, "id", 1, spin)
+                             : PyObject_CallOneArg(self->acquire, Py_False);
     int locked = got ? PyObject_IsTrue(got) : -1;
     Py_XDECREF(got);
-    if (locked <= 0)                       /* another thread reaps */
+    if (locked == 0 && !once)
+        ep->handed_over++;
+    if (locked <= 0)
         return locked < 0 ? NULL : Py_NewRef(Py_None);
     PyObject *result = NULL, *failure = NULL;
     unsigned long long last = 0;
@@ -1539,8 +1547,9 @@ static int ep_set_on_owed(Endpoint *s, PyObject *v, void *c)
 }
 static PyObject *ep_get_wakeups(Endpoint *s, void *c)
 {
-    return Py_BuildValue("{sKsK}", "wait_event", (unsigned long long)s->woken_waiting,
-                         "slept", (unsigned long long)s->woken_waiter);
+    return Py_BuildValue("{sKsKsK}", "wait_event", (unsigned long long)s->woken_waiting,
+                         "slept", (unsigned long long)s->woken_waiter,
+                         "handed_over", (unsigned long long)s->handed_over);
 }
 static PyObject *ep_get_halted(Endpoint *s, void *c) { return PyBool_FromLong(s->halted); }
 static int ep_set_halted(Endpoint *s, PyObject *v, void *c)
@@ -1570,7 +1579,8 @@ static PyGetSetDef ep_getset[] = {
     {"deferring", (getter)ep_get_deferring, (setter)ep_set_deferring,
      "while set, owe() takes immediates; clear it, then post_owed(), and none stays owed", NULL},
     {"wakeups", (getter)ep_get_wakeups, NULL,
-     "{'wait_event': CQ events taken by wait_event(), 'slept': waits that ended asleep on the channel}", NULL},
+     "{'wait_event': CQ events taken by wait_event(), 'slept': waits that ended asleep on the channel, "
+     "'handed_over': waits left to the thread that held the poll or the event lock}", NULL},
     {"on_owed", (getter)ep_get_on_owed, (setter)ep_set_on_owed,
      "None, or called once (then None again) when owe() next takes an immediate", NULL},
     {"halted", (getter)ep_get_halted, (setter)ep_set_halted,

@@ -241,7 +241,7 @@ class RcEndpoint(EndpointHelpers):
     @property
     def wakeups(self) -> dict:
         """CQ events taken by wait_event() (no waiter sleeps on the channel here)."""
-        return {"wait_event": self._woken, "slept": 0}
+        return {"wait_event": self._woken, "slept": 0, "handed_over": 0}
 
     @property
     def owed(self) -> int:

@@ -27,7 +27,9 @@ The contract (both):
     reap(on_imm, spin=0.0) -> (found, last send done, None or (wr_id, status, is_receive))
                                                  (poll(), receives given back, immediates to on_imm)
     wait_event(timeout) -> bool                  status_name(status) -> str
-    wakeups -> {'wait_event': n, 'slept': n}     (events taken by wait_event(), waits ended asleep)
+    wakeups -> {'wait_event': n, 'slept': n, 'handed_over': n}
+                                                 (events taken by wait_event(), waits ended asleep,
+                                                  waits left to the thread holding a lock)
     arrivals -> n                                (receives completed well: each one the peer posted)
     on_owed: None, or called once when owe() next takes an immediate
     waiter(channel, on_imm, poll_lock, spin, event_lock=None, sleep=0) -> w(flag, limit=None) -> True or None,
