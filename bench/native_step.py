@@ -142,7 +142,7 @@ def rank_main(rank: int, sock_fd: int, sizes: list[int], paths: list[str], round
             fn.get_concrete_function()
         finally:
             if before is None:
-                del os.environ["RDMATENSOR_TF_OPS"]
+                os.environ.pop("RDMATENSOR_TF_OPS", None)      # the native/twin paths set nothing
             else:
                 os.environ["RDMATENSOR_TF_OPS"] = before
         return fn

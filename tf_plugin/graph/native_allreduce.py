@@ -7,8 +7,8 @@ RdtShmAllreduceLaunchFused as soon as they exist (the launches chained in
 bucket order, the first after the previous collective of the graph:
 overlap.in_program_order); after the last launch, an asynchronous
 RdtShmAllreduceDoneFused per bucket (holding no inter-op thread while it
-waits), which copies the result out into the members' shapes: two ops per
-bucket, none per member. The op and the postscale are the
+waits), whose flat result one split and a reshape per member give back in the
+members' shapes (ops.complete_fused). The op and the postscale are the
 executor's (an average divides by the number of ranks there, as the ring
 does); no Python runs in the step.
 

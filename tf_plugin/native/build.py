@@ -139,7 +139,9 @@ def _run(cmd: list[str], cwd: Path) -> None:
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
     if proc.returncode != 0:
         said = (proc.stderr or proc.stdout).strip().splitlines()
-        errors = [line for line in said if "error" in line] or said or ["no output"]
+        # the compiler's first diagnostic ("file:line:col: error: ..."), not an include line naming errors.h
+        errors = ([line for line in said if " error: " in line or line.startswith("error")]
+                  or [line for line in said if "error" in line] or said or ["no output"])
         raise BuildError(f"{Path(cmd[0]).name} failed: {errors[0][:300]}")
 
 

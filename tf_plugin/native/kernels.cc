@@ -13,9 +13,12 @@
 //       launches at once: one hand-over back to TensorFlow for all of them;
 //   RdtShmAllreduceLaunchFused(tensors) -> handle   a fusion bucket: its tensors
 //       (one dtype) copied back to back into one request, one launch;
-//   RdtShmAllreduceDoneFused(handle, tensors) -> reduced   its completion, the
-//       result copied out into a tensor per member (their shapes are the
-//       inputs'): no TensorFlow op per member on either side.
+//   RdtShmAllreduceDoneFused(handle, tensors) -> reduced   its completion: the
+//       result as one flat tensor, the members' elements back to back (the
+//       members are inputs for their sizes and the gradient). One output: an
+//       asynchronous kernel's outputs are each handed to TensorFlow's thread pool
+//       as a task of its own when it completes, so one output per member cost
+//       more than the members' split and reshapes in the graph after it.
 //
 // Both are stateful: never folded, and chained in program order inside a
 // tf.function, so the Python side emits every launch before any completion.
@@ -126,7 +129,7 @@ REGISTER_OP("RdtShmAllreduceLaunchFused")
 REGISTER_OP("RdtShmAllreduceDoneFused")
     .Input("handle: int64")
     .Input("tensors: N * T")
-    .Output("reduced: N * T")
+    .Output("reduced: T")
     .Attr("T: {float, double, int32, int64, half}")
     .Attr("N: int >= 1")
     .Attr("group: string")
@@ -135,7 +138,12 @@ REGISTER_OP("RdtShmAllreduceDoneFused")
     .Attr("label: string = ''")
     .SetIsStateful()
     .SetShapeFn([](shape_inference::InferenceContext* c) {
-      for (int i = 0; i < c->num_outputs(); i++) c->set_output(i, c->input(1 + i));
+      int64_t total = 0;
+      for (int i = 1; i < c->num_inputs() && total >= 0; i++) {
+        shape_inference::DimensionHandle n = c->NumElements(c->input(i));
+        total = c->ValueKnown(n) ? total + c->Value(n) : -1;
+      }
+      c->set_output(0, c->Vector(total >= 0 ? c->MakeDim(total) : c->UnknownDim()));
       return absl::OkStatus();
     });
 
@@ -177,7 +185,6 @@ struct Pending {
   AsyncOpKernel::DoneCallback done;
   CancellationManager* cm = nullptr;
   CancellationToken token = CancellationManager::kInvalidToken;
-  bool split = false;              // RdtShmAllreduceDoneFused: the output goes out as its inputs' parts
   std::shared_ptr<Pending> self;   // held from submit to the executor's callback
   std::shared_ptr<Joint> joint;    // a RdtShmAllreduceDoneMany waiting for this one among others
 };
@@ -238,20 +245,7 @@ void Finish(Pending* p) {
     p->cm->DeregisterCallback(p->token);  // waits for a cancellation callback running now: it reads p
   }
   OpKernelContext* ctx = p->ctx;
-  if (p->status == RDT_SHM_OK && p->split) {
-    const char* from = p->output.tensor_data().data();
-    for (int i = 0; i + 1 < ctx->num_inputs(); i++) {
-      Tensor* part = nullptr;
-      absl::Status s = ctx->allocate_output(i, ctx->input(1 + i).shape(), &part);
-      if (!s.ok()) {
-        ctx->SetStatus(s);
-        break;
-      }
-      const size_t n = part->tensor_data().size();
-      if (n > 0) std::memcpy(const_cast<char*>(part->tensor_data().data()), from, n);
-      from += n;
-    }
-  } else if (p->status == RDT_SHM_OK) {
+  if (p->status == RDT_SHM_OK) {
     ctx->set_output(0, p->output);
   } else {
     ctx->SetStatus(StatusOf(p->status, p->message));
@@ -535,11 +529,11 @@ class LaunchManyOp : public OpKernel {
   float scale_ = 1.0f;
 };
 
-// RdtShmAllreduceDone, and RdtShmAllreduceDoneFused (`split`: the result goes
-// out as one tensor per member, shaped as the inputs after the handle).
+// RdtShmAllreduceDone, and RdtShmAllreduceDoneFused (`fused`: the members after the
+// handle hold as many elements as the launch).
 class DoneOp : public AsyncOpKernel {
  public:
-  explicit DoneOp(OpKernelConstruction* c, bool split = false) : AsyncOpKernel(c), a_(c), split_(split) {}
+  explicit DoneOp(OpKernelConstruction* c, bool fused = false) : AsyncOpKernel(c), a_(c), fused_(fused) {}
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     const Tensor& h = ctx->input(0);
@@ -551,7 +545,7 @@ class DoneOp : public AsyncOpKernel {
                       errors::InvalidArgument("all-reduce of ", a_.label, ": handle ", handle,
                                               " is unknown (completed already, or never launched)"),
                       done);
-    if (split_) {
+    if (fused_) {
       int64_t total = 0;
       for (int i = 1; i < ctx->num_inputs(); i++) total += ctx->input(i).NumElements();
       OP_REQUIRES_ASYNC(ctx, total == p->output.NumElements() && ctx->input(1).dtype() == p->output.dtype(),
@@ -560,7 +554,6 @@ class DoneOp : public AsyncOpKernel {
                         done);
     }
     std::unique_lock<std::mutex> l(p->mu);
-    p->split = split_;
     if (p->finished) {             // the usual case once the executor is ahead: no wait, no cancellation
       l.unlock();
       p->ctx = ctx;
@@ -588,7 +581,7 @@ class DoneOp : public AsyncOpKernel {
 
  private:
   Attrs a_;
-  bool split_;
+  bool fused_;
 };
 
 class DoneFusedOp : public DoneOp {

@@ -17,8 +17,10 @@ RdtShmAllreduceLaunchMany and RdtShmAllreduceDoneMany, two ops however many
 tensors (together=False: a launch and a completion per tensor). allreduce_fused
 is RdtShmAllreduceLaunchFused and RdtShmAllreduceDoneFused: the tensors (one
 dtype) copied back to back into one request of one bucket by the launch kernel,
-and the result copied out into one tensor per member by the completion kernel,
-so a fusion bucket costs two ops however many members. Errors are
+and the result handed back as one flat tensor by the completion kernel, then
+split into the members' shapes in the graph (one split and a reshape per
+member, run inline by TensorFlow's executor: an asynchronous kernel's outputs
+each become a task of the thread pool, which cost more). Errors are
 TensorFlow's types: DeadlineExceeded (a peer did not arrive in time; the message
 names it), Aborted (the group was aborted, or broken by an
 earlier failure), Unavailable (a peer aborted), Cancelled (the step was
@@ -345,15 +347,19 @@ def launch_fused(tensors, group, bucket: int, op: str = "sum", scale: float = 1.
 def complete_fused(launched: Launched) -> list:
     """The results of launch_fused, one per member, shaped as the member."""
     if launched.native is not None:
-        return launched.native.module.rdt_shm_allreduce_done_fused(launched.handle, list(launched.members),
+        flat = launched.native.module.rdt_shm_allreduce_done_fused(launched.handle, list(launched.members),
                                                                    **_attrs(launched))
-    reduced, out, offset = complete(launched), [], 0
-    for t in launched.members:
-        n = t.shape.num_elements()
-        out.append(tf.reshape(reduced if len(launched.members) == 1 else tf.slice(reduced, [offset], [n]),
-                              t.shape))
-        offset += n
-    return out
+    else:
+        flat = complete(launched)
+    return _members(flat, launched.members)
+
+
+def _members(flat: tf.Tensor, members) -> list:
+    """`flat` (the members' elements back to back) as one tensor per member, shaped as it."""
+    if len(members) == 1:
+        return [tf.reshape(flat, members[0].shape)]
+    parts = tf.split(flat, [t.shape.num_elements() for t in members])
+    return [tf.reshape(part, t.shape) for part, t in zip(parts, members, strict=True)]
 
 
 def in_xla() -> bool:
@@ -461,9 +467,10 @@ def _for_gradient(op) -> tuple[NativeLibrary, dict]:
 def _done_fused_gradient(op, *grads):
     """The members' gradients: the same fused all-reduce of their upstream gradients."""
     lib, attrs = _for_gradient(op)
-    grads = [tf.zeros_like(op.inputs[1 + i]) if g is None else tf.convert_to_tensor(g) for i, g in enumerate(grads)]
-    handle = lib.module.rdt_shm_allreduce_launch_fused(grads, **attrs)
-    return [None] + list(lib.module.rdt_shm_allreduce_done_fused(handle, grads, **attrs))
+    (grad,) = grads
+    grad = tf.zeros_like(op.outputs[0]) if grad is None else tf.convert_to_tensor(grad)
+    handle = lib.module.rdt_shm_allreduce_launch_fused([grad], **attrs)
+    return [None, *_members(lib.module.rdt_shm_allreduce_done_fused(handle, [grad], **attrs), op.inputs[1:])]
 
 
 @tf.RegisterGradient("RdtShmAllreduceXla")
