@@ -171,8 +171,14 @@ def initramfs_for(kernel: Kernel) -> Path:
                               input="\n".join(files).encode(), capture_output=True)
         if cpio.returncode != 0:
             raise SoftRoceError(f"cpio failed building the initramfs: {cpio.stderr.decode().strip()}")
-        partial = target.with_suffix(".partial")
-        with gzip.open(partial, "wb", compresslevel=6) as f:
-            f.write(cpio.stdout)
-        os.replace(partial, target)
+        # a partial file of its own: two runs starting at once (the test suites do) each build one
+        fd, partial = tempfile.mkstemp(prefix=target.name + ".", suffix=".partial", dir=target.parent)
+        try:
+            with os.fdopen(fd, "wb") as raw, gzip.open(raw, "wb", compresslevel=6) as f:
+                f.write(cpio.stdout)
+            os.chmod(partial, 0o644)
+            os.replace(partial, target)
+        except BaseException:
+            os.unlink(partial)
+            raise
     return target
