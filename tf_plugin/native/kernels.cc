@@ -19,6 +19,12 @@
 //       asynchronous kernel's outputs are each handed to TensorFlow's thread pool
 //       as a task of its own when it completes, so one output per member cost
 //       more than the members' split and reshapes in the graph after it.
+//   RdtMembers(flat) -> members   the flat result as one tensor per member,
+//       shaped as it: a synchronous op with one output per member (TensorFlow
+//       runs their consumers inline, unlike an asynchronous op's). A member that
+//       starts on an aligned address is a view of the flat buffer, no copy (a
+//       fused launch places its members back to back, so members whose sizes
+//       are multiples of 64 bytes are all views); the others are copied out.
 //
 // Both are stateful: never folded, and chained in program order inside a
 // tf.function, so the Python side emits every launch before any completion.
@@ -144,6 +150,26 @@ REGISTER_OP("RdtShmAllreduceDoneFused")
         total = c->ValueKnown(n) ? total + c->Value(n) : -1;
       }
       c->set_output(0, c->Vector(total >= 0 ? c->MakeDim(total) : c->UnknownDim()));
+      return absl::OkStatus();
+    });
+
+REGISTER_OP("RdtMembers")
+    .Input("flat: T")
+    .Output("members: N * T")
+    .Attr("T: {float, double, int32, int64, half}")
+    .Attr("N: int >= 1")
+    .Attr("shapes: list(shape)")
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      std::vector<PartialTensorShape> shapes;
+      TF_RETURN_IF_ERROR(c->GetAttr("shapes", &shapes));
+      if (static_cast<int>(shapes.size()) != c->num_outputs())
+        return errors::InvalidArgument("RdtMembers: ", shapes.size(), " shapes for ", c->num_outputs(),
+                                       " members");
+      for (int i = 0; i < c->num_outputs(); i++) {
+        shape_inference::ShapeHandle out;
+        TF_RETURN_IF_ERROR(c->MakeShapeFromPartialTensorShape(shapes[i], &out));
+        c->set_output(i, out);
+      }
       return absl::OkStatus();
     });
 
@@ -673,12 +699,56 @@ rdt_shm_group* rdt::AcquireGroup(const std::string& name) {
   return ref->g;
 }
 
+// RdtMembers: the members' views of (or copies out of) the flat result.
+class MembersOp : public OpKernel {
+ public:
+  explicit MembersOp(OpKernelConstruction* c) : OpKernel(c) {
+    std::vector<PartialTensorShape> shapes;
+    OP_REQUIRES_OK(c, c->GetAttr("shapes", &shapes));
+    for (const PartialTensorShape& s : shapes) {
+      TensorShape full;
+      OP_REQUIRES(c, s.AsTensorShape(&full),
+                  errors::InvalidArgument("RdtMembers: member shape ", s.DebugString(), " is not fully defined"));
+      shapes_.push_back(full);
+      total_ += full.num_elements();
+    }
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& flat = ctx->input(0);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(flat.shape()) && flat.NumElements() == total_,
+                errors::InvalidArgument("RdtMembers: the members hold ", total_, " elements, the flat result ",
+                                        flat.shape().DebugString()));
+    const size_t item = DataTypeSize(flat.dtype());
+    int64_t start = 0;
+    for (size_t i = 0; i < shapes_.size(); i++) {
+      const int64_t n = shapes_[i].num_elements();
+      Tensor view;
+      // a view shares the flat buffer (TensorFlow never writes into a shared one in place)
+      if (n > 0 && view.CopyFrom(flat.Slice(start, start + n), shapes_[i]) && view.IsAligned()) {
+        ctx->set_output(i, view);
+      } else {
+        Tensor* out = nullptr;
+        OP_REQUIRES_OK(ctx, ctx->allocate_output(i, shapes_[i], &out));
+        if (n > 0) std::memcpy(const_cast<char*>(out->tensor_data().data()),
+                               flat.tensor_data().data() + start * item, n * item);
+      }
+      start += n;
+    }
+  }
+
+ private:
+  std::vector<TensorShape> shapes_;
+  int64_t total_ = 0;
+};
+
 REGISTER_KERNEL_BUILDER(Name("RdtShmAllreduceLaunch").Device(DEVICE_CPU), LaunchOp);
 REGISTER_KERNEL_BUILDER(Name("RdtShmAllreduceLaunchMany").Device(DEVICE_CPU), LaunchManyOp);
 REGISTER_KERNEL_BUILDER(Name("RdtShmAllreduceDone").Device(DEVICE_CPU), DoneOp);
 REGISTER_KERNEL_BUILDER(Name("RdtShmAllreduceDoneMany").Device(DEVICE_CPU), DoneManyOp);
 REGISTER_KERNEL_BUILDER(Name("RdtShmAllreduceLaunchFused").Device(DEVICE_CPU), LaunchFusedOp);
 REGISTER_KERNEL_BUILDER(Name("RdtShmAllreduceDoneFused").Device(DEVICE_CPU), DoneFusedOp);
+REGISTER_KERNEL_BUILDER(Name("RdtMembers").Device(DEVICE_CPU), MembersOp);
 
 // ---------------------------------------------------------------- for ops.py (ctypes)
 extern "C" {

@@ -351,13 +351,17 @@ def complete_fused(launched: Launched) -> list:
                                                                    **_attrs(launched))
     else:
         flat = complete(launched)
-    return _members(flat, launched.members)
+    return _members(flat, launched.members, launched.native)
 
 
-def _members(flat: tf.Tensor, members) -> list:
-    """`flat` (the members' elements back to back) as one tensor per member, shaped as it."""
+def _members(flat: tf.Tensor, members, native: NativeLibrary | None = None) -> list:
+    """`flat` (the members' elements back to back) as one tensor per member, shaped as it:
+    one RdtMembers op with the op library (views of `flat` where aligned: no copy, no
+    op per member), else a split and a reshape per member."""
     if len(members) == 1:
         return [tf.reshape(flat, members[0].shape)]
+    if native is not None and all(t.shape.is_fully_defined() for t in members):
+        return list(native.module.rdt_members(flat, N=len(members), shapes=[t.shape for t in members]))
     parts = tf.split(flat, [t.shape.num_elements() for t in members])
     return [tf.reshape(part, t.shape) for part, t in zip(parts, members, strict=True)]
 
@@ -470,7 +474,14 @@ def _done_fused_gradient(op, *grads):
     (grad,) = grads
     grad = tf.zeros_like(op.outputs[0]) if grad is None else tf.convert_to_tensor(grad)
     handle = lib.module.rdt_shm_allreduce_launch_fused([grad], **attrs)
-    return [None, *_members(lib.module.rdt_shm_allreduce_done_fused(handle, [grad], **attrs), op.inputs[1:])]
+    return [None, *_members(lib.module.rdt_shm_allreduce_done_fused(handle, [grad], **attrs), op.inputs[1:], lib)]
+
+
+@tf.RegisterGradient("RdtMembers")
+def _members_gradient(op, *grads):
+    """The flat result's gradient: the members' upstream gradients back to back (zeros where none)."""
+    return tf.concat([tf.reshape(tf.zeros_like(m) if g is None else g, [-1])
+                      for g, m in zip(grads, op.outputs, strict=True)], 0)
 
 
 @tf.RegisterGradient("RdtShmAllreduceXla")
