@@ -6,7 +6,7 @@
 
 Two ranks of real Horovod 0.28.1 (TensorFlow ops, gloo, CPU: .venv-horovod,
 built by `make horovod-reference`) started by its own `horovodrun --gloo`, with
-native_step's settings (TF_NUM_INTRAOP_THREADS=1, no binding, the same variables,
+native_step's settings (TF_NUM_INTRAOP_THREADS=1, --bind, the same variables,
 interleaved rounds, steps and warm-up, native_step.timed_rounds), three paths:
 
 - `tape-none`: the plain tape's step, as native_step's;
@@ -35,6 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def rank_main(sizes: list[int], paths: list[str], rounds: int, steps: int, warmup: int) -> dict:
+    from rdmatensor.runner.cores import bind_cores
+    bind_cores()             # by HOROVOD_LOCAL_RANK, before Horovod's and TensorFlow's threads exist
     import horovod.tensorflow as hvd
     import numpy as np
     import tensorflow as tf
@@ -80,7 +82,7 @@ def launch(args) -> int:
         print(f"real Horovod is not built: {horovodrun} is missing (make horovod-reference builds it; "
               f"RDMATENSOR_HOROVOD_VENV names another virtualenv)", file=sys.stderr)
         return 2
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_NUM_INTRAOP_THREADS="1",
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_NUM_INTRAOP_THREADS="1", RDMATENSOR_BIND_TO=args.bind,
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     if args.cycle_time is not None:
         env["HOROVOD_CYCLE_TIME"] = str(args.cycle_time)

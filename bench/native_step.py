@@ -70,6 +70,8 @@ def fit(ns: list[int], us: list[float]) -> tuple[float, float]:
 
 def rank_main(rank: int, sock_fd: int, sizes: list[int], paths: list[str], rounds: int, steps: int,
               warmup: int) -> dict:
+    from rdmatensor.runner.cores import bind_cores
+    bind_cores()             # before TensorFlow's threads and the executor's exist: they inherit it
     import numpy as np
     import tensorflow as tf
 
@@ -209,7 +211,7 @@ def launch(args) -> int:
     for r in range(2):
         mine, theirs = socket.socketpair()
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", RDMATENSOR_TOKEN=token, RDMATENSOR_PROVIDER="shm",
-                   TF_NUM_INTRAOP_THREADS="1",
+                   TF_NUM_INTRAOP_THREADS="1", RDMATENSOR_BIND_TO=args.bind, RDMATENSOR_HOST_SLOT=f"{r}/2",
                    TF_CONFIG=json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": r}}))
         cmd = [sys.executable, "-m", f"{__package__}.native_step", "--rank", str(r), "--sock", str(theirs.fileno()),
                "--sizes", args.sizes, "--paths", args.paths, "--rounds", str(args.rounds), "--steps",
@@ -232,13 +234,14 @@ def launch(args) -> int:
 def report(args, result: dict, who: str, **recorded) -> None:
     """Rank 0's times as the table, and as JSON in --json with `recorded` beside them."""
     text, figures = table(result, [int(n) for n in args.sizes.split(",")], args.paths.split(","))
-    print(f"{who}, {ELEMENTS} float32 per tensor, {args.rounds} rounds of {args.steps} steps "
+    bound = "each bound to its own core" if args.bind == "core" else "not bound"
+    print(f"{who} ({bound}), {ELEMENTS} float32 per tensor, {args.rounds} rounds of {args.steps} steps "
           f"(after {args.warmup}); rank 0's µs per step: median (range over the rounds)\n")
     print(text)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"ranks": 2, "elements": ELEMENTS, "rounds": args.rounds, "steps": args.steps, **recorded,
-                       "paths": figures}, f, indent=1)
+            json.dump({"ranks": 2, "elements": ELEMENTS, "rounds": args.rounds, "steps": args.steps,
+                       "bind": args.bind, **recorded, "paths": figures}, f, indent=1)
             f.write("\n")
 
 
@@ -251,6 +254,9 @@ def parser(prog: str, doc: str, paths, default_paths) -> argparse.ArgumentParser
     p.add_argument("--steps", type=int, default=20, help="steps timed together")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--json", help="write the figures here")
+    p.add_argument("--bind", choices=("core", "none"), default="core",
+                   help="core (the default, as rdmatensor-run's --bind-to): each rank on a core of its own; "
+                        "none: both left to the scheduler")
     return p
 
 
