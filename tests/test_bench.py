@@ -244,3 +244,20 @@ def test_members_split_pairs_both_ways_and_refuses_bad_sizes():
     bad = subprocess.run([sys.executable, "-m", "bench.members_split", "--sizes", "1"], capture_output=True,
                          text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and "every size at least 2" in bad.stderr
+
+
+def test_native_step_binds_each_rank_to_a_core_and_times_every_path(tmp_path):
+    """bench.native_step, short: two ranks, each bound to a core of its own as the launcher
+    binds them (the default), the plain and native tape steps timed, the binding recorded."""
+    out = tmp_path / "step.json"
+    res = subprocess.run([sys.executable, "-m", "bench.native_step", "--sizes", "2,4", "--rounds", "3", "--steps",
+                          "2", "--warmup", "1", "--paths", "tape-none,tape-native", "--json", str(out)],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["bind"] == "core" and "each bound to its own core" in res.stdout
+    for path in ("tape-none", "tape-native"):
+        assert all(us > 0 for us in data["paths"][path]["median_us"].values()), data["paths"][path]
+    bad = subprocess.run([sys.executable, "-m", "bench.native_step", "--bind", "numa"], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode == 2 and "--bind" in bad.stderr
