@@ -48,6 +48,9 @@ def check_lost_rank_recovered(out: str, kill_at: int, survivors: list[int]) -> d
     first = steps_of(out, 0)
     before = {s: loss for s, n, loss, _ in first if n == 3}
     after = [(s, loss) for s, n, loss, _ in first if n == 2]
+    # what each worker reported, but its steps, and the sizes it trained at: the evidence when it fails
+    assert after, (f"worker 0 trained at sizes {[n for _, n, _, _ in first]}, never with 2 ranks:\n"
+                   + "\n".join(ln for ln in out.splitlines() if " step " not in ln)[-6000:])
     resume_step, resume_loss = after[0]
     assert kill_at - COMMIT < resume_step <= kill_at and resume_step % COMMIT == 0, (resume_step, kill_at)
     # the same weights as at that commit: the loss is the one training had reached, not the start's
