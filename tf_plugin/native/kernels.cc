@@ -716,6 +716,9 @@ class MembersOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& flat = ctx->input(0);
+    OP_REQUIRES(ctx, ctx->num_outputs() == static_cast<int>(shapes_.size()),
+                errors::InvalidArgument("RdtMembers: ", shapes_.size(), " shapes for ", ctx->num_outputs(),
+                                        " members"));
     OP_REQUIRES(ctx, TensorShapeUtils::IsVector(flat.shape()) && flat.NumElements() == total_,
                 errors::InvalidArgument("RdtMembers: the members hold ", total_, " elements, the flat result ",
                                         flat.shape().DebugString()));
