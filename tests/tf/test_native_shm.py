@@ -42,12 +42,18 @@ SIZES = (0, 1, 7, 1000)
 
 # ------------------------------------------------------------------ the numbers
 def inputs(seed: int, rank: int, plan) -> list[np.ndarray]:
-    """Rank `rank`'s arrays for `plan` [(bucket, shape, dtype)]: small values, so products stay finite."""
+    """Rank `rank`'s arrays for `plan` [(bucket, shape, dtype)]: small values, so products stay finite,
+    and in the larger floats a NaN, an infinity and a negative zero at places that differ by rank
+    (the reductions' loops are vectorized: NaN on one side only, or on both, must still give numpy's bits)."""
     rng = np.random.default_rng([seed, rank])
     out = []
     for _, shape, dtype in plan:
         if np.dtype(dtype).kind == "f":
-            out.append((rng.standard_normal(shape) * 3).astype(dtype))
+            x = (rng.standard_normal(shape) * 3).astype(dtype)
+            flat = x.reshape(-1)
+            if flat.size >= 7:
+                flat[[rank % 3, 3 + rank % 2, 5 + rank % 2]] = [np.nan, np.inf * (-1) ** rank, -0.0]
+            out.append(x)
         else:
             out.append(rng.integers(-9, 10, shape).astype(dtype))
     return out
