@@ -80,6 +80,11 @@ bench-ring: setup
 bench-native: setup
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m bench.native_step --rounds 5
 
+# The shm executor alone (no TensorFlow): C, C with scalar loops, the Python twin, paired rounds
+.PHONY: bench-shm-executor
+bench-shm-executor: setup
+	$(PY) -m bench.shm_executor --ways c,c-scalar,twin --rounds 9 --calls 1000
+
 # The tape step against real Horovod (built by horovod-reference), in turn:
 # rdmatensor's plain, sync-floor, Python-path and native steps, then Horovod's
 # plain, sync-floor and DistributedGradientTape steps at its default cycle

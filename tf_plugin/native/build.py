@@ -147,7 +147,8 @@ def _run(cmd: list[str], cwd: Path) -> None:
         raise BuildError(f"{Path(cmd[0]).name} failed: {errors[0][:300]}")
 
 
-def _compile(step: dict, package_dir: Path, out: Path, scratch: Path) -> None:
+def compile_step(step: dict, package_dir: Path, out: Path, scratch: Path) -> None:
+    """Compile the library `step` (plan) describes to `out`, its objects in `scratch`."""
     src = Path(package_dir)
     obj = scratch / "shm_allreduce.o"
     _run([step["cc"], *step["c_flags"], "-c", str(src / "shm_allreduce.c"), "-o", str(obj)], scratch)
@@ -188,7 +189,7 @@ def build(kind: str = "ops", package_dir: Path = HERE, directory: Path | None = 
         started = time.monotonic()
         with tempfile.TemporaryDirectory(dir=where, prefix=".build-") as scratch:
             tmp = Path(scratch) / step["name"]
-            _compile(step, package_dir, tmp, Path(scratch))
+            compile_step(step, package_dir, tmp, Path(scratch))
             seconds = time.monotonic() - started
             os.replace(tmp, path)
             record = {k: step[k] for k in ("kind", "key", "tensorflow")}
