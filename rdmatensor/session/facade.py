@@ -103,7 +103,10 @@ class Session:
     def buffer(self, name: str) -> np.ndarray:
         """The registered staging array of a static tensor this rank sends.
         Fill it and pass it to send(): it goes with no copy at all. It is
-        handed out only once the previous write from it completed."""
+        handed out only once the previous write from it completed. Call it
+        again before each refill: after send() returns, the write may still
+        read the array (on verbs the NIC does), and a refill then can reach
+        the receiver half old, half new. Sending it again unchanged is safe."""
         return self._sender.buffer(name)
 
     def send(self, name: str, array, timeout: float | None = None, tag: int = 0) -> None:

@@ -35,7 +35,11 @@ class Relay:
             except OSError:
                 return
             self.connections += 1
-            server = socket.create_connection(self.target)
+            try:
+                server = socket.create_connection(self.target)
+            except OSError:      # the target not listening yet: refused, as it would be directly; the rank retries
+                client.close()
+                continue
             for a, b in ((client, server), (server, client)):
                 threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 

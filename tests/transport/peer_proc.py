@@ -47,10 +47,13 @@ def main():
         elif role == "idle":
             time.sleep(3600)
         else:
-            buf = s.buffer("big")
             step = 0
             while True:
                 step += 1
+                # buffer() each time: it waits until the last write no longer reads the staging
+                # memory (on verbs the NIC still reads it after send() returned; refilled at once,
+                # the receiver got a tensor half 3s, half 4s)
+                buf = s.buffer("big")
                 buf[:] = step % 251
                 s.send("big", buf)
 
