@@ -259,7 +259,7 @@ def test_shm_executor_pairs_the_ways_and_refuses_bad_sizes(tmp_path):
     for r in rows:
         assert all(len(r[w]["rounds_us"]) == 2 and r[w]["median_us"] > 0 for w in ("c", "c-scalar", "twin")), r
         assert r["c-scalar/c"]["median"] > 0 and r["twin/c"]["median"] > 0, r
-    assert re.search(r"^\| 4,096 \| [\d.]+ \(", res.stdout, re.M), res.stdout
+    assert re.search(r"^\| 4,096 \| [\d,.]+ \(", res.stdout, re.M), res.stdout
     bad = subprocess.run([sys.executable, "-m", "bench.shm_executor", "--sizes", "6"], capture_output=True,
                          text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and "each a multiple of 4" in bad.stderr
