@@ -611,7 +611,7 @@ static PyTypeObject ReceivedType = {
  * objects (T_OBJECT_EX), which the interpreter reads and writes as fast as
  * an instance's own attributes: the Python path keeps its speed. */
 
-#define SEND_FIELDS(X) X(credit) X(view) X(post) X(pending) X(writes) X(bytes_sent) X(nbytes) X(peer) X(raw)
+#define SEND_FIELDS(X) X(credit) X(view) X(seal) X(post) X(pending) X(writes) X(bytes_sent) X(nbytes) X(peer) X(raw)
 
 typedef struct {
     PyObject_HEAD
@@ -643,6 +643,7 @@ static void SendState_dealloc(SendState *self) {
 static PyMemberDef SendState_members[] = {
     {"credit", T_OBJECT_EX, offsetof(SendState, credit), 0, "set: this side may write the slot"},
     {"view", T_OBJECT_EX, offsetof(SendState, view), 0, "staging as the tensor (static ones), once buffer() made it"},
+    {"seal", T_OBJECT_EX, offsetof(SendState, seal), 0, "`view`'s setflags: read-only from its send to the next buffer()"},
     {"post", T_OBJECT_EX, offsetof(SendState, post), 0, "the channel's prepared write of `view` (tag 0), or None"},
     {"pending", T_OBJECT_EX, offsetof(SendState, pending), 0, "the last write's handle, while it may read staging"},
     {"writes", T_OBJECT_EX, offsetof(SendState, writes), 0, "writes posted"},
@@ -766,7 +767,7 @@ static PyObject *Hop_send(Hop *self, PyObject *const *args, size_t nargsf, PyObj
             return NULL;
         SendState *st = (SendState *)found;
         if (st && PyObject_TypeCheck(found, &SendStateType) && st->view && a[1] == st->view
-            && st->view != Py_None && st->raw == Py_True && st->post && st->post != Py_None && st->credit
+            && st->view != Py_None && st->seal && st->raw == Py_True && st->post && st->post != Py_None && st->credit
             && PyObject_TypeCheck(st->credit, &FlagType) && ((Flag *)st->credit)->flag
             && st->peer && st->writes && st->bytes_sent && st->nbytes) {
             int ok = hop_healthy(self, st->peer, 1);
@@ -793,6 +794,11 @@ static PyObject *Hop_send(Hop *self, PyObject *const *args, size_t nargsf, PyObj
                 Py_DECREF(post);
                 if (posted == 1) {
                     Py_XSETREF(st->pending, number);
+                    /* read-only until buffer() hands it out again: a refill races the write */
+                    PyObject *sealed = PyObject_CallOneArg(st->seal, Py_False);
+                    Py_XDECREF(sealed);
+                    if (!sealed)
+                        PyErr_Clear();            /* never fails (any array may become read-only); the write went */
                     Py_DECREF(writes);
                     Py_DECREF(bytes);
                     Py_DECREF(credit);

@@ -38,6 +38,7 @@ class SendSlot(compiled.SendState if compiled else object):
         self.region, self.offset, self.capacity = slot.arena, slot.offset, slot.size
         self.staging: np.ndarray | None = staging
         self.view: np.ndarray | None = None   # staging as the tensor (static ones), once buffer() made it
+        self.seal = None                      # view.setflags: read-only from its send to the next buffer()
         self.staging_bytes: np.ndarray | None = None     # what one write of `view` sends
         self.raw = bool(raw)                  # a static value goes as it is: no header, no checksum, not empty
         self.pending = None                   # the last posted write's handle, while it may read staging

@@ -105,8 +105,9 @@ class Session:
         Fill it and pass it to send(): it goes with no copy at all. It is
         handed out only once the previous write from it completed. Call it
         again before each refill: after send() returns, the write may still
-        read the array (on verbs the NIC does), and a refill then can reach
-        the receiver half old, half new. Sending it again unchanged is safe."""
+        read the array (on verbs the NIC does), so send() makes it read-only
+        (numpy's ValueError on a refill) until this hands it out again.
+        Sending it again unchanged is safe."""
         return self._sender.buffer(name)
 
     def send(self, name: str, array, timeout: float | None = None, tag: int = 0) -> None:

@@ -70,7 +70,10 @@ class Sender:
         return spec, st
 
     def buffer(self, name: str) -> np.ndarray:
-        """The registered staging array of a static tensor; waits until no write still reads it."""
+        """The registered staging array of a static tensor; waits until no write still reads it.
+        A send() of it makes it read-only until this hands it out again: on verbs the NIC
+        still reads it after send() returns, and a refill then would reach the receiver torn
+        (numpy's "assignment destination is read-only" instead, on every provider alike)."""
         spec, st = self._slot(name)
         if not spec.is_static:
             raise UsageError(f"{name!r} has a dynamic shape: it has no fixed staging buffer", tensor=name)
@@ -80,6 +83,9 @@ class Sender:
             if st.raw:
                 st.post = self.ctx.channels[st.peer].prepare_write(st.region, st.offset, st.staging_bytes, st.imm)
             st.view = st.staging_bytes.view(spec.dtype).reshape(spec.shape)
+            st.seal = st.view.setflags
+        else:
+            st.seal(True)
         return st.view
 
     def source_free(self, st: SendSlot) -> None:
@@ -130,6 +136,8 @@ class Sender:
         # and before the write, after which the credit may come back at once.
         st.writes += 1
         st.bytes_sent += array.nbytes
+        if array is st.view:
+            st.seal(False)               # refilled only once buffer() waited for this write
         try:
             if array is st.view and st.raw:      # the common case, kept short: filled in place, no header
                 st.pending = ((not tag and st.post is not None and st.post())
@@ -211,6 +219,8 @@ class Sender:
                 else:
                     self.credits.take(st, timeout)
                 try:
+                    if array is st.view:
+                        st.seal(False)             # as send() does
                     src = st.staging_bytes if array is st.view else self._source(st, array)
                 except BaseException:
                     self.credits.keep(st)

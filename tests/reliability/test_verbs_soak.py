@@ -51,17 +51,19 @@ def test_writes_and_receives_leak_nothing(rdma_port):
 
     def body(s, r):
         mine, theirs = ("ping", "pong") if r == 0 else ("pong", "ping")
-        buf, bad = s.buffer(mine), 0
+        bad = 0
         for i in range(ROUND_TRIPS):
             if r == 0 and i in (WARMUP, ROUND_TRIPS - 1):   # the peer waits for this ping: both sessions up
                 kernel = rdma_resources()        # first: its subprocess allocates
                 marks["warm" if i == WARMUP else "end"] = (malloced(), snapshot(), rss(), kernel)
             if r == 0:
+                buf = s.buffer(mine)             # writable again once the last write no longer reads it
                 buf[:] = i
                 s.send(mine, buf)
             with s.recv(theirs) as v:
                 bad += int(v[0] != i)
             if r == 1:
+                buf = s.buffer(mine)
                 buf[:] = i
                 s.send(mine, buf)
         return bad

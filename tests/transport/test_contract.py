@@ -495,12 +495,14 @@ def _hop_walk(s, r, python: bool):
         buf = s.buffer("a")
         buf[:] = 1
         s.send("a", buf)                                   # its staging: the prepared write, where there is one
+        sealed = [buf.flags.writeable]                     # read-only until buffer() hands it out again
         s.send("a", np.full(4, 2, np.float32))             # a user array: waits for the credit, then copies
         s.send("a", buf, None, 5)                          # a tag, given by position
+        sealed += [buf.flags.writeable, s.buffer("a").flags.writeable]
         s.send(name="d", array=np.arange(3, dtype=np.uint8))     # dynamic, by keyword
         s.wait_released(["a", "d"])
         stats = s.stats()
-        return {k: stats[k] for k in ("writes", "bytes_sent")}
+        return {k: stats[k] for k in ("writes", "bytes_sent")}, sealed
     got, errors = [], []
     held = s.recv("a")
     got.append(held.array.tolist())
@@ -540,7 +542,47 @@ def test_the_compiled_hop_and_the_python_path_deliver_count_and_refuse_alike(pro
                       "RecvTimeout: 'a' from rank 0 did not arrive within 0.2 s",
                       "UnknownTensor: tensor 'nope' is not in the plan"]
     assert counts == {"recvs": 3, "bytes_received": 35}
-    assert compiled[0] == {"writes": 4, "bytes_sent": 51}
+    assert compiled[0] == ({"writes": 4, "bytes_sent": 51}, [False, False, True])
+
+
+def test_a_sent_staging_array_is_read_only_until_buffer_hands_it_out_again(provider):
+    """On verbs the NIC still reads the staging array after send() returns: a refill then
+    reaches the receiver half old, half new. Every provider refuses it alike (numpy's
+    ValueError), after send() and send_many(), on the compiled hop and the Python path;
+    buffer() waits for the write and hands the same array out writable."""
+    plan = Plan([TensorSpec("a", (1 << 16,), np.float32, 0, 1), TensorSpec("b", (8,), np.int64, 0, 1)])
+
+    def body(s, r):
+        if r == 0:
+            refused, handed = [], []
+            for step, how in enumerate(("send", "send_many", "python")):
+                a, b = s.buffer("a"), s.buffer("b")
+                handed.append((a, b, a.flags.writeable, b.flags.writeable))
+                a[:] = step
+                b[:] = step
+                if how == "send_many":
+                    s.send_many([("a", a), ("b", b)])
+                else:
+                    send = s._sender.send if how == "python" else s.send
+                    send("a", a)
+                    send("b", b)
+                for arr in (a, b):
+                    try:
+                        arr[-1] = -1
+                    except ValueError as exc:
+                        refused.append(str(exc))
+            same = [h[0] is handed[0][0] and h[1] is handed[0][1] and h[2] and h[3] for h in handed]
+            return refused, same
+        got = []
+        for _ in range(3):
+            for name in ("a", "b"):
+                with s.recv(name) as v:
+                    got.append(np.unique(v).tolist())
+        return got
+
+    res = check(run_ranks(2, plan, provider, body))
+    assert res[0] == (["assignment destination is read-only"] * 6, [True] * 3)
+    assert res[1] == [[0], [0], [1], [1], [2], [2]]
 
 
 def test_plan_mismatch_fails_both_sides_naming_the_tensor(provider):

@@ -39,8 +39,8 @@ def test_an_owed_credit_reaches_the_sender_while_the_receiver_sleeps(provider, r
             with s.recv("x") as v:
                 assert v[0] == 255
             return seen, last
-        x = s.buffer("x")
         for k in range(ROUNDS + 1):
+            x = s.buffer("x")                  # writable again once the last write no longer reads it
             x[0] = k % 256
             if k == ROUNDS and provider == "tcp":
                 # tcp owes the last credit only once the channel's thread has seen rank 1 wait (it

@@ -33,10 +33,10 @@ def test_a_waiting_receiver_is_woken_by_its_completion_and_leaves_the_queue_arme
     def body(s, rank):
         go = s.buffer("go") if rank == 1 else None
         if rank == 0:
-            x = s.buffer("x")
             for k in range(3):
                 s.recv("go").release()
                 time.sleep(0.1)                   # the receiver is asleep by now
+                x = s.buffer("x")
                 x[:] = k + 1
                 s.send("x", x)
             return None
