@@ -83,7 +83,8 @@ bench-native: setup
 # The shm executor alone (no TensorFlow): C, C with scalar loops, the Python twin, paired rounds
 .PHONY: bench-shm-executor
 bench-shm-executor: setup
-	$(PY) -m bench.shm_executor --ways c,c-scalar,twin --rounds 9 --calls 1000
+	$(PY) -m bench.shm_executor --ways c,c-scalar,c-always-yield,twin --rounds 9 --calls 1000
+	$(PY) -m bench.shm_executor --ways c,c-always-yield,twin --busy 2 --rounds 7 --calls 400
 
 # The tape step against real Horovod (built by horovod-reference), in turn:
 # rdmatensor's plain, sync-floor, Python-path and native steps, then Horovod's

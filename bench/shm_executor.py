@@ -2,6 +2,7 @@
 
     python -m bench.shm_executor                               # 4 B to 400 KiB, c against c-scalar
     python -m bench.shm_executor --ways c,twin --sizes 1024,409600
+    python -m bench.shm_executor --ways c,c-always-yield --busy 2  # other processes on the cores
 
 Two processes, each bound to a core of its own (as rdmatensor-run binds ranks),
 all-reduce (sum) one float32 tensor --calls times in a row, synchronously
@@ -10,10 +11,13 @@ through the contract (contract.ShmGroup.allreduce), per size:
 - `c`: the C executor as the package builds it (tf_plugin/native/build.py);
 - `c-scalar`: the same source built with its reduction loops left scalar
   (-fno-tree-loop-vectorize): what the C executor was before they were vectorized;
+- `c-always-yield`: the same source with its waits yielding the core however long
+  a yield takes: what it was before it slept instead once another process holds the core;
 - `twin`: the Python twin (shm_twin.py).
 
 Each round runs every way (the order rotating from round to round); a way's
-ranks are fresh processes. Prints per size the median µs per call of each way
+ranks are fresh processes. --busy N runs N processes that only spin beside
+each measurement (unbound): a machine shared with other work. Prints per size the median µs per call of each way
 over the rounds (range), and the median (range) of the paired ratios of each
 way to the first. --json writes them.
 """
@@ -28,8 +32,11 @@ import tempfile
 import time
 from pathlib import Path
 
-WAYS = ("c", "c-scalar", "twin")
-SCALAR = "-fno-tree-loop-vectorize"
+VARIANTS = {         # the C executor built with flags more: what it was before a change
+    "c-scalar": ["-fno-tree-loop-vectorize"],
+    "c-always-yield": ["-DYIELD_SLOW_SECONDS=1e9"],
+}
+WAYS = ("c", *VARIANTS, "twin")
 
 
 def library(way: str, scratch: Path) -> str | None:
@@ -37,10 +44,10 @@ def library(way: str, scratch: Path) -> str | None:
     from tf_plugin.native import build
     if way == "c":
         return str(build.build("c").path)
-    if way == "c-scalar":
+    if way in VARIANTS:
         step = build.plan("c")
-        step["c_flags"] = [*step["c_flags"], SCALAR]
-        out = scratch / "rdt_shm_c_scalar.so"
+        step["c_flags"] = [*step["c_flags"], *VARIANTS[way]]
+        out = scratch / f"rdt_shm_{way}.so"
         if not out.exists():
             build.compile_step(step, build.HERE, out, scratch)
         return str(out)
@@ -105,12 +112,31 @@ def run_way(lib: str | None, sizes: list[int], calls: int) -> dict[int, float]:
             os.close(fd)
 
 
+def busy(count: int) -> list[int]:
+    """`count` processes that only spin, unbound: other work on the ranks' cores."""
+    pids = []
+    for _ in range(count):
+        pid = os.fork()
+        if pid == 0:
+            while True:
+                pass
+        pids.append(pid)
+    return pids
+
+
+def stop(pids: list[int]) -> None:
+    for pid in pids:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="4,1024,102400,409600", help="bytes per call (float32), comma-separated")
     parser.add_argument("--ways", default="c,c-scalar", help=f"some of {','.join(WAYS)}; ratios are to the first")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=400, help="calls timed together")
+    parser.add_argument("--busy", type=int, default=0, help="processes that spin beside the ranks (default 0)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     sizes_b = [int(s) for s in args.sizes.split(",")]
@@ -119,8 +145,8 @@ def main(argv=None) -> int:
         parser.error("--sizes: bytes of float32 tensors, each a multiple of 4 and at least 4")
     if not ways or any(w not in WAYS for w in ways) or len(set(ways)) != len(ways):
         parser.error(f"--ways: some of {', '.join(WAYS)}, each once")
-    if args.rounds < 1 or args.calls < 1:
-        parser.error("--rounds and --calls: at least 1")
+    if args.rounds < 1 or args.calls < 1 or args.busy < 0:
+        parser.error("--rounds and --calls: at least 1; --busy: at least 0")
     sizes = [s // 4 for s in sizes_b]
     rounds = {w: {n: [] for n in sizes} for w in ways}
     with tempfile.TemporaryDirectory(prefix="rdt-bench-") as scratch:
@@ -128,12 +154,19 @@ def main(argv=None) -> int:
         for r in range(args.rounds):
             for i in range(len(ways)):
                 w = ways[(i + r) % len(ways)]
-                for n, us in run_way(libs[w], sizes, args.calls).items():
+                spinning = busy(args.busy)
+                try:
+                    measured = run_way(libs[w], sizes, args.calls)
+                finally:
+                    stop(spinning)
+                for n, us in measured.items():
                     rounds[w][n].append(us)
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     base = ways[0]
-    print(f"2 ranks, each bound to a core of its own; {args.calls} synchronous sum all-reduces of one float32 "
-          f"tensor per measurement, {args.rounds} rounds; rank 0's µs per call: median (range over the rounds)\n")
+    beside = f", {args.busy} spinning process{'es' * (args.busy > 1)} beside them" if args.busy else ""
+    print(f"2 ranks, each bound to a core of its own{beside}; {args.calls} synchronous sum all-reduces of one "
+          f"float32 tensor per measurement, {args.rounds} rounds; rank 0's µs per call: median (range over the "
+          f"rounds)\n")
     head = " | ".join(ways) + "".join(f" | {w} / {base}" for w in ways[1:])
     print(f"| bytes | {head} |\n| ---: |" + " ---: |" * (2 * len(ways) - 1))
     table = []

@@ -247,18 +247,21 @@ def test_members_split_pairs_both_ways_and_refuses_bad_sizes():
 
 
 def test_shm_executor_pairs_the_ways_and_refuses_bad_sizes(tmp_path):
-    """bench.shm_executor, short: the C executor, its scalar build and the twin between two
-    processes, a row per size with positive times and the paired ratios to the first way."""
+    """bench.shm_executor, short: the C executor, its build that always yields and the twin
+    between two processes with a spinning one beside, a row per size with positive times and
+    the paired ratios to the first way."""
     out = tmp_path / "exec.json"
-    res = subprocess.run([sys.executable, "-m", "bench.shm_executor", "--sizes", "4,4096", "--ways", "c,c-scalar,twin",
-                          "--rounds", "2", "--calls", "20", "--json", str(out)],
+    ways = ("c", "c-always-yield", "twin")
+    res = subprocess.run([sys.executable, "-m", "bench.shm_executor", "--sizes", "4,4096", "--ways", ",".join(ways),
+                          "--rounds", "2", "--calls", "20", "--busy", "1", "--json", str(out)],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-2000:]
+    assert "1 spinning process beside them" in res.stdout, res.stdout
     rows = json.loads(out.read_text())["sizes"]
     assert [r["bytes"] for r in rows] == [4, 4096], rows
     for r in rows:
-        assert all(len(r[w]["rounds_us"]) == 2 and r[w]["median_us"] > 0 for w in ("c", "c-scalar", "twin")), r
-        assert r["c-scalar/c"]["median"] > 0 and r["twin/c"]["median"] > 0, r
+        assert all(len(r[w]["rounds_us"]) == 2 and r[w]["median_us"] > 0 for w in ways), r
+        assert r["c-always-yield/c"]["median"] > 0 and r["twin/c"]["median"] > 0, r
     assert re.search(r"^\| 4,096 \| [\d,.]+ \(", res.stdout, re.M), res.stdout
     bad = subprocess.run([sys.executable, "-m", "bench.shm_executor", "--sizes", "6"], capture_output=True,
                          text=True, timeout=120, cwd=ROOT)

@@ -19,14 +19,17 @@
  * loads of them: every write of call k (data, descriptor) is visible to whoever
  * sees the sequence number k.
  *
- * Waits spin for SPIN_SECONDS, then yield the core until YIELD_SECONDS (a peer
+ * Waits spin for SPIN_SECONDS, then yield the core until YIELD_SECONDS (a thread
  * sharing this core runs then), then sleep in futex waits on the peer's sequence
  * word (its low 32 bits), in slices of at most SLICE_SECONDS, checking between
  * slices this group's abort, the peer's state word and the timeout. A sleeper
  * sets its segment's `sleeping` word first; a publisher, after its store, reads
  * its peers' `sleeping` words and wakes the word it published if one is set
  * (both sides separated by a sequentially consistent fence, so a sleeper either
- * sees the new value or is woken). The Python twin never sleeps in a futex
+ * sees the new value or is woken). A yield that returns only after
+ * YIELD_SLOW_SECONDS says another process holds this core (each yield can hand
+ * it a whole time slice: milliseconds per call): the executor then skips the
+ * yields and sleeps at once, for CONTENDED_SECONDS. The Python twin never sleeps in a futex
  * (it polls), and wakes after every publication.
  */
 #define _GNU_SOURCE
@@ -64,6 +67,10 @@
 #ifndef IDLE_SPIN_SECONDS
 #define IDLE_SPIN_SECONDS 200e-6
 #endif
+#ifndef YIELD_SLOW_SECONDS
+#define YIELD_SLOW_SECONDS 1e-3
+#endif
+#define CONTENDED_SECONDS 0.1
 #define SLICE_SECONDS 0.05
 
 typedef struct request {
@@ -108,6 +115,7 @@ struct rdt_shm_group {
   _Atomic uint64_t done_calls, moved_bytes; /* calls completed, bytes each moved to and from peers */
   pthread_t thread;
   int started;
+  double contended_until; /* the executor thread's alone: no yields before then */
 };
 
 /* ----------------------------------------------------------------- helpers */
@@ -140,6 +148,17 @@ static void futex_wait(uint32_t *addr, uint32_t value, double seconds) {
   ts.tv_sec = (time_t)seconds;
   ts.tv_nsec = (long)((seconds - (double)ts.tv_sec) * 1e9);
   syscall(SYS_futex, addr, FUTEX_WAIT, value, &ts, NULL, 0);
+}
+
+/* Yield the core to a thread that shares it; 0 (sleep instead) while another
+ * process holds it, which a slow yield shows. */
+static int yield_core(rdt_shm_group *g, double t) {
+  if (t < g->contended_until) return 0;
+  sched_yield();
+  double after = now_seconds();
+  if (after - t <= YIELD_SLOW_SECONDS) return 1;
+  g->contended_until = after + CONTENDED_SECONDS;
+  return 0;
 }
 
 static void futex_wake(uint32_t *addr) { syscall(SYS_futex, addr, FUTEX_WAKE, INT_MAX, NULL, NULL, 0); }
@@ -456,10 +475,10 @@ static int wait_for(rdt_shm_group *g, const request *r, int peer, _Atomic uint64
     if (atomic_load_explicit(seq, memory_order_acquire) >= k) return RDT_SHM_OK;
     if ((i & 31u) == 0) {
       if (atomic_load_explicit(&g->aborted, memory_order_relaxed)) break;
-      double waited = now_seconds() - start;
+      double t = now_seconds(), waited = t - start;
       if (waited > YIELD_SECONDS) break;
-      if (waited > SPIN_SECONDS) { /* a peer on this core gets to run */
-        sched_yield();
+      if (waited > SPIN_SECONDS) { /* a thread on this core gets to run */
+        if (!yield_core(g, t)) break;
         continue;
       }
     }
@@ -618,7 +637,7 @@ static request *next_wave(rdt_shm_group *g) {
       } else if (t - start > IDLE_SPIN_SECONDS) {
         break;
       } else if (t - start > SPIN_SECONDS) {
-        sched_yield();
+        if (!yield_core(g, t)) break;
         continue;
       }
     }
