@@ -12,22 +12,42 @@ call, so the sender's user time per write is time its NIC does not send.
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
 
 from .cli import _device, parse_sizes
-from .perftest import parse_write_bw
+from .perftest import parse_write_bw, wait_listening
+
+PERF_PORT = 18515        # ib_write_bw's own default, given so that its client can wait for it
 
 
-def _timed(command: list[str], after: float = 0.0) -> subprocess.Popen:
-    """Start `command` in a child that reports its CPU seconds on its last line."""
+def _timed(command: list[str], started: list, after: float = 0.0) -> subprocess.Popen:
+    """Start `command` in a child that reports its CPU seconds on its last line, in a
+    session of its own (added to `started`), so that a failure ends it whole."""
     wrapper = ("import resource, subprocess, sys, time; time.sleep(float(sys.argv[1])); "
                "p = subprocess.run(sys.argv[2:], capture_output=True, text=True); "
                "r = resource.getrusage(resource.RUSAGE_CHILDREN); "
                "print(p.stdout + p.stderr); print(f'CPU {r.ru_utime:.2f} {r.ru_stime:.2f} {p.returncode}')")
-    return subprocess.Popen([sys.executable, "-c", wrapper, str(after), *command], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", wrapper, str(after), *command], stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    started.append(proc)
+    return proc
+
+
+def _end(started: list) -> None:
+    """Kill what still runs of each child's session: a side that failed leaves its peer
+    waiting for it (an ib_write_bw server waits for its client forever)."""
+    for proc in started:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
 
 
 def _finish(proc: subprocess.Popen, timeout: float) -> tuple[float, float, str]:
@@ -51,14 +71,21 @@ def main(argv: list[str] | None = None) -> int:
     peers = "127.0.0.1:47500,127.0.0.1:47501"
     bench = [sys.executable, "-m", f"{__package__}.cli", "bw", "--providers", "verbs", "--sizes", str(size),
              "--no-references", "--peers", peers]
-    perf = ["ib_write_bw", "-d", device, "-x", gid, "-s", str(size), "-F"]
+    perf = ["ib_write_bw", "-d", device, "-x", gid, "-s", str(size), "-F", "-p", str(PERF_PORT)]
     t0 = time.monotonic()
+    started: list = []
+    try:
+        return _measure(a, size, bench, perf, started, t0)
+    finally:
+        _end(started)
 
+
+def _measure(a, size: int, bench: list[str], perf: list[str], started: list, t0: float) -> int:
     def ours(seconds: float) -> tuple[int, float, list[float]]:
         """(writes, MB/s, [sender user, sender system, receiver user, receiver system])"""
         cmd = [*bench, "--seconds", str(seconds)]
-        receiver = _timed([*cmd, "--rank", "1"])
-        sender = _timed([*cmd, "--rank", "0"], after=0.5)
+        receiver = _timed([*cmd, "--rank", "1"], started)
+        sender = _timed([*cmd, "--rank", "0"], started, after=0.5)     # connect() retries until rank 1 listens
         (su, ss, out), (ru, rs, _) = _finish(sender, 600), _finish(receiver, 600)
         writes, mbs = re.findall(r"^bw\s+verbs\s+\S+\s+(\d+)\s+([\d.]+)", out, re.M)[-1]
         return int(writes), float(mbs), [su, ss, ru, rs]
@@ -69,8 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     extra = long[0] - short[0]
     per_write = [(b - s) / extra * 1e6 for s, b in zip(short[2], long[2], strict=True)]
     iters = max(100, int(long[1] * 1e6 * a.seconds / size))       # about as long, an exact count
-    server = _timed([*perf, "-n", str(iters)])
-    client = _timed([*perf, "-n", str(iters), "127.0.0.1"], after=1.0)
+    server = _timed([*perf, "-n", str(iters)], started)
+    # perftest's client does not retry a refused connection (under load in the VM, 1 s
+    # was once not enough for the server to listen): it starts once the server listens
+    wait_listening(PERF_PORT, server, within=60.0)
+    client = _timed([*perf, "-n", str(iters), "127.0.0.1"], started)
     (cu, cs, out), (pu, ps, _) = _finish(client, 600), _finish(server, 600)
     perf_rate = parse_write_bw(out).mb_per_s
     perf_write = [c / iters * 1e6 for c in (cu, cs, pu, ps)]

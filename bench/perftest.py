@@ -82,7 +82,7 @@ def _run_pair(tool: str, args: list[str], timeout: float, cpus: tuple[int, int] 
     try:
         # perftest's client does not retry a refused connection: start it once
         # the server listens (seconds, on a loaded machine under emulation).
-        _wait_listening(int(args[args.index("-p") + 1]), server, within=60.0)
+        wait_listening(int(args[args.index("-p") + 1]), server, within=60.0)
         client = subprocess.run([tool, *args, "127.0.0.1"], capture_output=True, text=True, timeout=timeout,
                                 preexec_fn=_on(client_cpu))
         try:
@@ -99,7 +99,7 @@ def _run_pair(tool: str, args: list[str], timeout: float, cpus: tuple[int, int] 
     return client.stdout
 
 
-def _wait_listening(port: int, server: subprocess.Popen, within: float) -> None:
+def wait_listening(port: int, server: subprocess.Popen, within: float) -> None:
     want = f":{port:04X} "
     deadline = time.monotonic() + within
     while time.monotonic() < deadline and server.poll() is None:
