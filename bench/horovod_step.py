@@ -34,7 +34,8 @@ PATHS = ("tape-none", "tape-sync", "tape-hvd")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def rank_main(sizes: list[int], paths: list[str], rounds: int, steps: int, warmup: int) -> dict:
+def rank_main(sizes: list[int], paths: list[str], rounds: int, steps: int, warmup: int,
+              first_warmup: int) -> dict:
     from rdmatensor.runner.cores import bind_cores
     bind_cores()             # by HOROVOD_LOCAL_RANK, before Horovod's and TensorFlow's threads exist
     import horovod.tensorflow as hvd
@@ -69,7 +70,7 @@ def rank_main(sizes: list[int], paths: list[str], rounds: int, steps: int, warmu
         tape_step.get_concrete_function()
         return tape_step
 
-    times = native_step.timed_rounds(make, meet, rank, sizes, paths, rounds, steps, warmup)
+    times = native_step.timed_rounds(make, meet, rank, sizes, paths, rounds, steps, warmup, first_warmup)
     meet()
     return {f"{p}:{n}": t for (p, n), t in times.items()}
 
@@ -90,7 +91,8 @@ def launch(args) -> int:
         out = Path(tmp) / "rank0.json"
         cmd = [str(horovodrun), "-np", "2", "-H", "localhost:2", "--gloo", str(venv / "bin" / "python"), "-m",
                f"{__package__}.horovod_step", "--sizes", args.sizes, "--paths", args.paths, "--rounds",
-               str(args.rounds), "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out)]
+               str(args.rounds), "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--first-warmup", str(args.first_warmup), "--out", str(out)]
         proc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if proc.returncode != 0 or not out.exists():
             print(proc.stdout[-3000:], file=sys.stderr)
@@ -110,7 +112,7 @@ def main(argv=None) -> int:
     if args.out is None:
         return launch(args)
     sizes = [int(n) for n in args.sizes.split(",")]
-    result = rank_main(sizes, paths, args.rounds, args.steps, args.warmup)
+    result = rank_main(sizes, paths, args.rounds, args.steps, args.warmup, args.first_warmup)
     if int(os.environ.get("HOROVOD_RANK", "0")) == 0:
         Path(args.out).write_text(json.dumps(result))
     return 0

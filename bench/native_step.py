@@ -38,7 +38,13 @@ The `hvd*` and `tape*` steps are traced with RDMATENSOR_TF_OPS set for their pat
 
 Rounds are interleaved (every N and path in each round, the order of N rotating),
 each measurement --steps steps after --warmup; ranks meet at a barrier before
-each. Rank 0 prints per path and N the median microseconds per step over the
+each. Each step runs --first-warmup times before its first measurement:
+TensorFlow's executor learns which of a graph's ops are cheap over its first
+runs of it (every op starts at an estimate of 10^8 cycles, which each run brings a
+tenth of the way to what it measured: about 90 runs to fall under its threshold of
+8,000), and until then runs the ops that an op's completion makes ready, all but
+one, as tasks of their own on its thread pool; a training job is past that
+after its first hundred steps. Rank 0 prints per path and N the median microseconds per step over the
 rounds with their range, and the least-squares fit of the medians: fixed
 microseconds per step + microseconds per tensor. --json writes them.
 """
@@ -69,7 +75,7 @@ def fit(ns: list[int], us: list[float]) -> tuple[float, float]:
 
 
 def rank_main(rank: int, sock_fd: int, sizes: list[int], paths: list[str], rounds: int, steps: int,
-              warmup: int) -> dict:
+              warmup: int, first_warmup: int) -> dict:
     from rdmatensor.runner.cores import bind_cores
     bind_cores()             # before TensorFlow's threads and the executor's exist: they inherit it
     import numpy as np
@@ -149,7 +155,7 @@ def rank_main(rank: int, sock_fd: int, sizes: list[int], paths: list[str], round
                 os.environ["RDMATENSOR_TF_OPS"] = before
         return fn
 
-    times = timed_rounds(make, meet, rank, sizes, paths, rounds, steps, warmup)
+    times = timed_rounds(make, meet, rank, sizes, paths, rounds, steps, warmup, first_warmup)
     meet()
     for g in groups.values():
         g.close()
@@ -159,7 +165,7 @@ def rank_main(rank: int, sock_fd: int, sizes: list[int], paths: list[str], round
 
 
 def timed_rounds(make, meet, rank: int, sizes: list[int], paths: list[str], rounds: int, steps: int,
-                 warmup: int) -> dict:
+                 warmup: int, first_warmup: int) -> dict:
     """µs per step of make(path, n)'s step, per (path, n), one figure per round:
     rounds interleaved (every N and path in each, the order of N rotating), the
     ranks meeting before the warm-up and before the timed steps."""
@@ -171,7 +177,7 @@ def timed_rounds(make, meet, rank: int, sizes: list[int], paths: list[str], roun
             for p in paths:
                 f = functions.get((p, n)) or functions.setdefault((p, n), make(p, n))
                 meet()
-                for _ in range(warmup if r else warmup + 2):
+                for _ in range(warmup if r else warmup + first_warmup):
                     f()
                 meet()
                 t0 = time.perf_counter()
@@ -215,7 +221,7 @@ def launch(args) -> int:
                    TF_CONFIG=json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": r}}))
         cmd = [sys.executable, "-m", f"{__package__}.native_step", "--rank", str(r), "--sock", str(theirs.fileno()),
                "--sizes", args.sizes, "--paths", args.paths, "--rounds", str(args.rounds), "--steps",
-               str(args.steps), "--warmup", str(args.warmup)]
+               str(args.steps), "--warmup", str(args.warmup), "--first-warmup", str(args.first_warmup)]
         procs.append(subprocess.Popen(cmd, env=env, pass_fds=[theirs.fileno()], stdout=subprocess.PIPE, text=True))
         theirs.close()
         socks.append(mine)
@@ -236,12 +242,14 @@ def report(args, result: dict, who: str, **recorded) -> None:
     text, figures = table(result, [int(n) for n in args.sizes.split(",")], args.paths.split(","))
     bound = "each bound to its own core" if args.bind == "core" else "not bound"
     print(f"{who} ({bound}), {ELEMENTS} float32 per tensor, {args.rounds} rounds of {args.steps} steps "
-          f"(after {args.warmup}); rank 0's µs per step: median (range over the rounds)\n")
+          f"(after {args.warmup}; {args.first_warmup} before a step's first); rank 0's µs per step: median "
+          "(range over the rounds)\n")
     print(text)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"ranks": 2, "elements": ELEMENTS, "rounds": args.rounds, "steps": args.steps,
-                       "bind": args.bind, **recorded, "paths": figures}, f, indent=1)
+                       "warmup": args.warmup, "first_warmup": args.first_warmup, "bind": args.bind, **recorded,
+                       "paths": figures}, f, indent=1)
             f.write("\n")
 
 
@@ -252,7 +260,9 @@ def parser(prog: str, doc: str, paths, default_paths) -> argparse.ArgumentParser
     p.add_argument("--paths", default=",".join(default_paths), help=f"some of {','.join(paths)}")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=20, help="steps timed together")
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=3, help="steps before each measurement")
+    p.add_argument("--first-warmup", type=int, default=200,
+                   help="steps before a step's first measurement (TensorFlow's executor learns its ops' costs)")
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--bind", choices=("core", "none"), default="core",
                    help="core (the default, as rdmatensor-run's --bind-to): each rank on a core of its own; "
@@ -277,7 +287,8 @@ def main(argv=None) -> int:
     if args.rank is None:
         return launch(args)
     sizes = [int(n) for n in args.sizes.split(",")]
-    result = rank_main(args.rank, args.sock, sizes, paths, args.rounds, args.steps, args.warmup)
+    result = rank_main(args.rank, args.sock, sizes, paths, args.rounds, args.steps, args.warmup,
+                       args.first_warmup)
     print(json.dumps(result), flush=True)
     return 0
 

@@ -273,11 +273,13 @@ def test_native_step_binds_each_rank_to_a_core_and_times_every_path(tmp_path):
     binds them (the default), the plain and native tape steps timed, the binding recorded."""
     out = tmp_path / "step.json"
     res = subprocess.run([sys.executable, "-m", "bench.native_step", "--sizes", "2,4", "--rounds", "3", "--steps",
-                          "2", "--warmup", "1", "--paths", "tape-none,tape-native", "--json", str(out)],
+                          "2", "--warmup", "1", "--first-warmup", "5", "--paths", "tape-none,tape-native",
+                          "--json", str(out)],
                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-2000:]
     data = json.loads(out.read_text())
     assert data["bind"] == "core" and "each bound to its own core" in res.stdout
+    assert (data["warmup"], data["first_warmup"]) == (1, 5) and "5 before a step's first" in res.stdout
     for path in ("tape-none", "tape-native"):
         assert all(us > 0 for us in data["paths"][path]["median_us"].values()), data["paths"][path]
     bad = subprocess.run([sys.executable, "-m", "bench.native_step", "--bind", "numa"], capture_output=True,

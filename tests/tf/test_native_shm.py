@@ -449,6 +449,40 @@ def test_the_twins_agree_with_numpy_bit_for_bit(kinds):
     assert all(g.counters()[0] == len(OPS) * len(plan) for g in groups), "counters lost at close"
 
 
+@pytest.mark.parametrize("kinds", [("c", "c"), ("py", "py"), ("c", "py"), ("py", "c", "c")])
+def test_parts_are_one_request_bit_for_bit_as_their_concatenation(kinds):
+    """allreduce_parts: a fusion bucket's members as one request, the C executor copying
+    each part in and each result out (slices that cross the parts' edges, an empty
+    part, shapes kept) gives the bits the concatenation all-reduced as one array gives,
+    on the C executor, the twin and a mix; a call of it counts as one."""
+    shapes = [(3,), (0,), (2, 5), (1,), (7,), (4, 1)]
+    total = sum(int(np.prod(s)) for s in shapes)
+    groups = _groups(kinds, [total * 8])
+    try:
+        for seed, (op, dtype) in enumerate([("sum", "float32"), ("average", "float64"), ("max", "int32"),
+                                            ("product", "float16"), ("min", "int64")]):
+            def body(r, g, seed=seed, op=op, dtype=dtype):
+                rng = np.random.default_rng(100 * seed + r)
+                parts = [rng.integers(-9, 9, s).astype(dtype) for s in shapes]
+                got = g.allreduce_parts(0, parts, op, 0.5 if op == "average" else 1.0, f"bucket {seed}")
+                whole = g.allreduce(0, np.concatenate([p.reshape(-1) for p in parts]), op,
+                                    0.5 if op == "average" else 1.0)
+                return got, whole
+            for r, (got, whole) in enumerate(_threads(groups, body)):
+                assert [a.shape for a in got] == shapes and all(a.dtype == np.dtype(dtype) for a in got)
+                flat = np.concatenate([a.reshape(-1) for a in got])
+                assert flat.tobytes() == whole.tobytes(), (kinds, op, r)
+        assert all(g.counters()[0] == 10 for g in groups)
+        for g in groups:
+            with pytest.raises(contract.ShmInvalid, match="do not fit in bucket 0"):
+                g.allreduce_parts(0, [np.ones(total, np.float64), np.ones(1, np.float64)])
+            with pytest.raises(contract.ShmInvalid, match="parts of one dtype"):
+                g.allreduce_parts(0, [np.ones(1, np.float32), np.ones(1, np.float64)])
+    finally:
+        for g in groups:
+            g.close()
+
+
 def test_the_contract_refuses_and_breaks_alike():
     """A bad argument raises ShmInvalid on both, starting nothing; a mismatch
     raises ShmMismatch on every rank and breaks the group; a timeout names the

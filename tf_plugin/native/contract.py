@@ -125,6 +125,20 @@ class ShmGroup(ABC):
         labels = list(labels) if labels is not None else [None] * len(arrays)
         return [self.allreduce(b, a, op, scale, lab) for b, a, lab in zip(buckets, arrays, labels, strict=True)]
 
+    def allreduce_parts(self, bucket: int, arrays, op: str = "sum", scale: float = 1.0, label: str | None = None
+                        ) -> list:
+        """`arrays` (one dtype) all-reduced back to back as ONE request of `bucket`, as a
+        fusion bucket's members: a new array per array, of its shape. Here by a
+        concatenation and a split; the C executor copies the parts into its segment and
+        the results out of it, with no concatenation."""
+        arrays = [np.ascontiguousarray(a) for a in arrays]
+        if not arrays or len({a.dtype for a in arrays}) > 1:
+            raise ShmInvalid(f"all-reduce of {label or 'a tensor'}: parts of one dtype, not "
+                             f"{sorted({a.dtype.name for a in arrays})}")
+        flat = self.allreduce(bucket, np.concatenate([a.reshape(-1) for a in arrays]), op, scale, label)
+        ends = np.cumsum([a.size for a in arrays])[:-1]
+        return [part.reshape(a.shape) for part, a in zip(np.split(flat, ends), arrays, strict=True)]
+
     @abstractmethod
     def counters(self) -> tuple[int, int]:
         """(calls this rank completed, bytes they moved across its boundary each way):

@@ -80,6 +80,12 @@ typedef struct request {
   const void *in;
   void *out;
   uint64_t count;
+  /* the input and the output as `parts` buffers back to back (the caller's arrays,
+   * kept until done; a plain request's are its own in, out and count) */
+  int parts;
+  const void *const *ins;
+  void *const *outs;
+  const uint64_t *counts;
   int dtype, op;
   double scale;
   char label[96];
@@ -552,7 +558,12 @@ static struct descriptor descriptor_of(const rdt_shm_group *g, int r, uint32_t b
 static void step_in(rdt_shm_group *g, request *r) {
   const uint32_t b = r->bucket;
   r->k = ++g->calls[b];
-  if (r->count) memcpy(in_region(g, g->rank, b), r->in, r->count * dtype_size(r->dtype));
+  const size_t esize = dtype_size(r->dtype);
+  unsigned char *to = in_region(g, g->rank, b);
+  for (int i = 0; i < r->parts; i++) {
+    if (r->counts[i]) memcpy(to, r->ins[i], r->counts[i] * esize);
+    to += r->counts[i] * esize;
+  }
   struct descriptor mine = {r->count, (uint32_t)r->dtype, (uint32_t)r->op, r->scale};
   memcpy(in_line(g, g->rank, b) + 8, &mine, sizeof mine);
   publish(g, in_seq(g, g->rank, b), r->k);
@@ -595,6 +606,15 @@ static int step_reduce(rdt_shm_group *g, request *r) {
   return RDT_SHM_OK;
 }
 
+/* Elements [lo, hi) of the result, from `region` (a rank's `out`), into the output's parts. */
+static void scatter(const request *r, const unsigned char *region, uint64_t lo, uint64_t hi, size_t esize) {
+  uint64_t start = 0;
+  for (int i = 0; i < r->parts && start < hi; start += r->counts[i], i++) {
+    const uint64_t a = lo > start ? lo : start, z = hi < start + r->counts[i] ? hi : start + r->counts[i];
+    if (z > a) memcpy((unsigned char *)r->outs[i] + (a - start) * esize, region + a * esize, (z - a) * esize);
+  }
+}
+
 /* Step 3: every rank's slice of the result into the output. */
 static int step_out(rdt_shm_group *g, request *r) {
   const uint32_t b = r->bucket;
@@ -602,14 +622,14 @@ static int step_out(rdt_shm_group *g, request *r) {
   const size_t esize = dtype_size(r->dtype);
   uint64_t lo, hi;
   slice_of(r->count, n, me, &lo, &hi);
-  if (hi > lo) memcpy((unsigned char *)r->out + lo * esize, out_region(g, me, b) + lo * esize, (hi - lo) * esize);
+  scatter(r, out_region(g, me, b), lo, hi, esize);
   double deadline = now_seconds() + g->timeout;
   int st;
   for (int p = 0; p < n; p++) {
     if (p == me) continue;
     if ((st = wait_for(g, r, p, out_seq(g, p, b), r->k, "result", deadline, r->msg)) != RDT_SHM_OK) return st;
     slice_of(r->count, n, p, &lo, &hi);
-    if (hi > lo) memcpy((unsigned char *)r->out + lo * esize, out_region(g, p, b) + lo * esize, (hi - lo) * esize);
+    scatter(r, out_region(g, p, b), lo, hi, esize);
   }
   return RDT_SHM_OK;
 }
@@ -909,10 +929,18 @@ static int check_request(const rdt_shm_group *g, uint32_t bucket, const void *in
   return 0;
 }
 
-int rdt_shm_group_submit_many(rdt_shm_group *g, int m, const uint32_t *buckets, const void *const *ins,
-                              void *const *outs, const uint64_t *counts, const int *dtypes, int op, double scale,
-                              const char *const *labels, rdt_shm_done_fn done, void *const *args, uint64_t *ids,
-                              char *err, size_t errlen) {
+/* The parts of one request (NULL: each request is its in, out and count). */
+struct parts {
+  int n;
+  const void *const *ins;
+  void *const *outs;
+  const uint64_t *counts;
+};
+
+static int submit(rdt_shm_group *g, int m, const uint32_t *buckets, const void *const *ins, void *const *outs,
+                  const uint64_t *counts, const int *dtypes, int op, double scale, const char *const *labels,
+                  rdt_shm_done_fn done, void *const *args, uint64_t *ids, const struct parts *parts, char *err,
+                  size_t errlen) {
   for (int i = 0; i < m; i++) {
     const char *name = labels && labels[i] && labels[i][0] ? labels[i] : "a tensor";
     if (check_request(g, buckets[i], ins[i], outs[i], counts[i], dtypes[i], op, name, err, errlen) != 0) return -1;
@@ -960,6 +988,17 @@ int rdt_shm_group_submit_many(rdt_shm_group *g, int m, const uint32_t *buckets, 
     r->in = ins[i];
     r->out = outs[i];
     r->count = counts[i];
+    if (parts != NULL) {
+      r->parts = parts->n;
+      r->ins = parts->ins;
+      r->outs = parts->outs;
+      r->counts = parts->counts;
+    } else {
+      r->parts = 1;
+      r->ins = &r->in;
+      r->outs = &r->out;
+      r->counts = &r->count;
+    }
     r->dtype = dtypes[i];
     r->op = op;
     r->scale = scale;
@@ -988,16 +1027,50 @@ int rdt_shm_group_submit_many(rdt_shm_group *g, int m, const uint32_t *buckets, 
   return 0;
 }
 
+int rdt_shm_group_submit_many(rdt_shm_group *g, int m, const uint32_t *buckets, const void *const *ins,
+                              void *const *outs, const uint64_t *counts, const int *dtypes, int op, double scale,
+                              const char *const *labels, rdt_shm_done_fn done, void *const *args, uint64_t *ids,
+                              char *err, size_t errlen) {
+  return submit(g, m, buckets, ins, outs, counts, dtypes, op, scale, labels, done, args, ids, NULL, err, errlen);
+}
+
 uint64_t rdt_shm_group_submit(rdt_shm_group *g, uint32_t bucket, const void *in, void *out, uint64_t count,
                               int dtype, int op, double scale, const char *label, rdt_shm_done_fn done,
                               void *arg, char *err, size_t errlen) {
+  return rdt_shm_group_submit_parts(g, bucket, 1, &in, &out, &count, dtype, op, scale, label, done, arg, err,
+                                    errlen);
+}
+
+uint64_t rdt_shm_group_submit_parts(rdt_shm_group *g, uint32_t bucket, int parts, const void *const *ins,
+                                    void *const *outs, const uint64_t *counts, int dtype, int op, double scale,
+                                    const char *label, rdt_shm_done_fn done, void *arg, char *err, size_t errlen) {
+  const char *name = label && label[0] ? label : "a tensor";
+  if (parts < 1 || ins == NULL || outs == NULL || counts == NULL) {
+    say(err, errlen, "all-reduce of %s: %d parts", name, parts);
+    return 0;
+  }
+  uint64_t count = 0;
+  for (int i = 0; i < parts; i++) {
+    if (counts[i] > UINT64_MAX - count) {
+      say(err, errlen, "all-reduce of %s: its parts' elements overflow 64 bits", name);
+      return 0;
+    }
+    count += counts[i];
+    if (counts[i] && (ins[i] == NULL || outs[i] == NULL)) {
+      say(err, errlen, "all-reduce of %s: part %d has no buffer", name, i);
+      return 0;
+    }
+  }
+  /* the first part holding elements stands for in and out in the request's checks */
+  int first = 0;
+  while (first < parts - 1 && counts[first] == 0) first++;
+  const void *in = ins[first];
+  void *out = outs[first];
+  const struct parts p = {parts, ins, outs, counts};
   uint64_t id = 0;
-  const void *ins[1] = {in};
-  void *outs[1] = {out};
   void *args[1] = {arg};
-  const char *labels[1] = {label};
-  if (rdt_shm_group_submit_many(g, 1, &bucket, ins, outs, &count, &dtype, op, scale, labels, done, args, &id, err,
-                                errlen) != 0)
+  if (submit(g, 1, &bucket, &in, &out, &count, &dtype, op, scale, &label, done, args, &id, parts == 1 ? NULL : &p,
+             err, errlen) != 0)
     return 0;
   return id;
 }
@@ -1094,12 +1167,19 @@ int rdt_shm_group_allreduce_many(rdt_shm_group *g, int m, const uint32_t *bucket
 
 int rdt_shm_group_allreduce(rdt_shm_group *g, uint32_t bucket, const void *in, void *out, uint64_t count,
                             int dtype, int op, double scale, const char *label, char *err, size_t errlen) {
+  return rdt_shm_group_allreduce_parts(g, bucket, 1, &in, &out, &count, dtype, op, scale, label, err, errlen);
+}
+
+int rdt_shm_group_allreduce_parts(rdt_shm_group *g, uint32_t bucket, int parts, const void *const *ins,
+                                  void *const *outs, const uint64_t *counts, int dtype, int op, double scale,
+                                  const char *label, char *err, size_t errlen) {
   struct sync_wait w = {.left = 1, .status = RDT_SHM_OK, .msg = err, .msglen = errlen};
   struct sync_ticket t = {&w, NULL};
   pthread_mutex_init(&w.mu, NULL);
   pthread_cond_init(&w.cv, NULL);
   if (err && errlen) err[0] = '\0';
-  if (rdt_shm_group_submit(g, bucket, in, out, count, dtype, op, scale, label, sync_done, &t, err, errlen) == 0) {
+  if (rdt_shm_group_submit_parts(g, bucket, parts, ins, outs, counts, dtype, op, scale, label, sync_done, &t, err,
+                                 errlen) == 0) {
     pthread_mutex_destroy(&w.mu);
     pthread_cond_destroy(&w.cv);
     return RDT_SHM_INVALID;

@@ -104,6 +104,15 @@ uint64_t rdt_shm_group_submit(rdt_shm_group *g, uint32_t bucket, const void *in,
                               int dtype, int op, double scale, const char *label, rdt_shm_done_fn done,
                               void *arg, char *err, size_t errlen);
 
+/* submit of one all-reduce whose input is `parts` buffers back to back, ins[i]
+ * holding counts[i] elements, and whose output is as many, outs[i] of counts[i]
+ * (a fusion bucket's members: no copy of them together first). The three arrays
+ * are the caller's and are read until `done` is called; ins[i] and outs[i] may be
+ * the same buffer. */
+uint64_t rdt_shm_group_submit_parts(rdt_shm_group *g, uint32_t bucket, int parts, const void *const *ins,
+                                    void *const *outs, const uint64_t *counts, int dtype, int op, double scale,
+                                    const char *label, rdt_shm_done_fn done, void *arg, char *err, size_t errlen);
+
 /* submit of m requests at once (one lock, one wake of the executor): 0, their ids
  * in ids (when not NULL); or -1, nothing queued, why in err (every request is
  * checked first). done(args[i], ...) is called once for each. */
@@ -115,6 +124,11 @@ int rdt_shm_group_submit_many(rdt_shm_group *g, int m, const uint32_t *buckets, 
 /* submit, then wait for it: its status, and the message in err. */
 int rdt_shm_group_allreduce(rdt_shm_group *g, uint32_t bucket, const void *in, void *out, uint64_t count,
                             int dtype, int op, double scale, const char *label, char *err, size_t errlen);
+
+/* submit_parts, then wait for it: its status, and the message in err. */
+int rdt_shm_group_allreduce_parts(rdt_shm_group *g, uint32_t bucket, int parts, const void *const *ins,
+                                  void *const *outs, const uint64_t *counts, int dtype, int op, double scale,
+                                  const char *label, char *err, size_t errlen);
 
 /* m all-reduces of one op and scale, all submitted, then all waited for (they
  * run in waves): the first failure's status (and message in err), statuses[i]

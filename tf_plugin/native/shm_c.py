@@ -38,6 +38,10 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.rdt_shm_group_allreduce.argtypes = [_P, _U32, _P, _P, _U64, _INT, _INT, _DBL, _STR, ctypes.c_char_p,
                                                 ctypes.c_size_t]
         lib.rdt_shm_group_allreduce.restype = _INT
+        lib.rdt_shm_group_allreduce_parts.argtypes = [_P, _U32, _INT, ctypes.POINTER(_P), ctypes.POINTER(_P),
+                                                      ctypes.POINTER(_U64), _INT, _INT, _DBL, _STR, ctypes.c_char_p,
+                                                      ctypes.c_size_t]
+        lib.rdt_shm_group_allreduce_parts.restype = _INT
         lib.rdt_shm_group_allreduce_many.argtypes = [_P, _INT, ctypes.POINTER(_U32), ctypes.POINTER(_P),
                                                      ctypes.POINTER(_P), ctypes.POINTER(_U64), ctypes.POINTER(_INT),
                                                      _INT, _DBL, ctypes.POINTER(_STR), ctypes.POINTER(_INT),
@@ -116,6 +120,27 @@ class CGroup(ShmGroup):
         with self._call("rdmatensor shm all-reduce"):
             status = self.lib.rdt_shm_group_allreduce_many(self.handle, m, *args, OPS[op], float(scale), names,
                                                            statuses, err, MESSAGE)
+        if status:
+            raise error_for(status, err.value.decode(errors="replace"))
+        return outs
+
+    def allreduce_parts(self, bucket: int, arrays, op: str = "sum", scale: float = 1.0, label: str | None = None
+                        ) -> list:
+        arrays = [np.ascontiguousarray(a) for a in arrays]
+        label = label or "a tensor"
+        if not arrays or len({a.dtype for a in arrays}) > 1:
+            raise contract.ShmInvalid(f"all-reduce of {label}: parts of one dtype, not "
+                                      f"{sorted({a.dtype.name for a in arrays})}")
+        whole = np.empty(sum(a.size for a in arrays), arrays[0].dtype)     # checked as one request
+        check_args(self.bucket_bytes, bucket, whole, op, label)
+        outs = [np.empty_like(a) for a in arrays]
+        m = len(arrays)
+        err = ctypes.create_string_buffer(MESSAGE)
+        with self._call(f"rdmatensor shm all-reduce of {label} (bucket {bucket})"):
+            status = self.lib.rdt_shm_group_allreduce_parts(
+                self.handle, bucket, m, (_P * m)(*[a.ctypes.data for a in arrays]),
+                (_P * m)(*[o.ctypes.data for o in outs]), (_U64 * m)(*[a.size for a in arrays]),
+                DTYPES[arrays[0].dtype], OPS[op], float(scale), label.encode(), err, MESSAGE)
         if status:
             raise error_for(status, err.value.decode(errors="replace"))
         return outs
