@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def rank_main(sizes: list[int], paths: list[str], rounds: int, steps: int, warmup: int,
-              first_warmup: int) -> dict:
+              first_warmup: int, elements: int = native_step.ELEMENTS) -> dict:
     from rdmatensor.runner.cores import bind_cores
     bind_cores()             # by HOROVOD_LOCAL_RANK, before Horovod's and TensorFlow's threads exist
     import horovod.tensorflow as hvd
@@ -45,7 +45,7 @@ def rank_main(sizes: list[int], paths: list[str], rounds: int, steps: int, warmu
     hvd.init()
     rank, most = hvd.rank(), max(sizes)
     rng = np.random.default_rng(rank)
-    variables = [tf.Variable(rng.standard_normal(native_step.ELEMENTS).astype(np.float32)) for _ in range(most)]
+    variables = [tf.Variable(rng.standard_normal(elements).astype(np.float32)) for _ in range(most)]
     one = tf.zeros(1)
 
     def meet():
@@ -92,7 +92,7 @@ def launch(args) -> int:
         cmd = [str(horovodrun), "-np", "2", "-H", "localhost:2", "--gloo", str(venv / "bin" / "python"), "-m",
                f"{__package__}.horovod_step", "--sizes", args.sizes, "--paths", args.paths, "--rounds",
                str(args.rounds), "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--first-warmup", str(args.first_warmup), "--out", str(out)]
+               "--first-warmup", str(args.first_warmup), "--elements", str(args.elements), "--out", str(out)]
         proc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if proc.returncode != 0 or not out.exists():
             print(proc.stdout[-3000:], file=sys.stderr)
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     if args.out is None:
         return launch(args)
     sizes = [int(n) for n in args.sizes.split(",")]
-    result = rank_main(sizes, paths, args.rounds, args.steps, args.warmup, args.first_warmup)
+    result = rank_main(sizes, paths, args.rounds, args.steps, args.warmup, args.first_warmup, args.elements)
     if int(os.environ.get("HOROVOD_RANK", "0")) == 0:
         Path(args.out).write_text(json.dumps(result))
     return 0

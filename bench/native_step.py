@@ -75,7 +75,7 @@ def fit(ns: list[int], us: list[float]) -> tuple[float, float]:
 
 
 def rank_main(rank: int, sock_fd: int, sizes: list[int], paths: list[str], rounds: int, steps: int,
-              warmup: int, first_warmup: int) -> dict:
+              warmup: int, first_warmup: int, elements: int = ELEMENTS) -> dict:
     from rdmatensor.runner.cores import bind_cores
     bind_cores()             # before TensorFlow's threads and the executor's exist: they inherit it
     import numpy as np
@@ -84,7 +84,7 @@ def rank_main(rank: int, sock_fd: int, sizes: list[int], paths: list[str], round
     from tf_plugin.native import ops, segment
     sock = socket.socket(fileno=sock_fd)
     most = max(sizes)
-    bucket_bytes = [ELEMENTS * 4] * most + [64]              # the last bucket: the barrier's
+    bucket_bytes = [elements * 4] * most + [64]              # the last bucket: the barrier's
     groups = {}
     for kind in ("native", "python"):
         fd = segment.create_segment(rank, 2, bucket_bytes)
@@ -102,7 +102,7 @@ def rank_main(rank: int, sock_fd: int, sizes: list[int], paths: list[str], round
         import tf_plugin as hvd
         hvd.init()
     rng = np.random.default_rng(rank)
-    variables = [tf.Variable(rng.standard_normal(ELEMENTS).astype(np.float32)) for _ in range(most)]
+    variables = [tf.Variable(rng.standard_normal(elements).astype(np.float32)) for _ in range(most)]
 
     def make(path: str, n: int):
         vs = variables[:n]
@@ -221,7 +221,8 @@ def launch(args) -> int:
                    TF_CONFIG=json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": r}}))
         cmd = [sys.executable, "-m", f"{__package__}.native_step", "--rank", str(r), "--sock", str(theirs.fileno()),
                "--sizes", args.sizes, "--paths", args.paths, "--rounds", str(args.rounds), "--steps",
-               str(args.steps), "--warmup", str(args.warmup), "--first-warmup", str(args.first_warmup)]
+               str(args.steps), "--warmup", str(args.warmup), "--first-warmup", str(args.first_warmup),
+               "--elements", str(args.elements)]
         procs.append(subprocess.Popen(cmd, env=env, pass_fds=[theirs.fileno()], stdout=subprocess.PIPE, text=True))
         theirs.close()
         socks.append(mine)
@@ -241,13 +242,13 @@ def report(args, result: dict, who: str, **recorded) -> None:
     """Rank 0's times as the table, and as JSON in --json with `recorded` beside them."""
     text, figures = table(result, [int(n) for n in args.sizes.split(",")], args.paths.split(","))
     bound = "each bound to its own core" if args.bind == "core" else "not bound"
-    print(f"{who} ({bound}), {ELEMENTS} float32 per tensor, {args.rounds} rounds of {args.steps} steps "
+    print(f"{who} ({bound}), {args.elements} float32 per tensor, {args.rounds} rounds of {args.steps} steps "
           f"(after {args.warmup}; {args.first_warmup} before a step's first); rank 0's µs per step: median "
           "(range over the rounds)\n")
     print(text)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"ranks": 2, "elements": ELEMENTS, "rounds": args.rounds, "steps": args.steps,
+            json.dump({"ranks": 2, "elements": args.elements, "rounds": args.rounds, "steps": args.steps,
                        "warmup": args.warmup, "first_warmup": args.first_warmup, "bind": args.bind, **recorded,
                        "paths": figures}, f, indent=1)
             f.write("\n")
@@ -263,6 +264,7 @@ def parser(prog: str, doc: str, paths, default_paths) -> argparse.ArgumentParser
     p.add_argument("--warmup", type=int, default=3, help="steps before each measurement")
     p.add_argument("--first-warmup", type=int, default=200,
                    help="steps before a step's first measurement (TensorFlow's executor learns its ops' costs)")
+    p.add_argument("--elements", type=int, default=ELEMENTS, help="float32 per tensor")
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--bind", choices=("core", "none"), default="core",
                    help="core (the default, as rdmatensor-run's --bind-to): each rank on a core of its own; "
@@ -274,8 +276,8 @@ def parsed(p: argparse.ArgumentParser, argv, known) -> tuple[argparse.Namespace,
     """The arguments and the paths asked for, every one of `known` (else p.error)."""
     args = p.parse_args(argv)
     paths = args.paths.split(",")
-    if not set(paths) <= set(known) or args.rounds < 3:
-        p.error(f"--paths: some of {','.join(known)}; --rounds: 3 or more")
+    if not set(paths) <= set(known) or args.rounds < 3 or args.elements < 1:
+        p.error(f"--paths: some of {','.join(known)}; --rounds: 3 or more; --elements: 1 or more")
     return args, paths
 
 
@@ -288,7 +290,7 @@ def main(argv=None) -> int:
         return launch(args)
     sizes = [int(n) for n in args.sizes.split(",")]
     result = rank_main(args.rank, args.sock, sizes, paths, args.rounds, args.steps, args.warmup,
-                       args.first_warmup)
+                       args.first_warmup, args.elements)
     print(json.dumps(result), flush=True)
     return 0
 

@@ -203,6 +203,12 @@ struct Pending {
   int status = RDT_SHM_OK;
   std::string message;
   Tensor input, output;        // input: kept alive while the executor reads it
+  // a fused launch's members (kept alive while the executor reads them) and where
+  // each part of the request comes from and goes to
+  std::vector<Tensor> members;
+  std::vector<const void*> ins;
+  std::vector<void*> outs;
+  std::vector<uint64_t> counts;
   std::weak_ptr<GroupRef> group;
   uint64_t request = 0;
   std::shared_ptr<const std::string> label;   // the launch kernel's (it may go first)
@@ -277,6 +283,7 @@ void Finish(Pending* p) {
     ctx->SetStatus(StatusOf(p->status, p->message));
   }
   p->input = Tensor();
+  p->members.clear();
   AsyncOpKernel::DoneCallback done = std::move(p->done);
   p->done = nullptr;
   done();
@@ -384,28 +391,50 @@ struct Attrs {
 
 // ---------------------------------------------------------------- the ops
 // Queues the all-reduce of `in` on `group`: its handle in *handle.
+// `members` (a fused launch): `in` is their flat shape, and the executor copies each
+// member into its segment itself (parts), where a graph would concatenate them first.
 absl::Status LaunchOne(OpKernelContext* ctx, const std::shared_ptr<GroupRef>& group, const Tensor& in,
                        int64_t bucket, int op, float scale, const std::shared_ptr<const std::string>& label,
-                       int64_t* handle) {
+                       int64_t* handle, const OpInputList* members = nullptr) {
   const int dtype = DtypeCode(in.dtype());
   if (dtype == 0)
     return errors::InvalidArgument("all-reduce of ", *label, ": dtype ", DataTypeString(in.dtype()),
                                    " is not supported");
   auto p = std::make_shared<Pending>();
   TF_RETURN_IF_ERROR(ctx->allocate_temp(in.dtype(), in.shape(), &p->output));
-  p->input = in;
+  char* dst = const_cast<char*>(p->output.tensor_data().data());
+  if (members != nullptr) {
+    const int m = members->size();
+    p->members.reserve(m);
+    p->ins.reserve(m);
+    p->outs.reserve(m);
+    p->counts.reserve(m);
+    for (int i = 0; i < m; i++) {
+      const Tensor& t = (*members)[i];
+      p->members.push_back(t);
+      p->ins.push_back(t.tensor_data().data());
+      p->outs.push_back(dst);
+      p->counts.push_back(static_cast<uint64_t>(t.NumElements()));
+      dst += t.tensor_data().size();
+    }
+  } else {
+    p->input = in;
+    p->ins.push_back(in.tensor_data().data());
+    p->outs.push_back(dst);
+    p->counts.push_back(static_cast<uint64_t>(in.NumElements()));
+  }
   p->group = group;
   p->label = label;
   p->self = p;
   Pending* raw = p.get();
   const int64_t h = Put(std::move(p));
   char err[RDT_SHM_MESSAGE] = {0};
-  const void* src = in.tensor_data().data();
-  void* dst = const_cast<char*>(raw->output.tensor_data().data());
   std::unique_lock<std::mutex> l(raw->mu);  // the request id is in place before the executor's callback reads p
-  uint64_t request = rdt_shm_group_submit(group->g, static_cast<uint32_t>(bucket), src, dst,
-                                          static_cast<uint64_t>(in.NumElements()), dtype, op,
-                                          static_cast<double>(scale), label->c_str(), OnDone, raw, err, sizeof err);
+  uint64_t request = rdt_shm_group_submit_parts(group->g, static_cast<uint32_t>(bucket),
+                                                static_cast<int>(raw->ins.size()), raw->ins.data(),
+                                                raw->outs.data(), raw->counts.data(), dtype, op,
+                                                static_cast<double>(scale), label->c_str(), OnDone, raw, err,
+                                                sizeof err);
   if (request == 0) {
     raw->self = nullptr;
     l.unlock();
@@ -434,21 +463,16 @@ class LaunchOp : public OpKernel {
     std::shared_ptr<GroupRef> group = FindGroup(a_.group);
     OP_REQUIRES(ctx, group != nullptr, NotOpen(a_.group, a_.label));
     Tensor in = ctx->input(0);
+    OpInputList tensors;
     if (fused_) {
-      OpInputList tensors;
       OP_REQUIRES_OK(ctx, ctx->input_list("tensors", &tensors));
       int64_t total = 0;
       for (int i = 0; i < tensors.size(); i++) total += tensors[i].NumElements();
-      OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensors[0].dtype(), TensorShape({total}), &in));
-      char* to = const_cast<char*>(in.tensor_data().data());
-      for (int i = 0; i < tensors.size(); i++) {
-        const auto part = tensors[i].tensor_data();
-        if (!part.empty()) std::memcpy(to, part.data(), part.size());
-        to += part.size();
-      }
+      in = Tensor(tensors[0].dtype(), TensorShape({total}), static_cast<TensorBuffer*>(nullptr));  // no buffer
     }
     int64_t handle = 0;
-    OP_REQUIRES_OK(ctx, LaunchOne(ctx, group, in, a_.bucket, OpCode(a_.op), a_.scale, a_.shared_label, &handle));
+    OP_REQUIRES_OK(ctx, LaunchOne(ctx, group, in, a_.bucket, OpCode(a_.op), a_.scale, a_.shared_label, &handle,
+                                  fused_ ? &tensors : nullptr));
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
     out->scalar<int64_t>()() = handle;
