@@ -23,7 +23,6 @@ as rdmatensor_bench; run each as `python -m bench.<module>` in the checkout).
     step_cli.py           rdmatensor-bench predict, and the dispatch of fit and validate
     native_step.py        the native shm all-reduce ops' step cost against today's path (make bench-native)
     horovod_step.py       the same tape step under real Horovod (horovodrun), to read beside native_step
-    members_split.py      a fused result's members: RdtMembers against a split and reshapes, paired
     shm_executor.py       the shm all-reduce executor alone: C, C with scalar loops, the twin, paired
     model_grads_224.py    ImageNet-sized gradient sets (model_grads_224.json) for published comparisons
 """

@@ -232,20 +232,6 @@ def test_perftest_bandwidth_is_read_in_mib_to_four_digits():
     assert r.mb_per_s == pytest.approx(r.msg_rate_mpps * 1e6 * 65536 / 1e6, rel=1e-3)
 
 
-def test_members_split_pairs_both_ways_and_refuses_bad_sizes():
-    """bench.members_split, short: the fused result's members by a split and reshapes and by
-    RdtMembers, paired, a row per shape with positive times and ratios."""
-    res = subprocess.run([sys.executable, "-m", "bench.members_split", "--sizes", "4", "--pairs", "2", "--steps", "5"],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert res.returncode == 0, res.stderr[-2000:]
-    rows = re.findall(r"^\| 4 \| (\([\d, ]+\)) \| (\d+) \| (\d+) \| ([\d.]+) ", res.stdout, re.M)
-    assert [r[0] for r in rows] == ["(256,)", "(16, 16)"], res.stdout
-    assert all(int(s) > 0 and int(m) > 0 and float(q) > 0 for _, s, m, q in rows), rows
-    bad = subprocess.run([sys.executable, "-m", "bench.members_split", "--sizes", "1"], capture_output=True,
-                         text=True, timeout=120, cwd=ROOT)
-    assert bad.returncode == 2 and "every size at least 2" in bad.stderr
-
-
 def test_shm_executor_pairs_the_ways_and_refuses_bad_sizes(tmp_path):
     """bench.shm_executor, short: the C executor, its build that always yields and the twin
     between two processes with a spinning one beside, a row per size with positive times and

@@ -114,7 +114,8 @@ def test_a_graph_with_the_native_ops_saves_and_loads_and_an_inference_export_has
     run_workers(SAVED_SCRIPT, 2, "shm", tmp_path, timeout=240)
     for rank in range(2):
         rep = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert rep["native_ops"] == ["RdtShmAllreduceDoneFused", "RdtShmAllreduceLaunchFused"], rep
+        assert rep["native_ops"] == ["RdtShmAllreduceDoneFused", "RdtShmAllreduceLaunchFused",
+                                     "RdtShmAllreduceMembers"], rep
         assert rep["step"] == [2.0, 4.0, 6.0]                 # x * v summed over 2 ranks, v = 1
         assert rep["loaded_step"] == [6.0, 10.0, 14.0]        # the loaded step, v = 1 + [2, 4, 6]
         assert rep["exported_collectives"] == [] and rep["exported_ops"] > 0

@@ -154,14 +154,14 @@ class Worker:
             tensors = [tf.constant(a) for a in arrays]
             for _ in range(steps):
                 out = [t.numpy() for t in step(*tensors)]
-            if mode == "fused":            # two ops per bucket, none per member
+            if mode == "fused":            # three ops per bucket, none per member
                 graph = step.get_concrete_function(*tensors).graph
                 kinds = [o.type for o in graph.get_operations()]
                 assert kinds.count("Slice") == 0 and kinds.count("ConcatV2") == 0 or g.kind == "python", kinds
-                if g.kind == "native":     # one op for the members of each bucket of several, no op per member
-                    several = sum(len(idx) > 1 for idx in members.values())
-                    assert kinds.count("RdtMembers") == several and kinds.count("SplitV") == 0, kinds
-                    assert kinds.count("Reshape") == len(members) - several, kinds
+                if g.kind == "native":
+                    fused = ("RdtShmAllreduceLaunchFused", "RdtShmAllreduceDoneFused", "RdtShmAllreduceMembers")
+                    assert [kinds.count(k) for k in fused] == [len(members)] * 3, kinds
+                    assert not {"SplitV", "Split", "Reshape"} & set(kinds), kinds
         else:                              # one tf.function: every launch, then the completions
             together = mode == "function"      # one completion op for all, or one per tensor
             step = tf.function(lambda *xs: ops.allreduce_many(xs, g, buckets, op, scale, together=together))
@@ -660,9 +660,8 @@ def test_ops_eager_and_in_tf_function_bit_identical(ranks):
 def test_a_fusion_bucket_in_one_request_bit_identical(ranks):
     """allreduce_fused: a bucket's members (one dtype, any shapes, empty ones too)
     back to back in one request, eagerly and in a tf.function, on the C ops
-    (no concatenation or slice in the graph; the members out of the flat result
-    by one RdtMembers op: views where they start aligned, as bucket 0's first
-    two, copies elsewhere) and on the twin."""
+    (three ops per bucket, no concatenation, slice or reshape in the graph: the
+    executor copies each member in and its result back, in place) and on the twin."""
     plan = [(0, (16, 4), "float32"), (0, (5,), "float32"), (0, (2, 3), "float32"), (1, (7,), "int64"),
             (0, (1000,), "float32"),
             (2, (0,), "float64"), (2, (4, 1), "float64"), (1, (3,), "int64"), (3, (9,), "float16")]

@@ -11,23 +11,21 @@
 //   RdtShmAllreduceLaunchMany(tensors) -> handles   several launches in one op;
 //   RdtShmAllreduceDoneMany(handles, tensors) -> reduced   the same for several
 //       launches at once: one hand-over back to TensorFlow for all of them;
-//   RdtShmAllreduceLaunchFused(tensors) -> handle   a fusion bucket: its tensors
-//       (one dtype) copied back to back into one request, one launch;
-//   RdtShmAllreduceDoneFused(handle, tensors) -> reduced   its completion: the
-//       result as one flat tensor, the members' elements back to back (the
-//       members are inputs for their sizes and the gradient). One output: an
-//       asynchronous kernel's outputs are each handed to TensorFlow's thread pool
-//       as a task of its own when it completes, so one output per member cost
-//       more than the members' split and reshapes in the graph after it.
-//   RdtMembers(flat) -> members   the flat result as one tensor per member,
-//       shaped as it: a synchronous op with one output per member (TensorFlow
-//       runs their consumers inline, unlike an asynchronous op's). A member that
-//       starts on an aligned address is a view of the flat buffer, no copy (a
-//       fused launch places its members back to back, so members whose sizes
-//       are multiples of 64 bytes are all views); the others are copied out.
+//   RdtShmAllreduceLaunchFused(tensors) -> handle, pending   a fusion bucket:
+//       its tensors (one dtype) as one request of parts, reduced in place (each
+//       member this op alone holds is its own result's buffer, else a new output),
+//       one launch however many members; `pending` are the results-to-be;
+//   RdtShmAllreduceDoneFused(handle) -> ready   its completion: a token, no
+//       tensors. One output: an asynchronous kernel's outputs are each handed to
+//       TensorFlow's thread pool as a task of its own when it completes;
+//   RdtShmAllreduceMembers(ready, pending) -> reduced   the results once the token
+//       exists, handed on as they are: a synchronous op (TensorFlow runs the
+//       consumers of its outputs inline). No copy, no allocation, no view: a
+//       consumer that updates in place can take a result's buffer.
 //
-// Both are stateful: never folded, and chained in program order inside a
-// tf.function, so the Python side emits every launch before any completion.
+// The launches and completions are stateful: never folded, and chained in
+// program order inside a tf.function, so the Python side emits every launch
+// before any completion.
 // A group is named by the `group` attribute and looked up at run time in this
 // library's registry (ops.py adds and removes groups through the extern "C"
 // functions below): a graph traced over a group that is gone fails with
@@ -123,8 +121,23 @@ REGISTER_OP("RdtShmAllreduceDoneMany")
 REGISTER_OP("RdtShmAllreduceLaunchFused")
     .Input("tensors: N * T")
     .Output("handle: int64")
+    .Output("pending: N * T")
     .Attr("T: {float, double, int32, int64, half}")
     .Attr("N: int >= 1")
+    .Attr("group: string")
+    .Attr("bucket: int")
+    RDT_REDUCTION_ATTRS
+    .Attr("label: string = ''")
+    .SetIsStateful()
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      c->set_output(0, c->Scalar());
+      for (int i = 0; i < c->num_inputs(); i++) c->set_output(1 + i, c->input(i));
+      return absl::OkStatus();
+    });
+
+REGISTER_OP("RdtShmAllreduceDoneFused")
+    .Input("handle: int64")
+    .Output("ready: int64")
     .Attr("group: string")
     .Attr("bucket: int")
     RDT_REDUCTION_ATTRS
@@ -132,44 +145,18 @@ REGISTER_OP("RdtShmAllreduceLaunchFused")
     .SetIsStateful()
     .SetShapeFn(shape_inference::ScalarShape);
 
-REGISTER_OP("RdtShmAllreduceDoneFused")
-    .Input("handle: int64")
-    .Input("tensors: N * T")
-    .Output("reduced: T")
+REGISTER_OP("RdtShmAllreduceMembers")
+    .Input("ready: int64")
+    .Input("pending: N * T")
+    .Output("reduced: N * T")
     .Attr("T: {float, double, int32, int64, half}")
     .Attr("N: int >= 1")
     .Attr("group: string")
     .Attr("bucket: int")
     RDT_REDUCTION_ATTRS
     .Attr("label: string = ''")
-    .SetIsStateful()
     .SetShapeFn([](shape_inference::InferenceContext* c) {
-      int64_t total = 0;
-      for (int i = 1; i < c->num_inputs() && total >= 0; i++) {
-        shape_inference::DimensionHandle n = c->NumElements(c->input(i));
-        total = c->ValueKnown(n) ? total + c->Value(n) : -1;
-      }
-      c->set_output(0, c->Vector(total >= 0 ? c->MakeDim(total) : c->UnknownDim()));
-      return absl::OkStatus();
-    });
-
-REGISTER_OP("RdtMembers")
-    .Input("flat: T")
-    .Output("members: N * T")
-    .Attr("T: {float, double, int32, int64, half}")
-    .Attr("N: int >= 1")
-    .Attr("shapes: list(shape)")
-    .SetShapeFn([](shape_inference::InferenceContext* c) {
-      std::vector<PartialTensorShape> shapes;
-      TF_RETURN_IF_ERROR(c->GetAttr("shapes", &shapes));
-      if (static_cast<int>(shapes.size()) != c->num_outputs())
-        return errors::InvalidArgument("RdtMembers: ", shapes.size(), " shapes for ", c->num_outputs(),
-                                       " members");
-      for (int i = 0; i < c->num_outputs(); i++) {
-        shape_inference::ShapeHandle out;
-        TF_RETURN_IF_ERROR(c->MakeShapeFromPartialTensorShape(shapes[i], &out));
-        c->set_output(i, out);
-      }
+      for (int i = 0; i < c->num_outputs(); i++) c->set_output(i, c->input(1 + i));
       return absl::OkStatus();
     });
 
@@ -203,9 +190,10 @@ struct Pending {
   int status = RDT_SHM_OK;
   std::string message;
   Tensor input, output;        // input: kept alive while the executor reads it
-  // a fused launch's members (kept alive while the executor reads them) and where
-  // each part of the request comes from and goes to
-  std::vector<Tensor> members;
+  // a fused launch's members the executor reads and results it writes (kept alive
+  // until it is done), and where each part of the request comes from and goes to
+  std::vector<Tensor> members, results;
+  bool fused = false;
   std::vector<const void*> ins;
   std::vector<void*> outs;
   std::vector<uint64_t> counts;
@@ -284,6 +272,7 @@ void Finish(Pending* p) {
   }
   p->input = Tensor();
   p->members.clear();
+  p->results.clear();
   AsyncOpKernel::DoneCallback done = std::move(p->done);
   p->done = nullptr;
   done();
@@ -390,39 +379,13 @@ struct Attrs {
 };
 
 // ---------------------------------------------------------------- the ops
-// Queues the all-reduce of `in` on `group`: its handle in *handle.
-// `members` (a fused launch): `in` is their flat shape, and the executor copies each
-// member into its segment itself (parts), where a graph would concatenate them first.
-absl::Status LaunchOne(OpKernelContext* ctx, const std::shared_ptr<GroupRef>& group, const Tensor& in,
-                       int64_t bucket, int op, float scale, const std::shared_ptr<const std::string>& label,
-                       int64_t* handle, const OpInputList* members = nullptr) {
-  const int dtype = DtypeCode(in.dtype());
+// Queues p's request on `group`, its parts (ins, outs, counts) filled in: its handle in *handle.
+absl::Status Submit(const std::shared_ptr<GroupRef>& group, std::shared_ptr<Pending> p, DataType type,
+                    int64_t bucket, int op, float scale, const std::shared_ptr<const std::string>& label,
+                    int64_t* handle) {
+  const int dtype = DtypeCode(type);
   if (dtype == 0)
-    return errors::InvalidArgument("all-reduce of ", *label, ": dtype ", DataTypeString(in.dtype()),
-                                   " is not supported");
-  auto p = std::make_shared<Pending>();
-  TF_RETURN_IF_ERROR(ctx->allocate_temp(in.dtype(), in.shape(), &p->output));
-  char* dst = const_cast<char*>(p->output.tensor_data().data());
-  if (members != nullptr) {
-    const int m = members->size();
-    p->members.reserve(m);
-    p->ins.reserve(m);
-    p->outs.reserve(m);
-    p->counts.reserve(m);
-    for (int i = 0; i < m; i++) {
-      const Tensor& t = (*members)[i];
-      p->members.push_back(t);
-      p->ins.push_back(t.tensor_data().data());
-      p->outs.push_back(dst);
-      p->counts.push_back(static_cast<uint64_t>(t.NumElements()));
-      dst += t.tensor_data().size();
-    }
-  } else {
-    p->input = in;
-    p->ins.push_back(in.tensor_data().data());
-    p->outs.push_back(dst);
-    p->counts.push_back(static_cast<uint64_t>(in.NumElements()));
-  }
+    return errors::InvalidArgument("all-reduce of ", *label, ": dtype ", DataTypeString(type), " is not supported");
   p->group = group;
   p->label = label;
   p->self = p;
@@ -446,33 +409,36 @@ absl::Status LaunchOne(OpKernelContext* ctx, const std::shared_ptr<GroupRef>& gr
   return absl::OkStatus();
 }
 
+// Queues the all-reduce of `in` into a new output on `group`: its handle in *handle.
+absl::Status LaunchOne(OpKernelContext* ctx, const std::shared_ptr<GroupRef>& group, const Tensor& in,
+                       int64_t bucket, int op, float scale, const std::shared_ptr<const std::string>& label,
+                       int64_t* handle) {
+  auto p = std::make_shared<Pending>();
+  TF_RETURN_IF_ERROR(ctx->allocate_temp(in.dtype(), in.shape(), &p->output));
+  p->input = in;
+  p->ins.push_back(in.tensor_data().data());
+  p->outs.push_back(const_cast<char*>(p->output.tensor_data().data()));
+  p->counts.push_back(static_cast<uint64_t>(in.NumElements()));
+  return Submit(group, std::move(p), in.dtype(), bucket, op, scale, label, handle);
+}
+
 absl::Status NotOpen(const std::string& group, const std::string& label) {
   return errors::FailedPrecondition("rdmatensor: the shm all-reduce group '", group,
                                     "' is not open in this process (closed, or never made); all-reduce of ", label,
                                     " cannot run");
 }
 
-// RdtShmAllreduceLaunch, and RdtShmAllreduceLaunchFused (`fused`: a fusion
-// bucket's tensors copied back to back into one request: one launch however many
-// members; their copy is the concatenation a graph would make).
+// RdtShmAllreduceLaunch.
 class LaunchOp : public OpKernel {
  public:
-  explicit LaunchOp(OpKernelConstruction* c, bool fused = false) : OpKernel(c), a_(c), fused_(fused) {}
+  explicit LaunchOp(OpKernelConstruction* c) : OpKernel(c), a_(c) {}
 
   void Compute(OpKernelContext* ctx) override {
     std::shared_ptr<GroupRef> group = FindGroup(a_.group);
     OP_REQUIRES(ctx, group != nullptr, NotOpen(a_.group, a_.label));
-    Tensor in = ctx->input(0);
-    OpInputList tensors;
-    if (fused_) {
-      OP_REQUIRES_OK(ctx, ctx->input_list("tensors", &tensors));
-      int64_t total = 0;
-      for (int i = 0; i < tensors.size(); i++) total += tensors[i].NumElements();
-      in = Tensor(tensors[0].dtype(), TensorShape({total}), static_cast<TensorBuffer*>(nullptr));  // no buffer
-    }
     int64_t handle = 0;
-    OP_REQUIRES_OK(ctx, LaunchOne(ctx, group, in, a_.bucket, OpCode(a_.op), a_.scale, a_.shared_label, &handle,
-                                  fused_ ? &tensors : nullptr));
+    OP_REQUIRES_OK(ctx, LaunchOne(ctx, group, ctx->input(0), a_.bucket, OpCode(a_.op), a_.scale, a_.shared_label,
+                                  &handle));
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
     out->scalar<int64_t>()() = handle;
@@ -480,12 +446,54 @@ class LaunchOp : public OpKernel {
 
  private:
   Attrs a_;
-  bool fused_;
 };
 
-class LaunchFusedOp : public LaunchOp {
+// RdtShmAllreduceLaunchFused: a fusion bucket's members as one request of parts,
+// reduced in place. A member this op alone holds (TensorFlow's refcount says so)
+// is its own result's buffer: the executor copies it into its segment and the
+// result back into it, with no allocation and no copy outside the executor; any
+// other member gets a new output. The results are `pending` until the
+// completion's token says the executor is done with them.
+class LaunchFusedOp : public OpKernel {
  public:
-  explicit LaunchFusedOp(OpKernelConstruction* c) : LaunchOp(c, true) {}
+  explicit LaunchFusedOp(OpKernelConstruction* c) : OpKernel(c), a_(c) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    std::shared_ptr<GroupRef> group = FindGroup(a_.group);
+    OP_REQUIRES(ctx, group != nullptr, NotOpen(a_.group, a_.label));
+    OpInputList tensors;
+    OP_REQUIRES_OK(ctx, ctx->input_list("tensors", &tensors));
+    const int m = tensors.size();
+    auto p = std::make_shared<Pending>();
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(DT_INT64, TensorShape({}), &p->output));  // the completion's token
+    p->output.scalar<int64_t>()() = 1;
+    p->fused = true;
+    p->results.reserve(m);
+    p->ins.reserve(m);
+    p->outs.reserve(m);
+    p->counts.reserve(m);
+    for (int i = 0; i < m; i++) {
+      const Tensor& t = tensors[i];
+      Tensor* out = nullptr;
+      if (!ctx->forward_input_to_output_with_shape(i, 1 + i, t.shape(), &out)) {
+        OP_REQUIRES_OK(ctx, ctx->allocate_output(1 + i, t.shape(), &out));
+        p->members.push_back(t);   // read by the executor: kept until it is done
+      }
+      p->results.push_back(*out);  // written by the executor: kept until it is done
+      p->ins.push_back(t.tensor_data().data());
+      p->outs.push_back(const_cast<char*>(out->tensor_data().data()));
+      p->counts.push_back(static_cast<uint64_t>(t.NumElements()));
+    }
+    int64_t handle = 0;
+    OP_REQUIRES_OK(ctx, Submit(group, std::move(p), tensors[0].dtype(), a_.bucket, OpCode(a_.op), a_.scale,
+                               a_.shared_label, &handle));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<int64_t>()() = handle;
+  }
+
+ private:
+  Attrs a_;
 };
 
 // Several launches in one op: one stateful op (one link of the program-order
@@ -579,8 +587,9 @@ class LaunchManyOp : public OpKernel {
   float scale_ = 1.0f;
 };
 
-// RdtShmAllreduceDone, and RdtShmAllreduceDoneFused (`fused`: the members after the
-// handle hold as many elements as the launch).
+// RdtShmAllreduceDone, and RdtShmAllreduceDoneFused (`fused`: a fused launch's
+// completion, whose output is only a token: RdtShmAllreduceMembers, which takes it,
+// gives the results).
 class DoneOp : public AsyncOpKernel {
  public:
   explicit DoneOp(OpKernelConstruction* c, bool fused = false) : AsyncOpKernel(c), a_(c), fused_(fused) {}
@@ -595,12 +604,11 @@ class DoneOp : public AsyncOpKernel {
                       errors::InvalidArgument("all-reduce of ", a_.label, ": handle ", handle,
                                               " is unknown (completed already, or never launched)"),
                       done);
-    if (fused_) {
-      int64_t total = 0;
-      for (int i = 1; i < ctx->num_inputs(); i++) total += ctx->input(i).NumElements();
-      OP_REQUIRES_ASYNC(ctx, total == p->output.NumElements() && ctx->input(1).dtype() == p->output.dtype(),
-                        errors::InvalidArgument("all-reduce of ", a_.label, ": the members hold ", total,
-                                                " elements, the launch ", p->output.NumElements()),
+    if (p->fused != fused_) {
+      OP_REQUIRES_ASYNC(ctx, false,
+                        errors::InvalidArgument("all-reduce of ", a_.label, ": handle ", handle, " is of ",
+                                                p->fused ? "a fused launch" : "a launch that is not fused",
+                                                ", this completion of ", fused_ ? "a fused one" : "one not fused"),
                         done);
     }
     std::unique_lock<std::mutex> l(p->mu);
@@ -723,50 +731,17 @@ rdt_shm_group* rdt::AcquireGroup(const std::string& name) {
   return ref->g;
 }
 
-// RdtMembers: the members' views of (or copies out of) the flat result.
+// RdtShmAllreduceMembers: a fused launch's results, once its completion's token
+// exists (the executor is done with them), handed on as they are. Synchronous:
+// TensorFlow runs the consumers of a synchronous op's outputs inline, where an
+// asynchronous op's would each be a task of its own on its thread pool.
 class MembersOp : public OpKernel {
  public:
-  explicit MembersOp(OpKernelConstruction* c) : OpKernel(c) {
-    std::vector<PartialTensorShape> shapes;
-    OP_REQUIRES_OK(c, c->GetAttr("shapes", &shapes));
-    for (const PartialTensorShape& s : shapes) {
-      TensorShape full;
-      OP_REQUIRES(c, s.AsTensorShape(&full),
-                  errors::InvalidArgument("RdtMembers: member shape ", s.DebugString(), " is not fully defined"));
-      shapes_.push_back(full);
-      total_ += full.num_elements();
-    }
-  }
+  explicit MembersOp(OpKernelConstruction* c) : OpKernel(c) {}
 
   void Compute(OpKernelContext* ctx) override {
-    const Tensor& flat = ctx->input(0);
-    OP_REQUIRES(ctx, ctx->num_outputs() == static_cast<int>(shapes_.size()),
-                errors::InvalidArgument("RdtMembers: ", shapes_.size(), " shapes for ", ctx->num_outputs(),
-                                        " members"));
-    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(flat.shape()) && flat.NumElements() == total_,
-                errors::InvalidArgument("RdtMembers: the members hold ", total_, " elements, the flat result ",
-                                        flat.shape().DebugString()));
-    const size_t item = DataTypeSize(flat.dtype());
-    int64_t start = 0;
-    for (size_t i = 0; i < shapes_.size(); i++) {
-      const int64_t n = shapes_[i].num_elements();
-      Tensor view;
-      // a view shares the flat buffer (TensorFlow never writes into a shared one in place)
-      if (n > 0 && view.CopyFrom(flat.Slice(start, start + n), shapes_[i]) && view.IsAligned()) {
-        ctx->set_output(i, view);
-      } else {
-        Tensor* out = nullptr;
-        OP_REQUIRES_OK(ctx, ctx->allocate_output(i, shapes_[i], &out));
-        if (n > 0) std::memcpy(const_cast<char*>(out->tensor_data().data()),
-                               flat.tensor_data().data() + start * item, n * item);
-      }
-      start += n;
-    }
+    for (int i = 0; i < ctx->num_outputs(); i++) ctx->set_output(i, ctx->input(1 + i));
   }
-
- private:
-  std::vector<TensorShape> shapes_;
-  int64_t total_ = 0;
 };
 
 REGISTER_KERNEL_BUILDER(Name("RdtShmAllreduceLaunch").Device(DEVICE_CPU), LaunchOp);
@@ -775,7 +750,7 @@ REGISTER_KERNEL_BUILDER(Name("RdtShmAllreduceDone").Device(DEVICE_CPU), DoneOp);
 REGISTER_KERNEL_BUILDER(Name("RdtShmAllreduceDoneMany").Device(DEVICE_CPU), DoneManyOp);
 REGISTER_KERNEL_BUILDER(Name("RdtShmAllreduceLaunchFused").Device(DEVICE_CPU), LaunchFusedOp);
 REGISTER_KERNEL_BUILDER(Name("RdtShmAllreduceDoneFused").Device(DEVICE_CPU), DoneFusedOp);
-REGISTER_KERNEL_BUILDER(Name("RdtMembers").Device(DEVICE_CPU), MembersOp);
+REGISTER_KERNEL_BUILDER(Name("RdtShmAllreduceMembers").Device(DEVICE_CPU), MembersOp);
 
 // ---------------------------------------------------------------- for ops.py (ctypes)
 extern "C" {

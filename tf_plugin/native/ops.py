@@ -15,12 +15,13 @@ stateful ops run in program order, so launches go before completions: the
 executor works through its queue while the completions wait. allreduce_many is
 RdtShmAllreduceLaunchMany and RdtShmAllreduceDoneMany, two ops however many
 tensors (together=False: a launch and a completion per tensor). allreduce_fused
-is RdtShmAllreduceLaunchFused and RdtShmAllreduceDoneFused: the tensors (one
-dtype) copied back to back into one request of one bucket by the launch kernel,
-and the result handed back as one flat tensor by the completion kernel, then
-split into the members' shapes in the graph (one split and a reshape per
-member, run inline by TensorFlow's executor: an asynchronous kernel's outputs
-each become a task of the thread pool, which cost more). Errors are
+is RdtShmAllreduceLaunchFused, RdtShmAllreduceDoneFused and
+RdtShmAllreduceMembers: the tensors (one dtype) as one request of one bucket,
+which the executor copies into its segment part by part and reduces in place
+(a member only the launch holds is its own result's buffer); the completion
+waits and gives a token; the members op hands the results on once it exists
+(synchronous: TensorFlow runs its consumers inline, where each output of an
+asynchronous kernel becomes a task of the thread pool, which costs more). Errors are
 TensorFlow's types: DeadlineExceeded (a peer did not arrive in time; the message
 names it), Aborted (the group was aborted, or broken by an
 earlier failure), Unavailable (a peer aborted), Cancelled (the step was
@@ -233,6 +234,7 @@ class Launched(NamedTuple):
     scale: float
     label: str
     members: tuple = ()            # launch_fused: the tensors `tensor` holds back to back
+    pending: tuple = ()            # launch_fused, native: the members' results-to-be
 
 
 def _attrs(launched: Launched) -> dict:
@@ -338,30 +340,25 @@ def launch_fused(tensors, group, bucket: int, op: str = "sum", scale: float = 1.
         flat = [tf.reshape(t, [-1]) for t in members]
         return launch(flat[0] if len(flat) == 1 else tf.concat(flat, 0), group, bucket, op, scale,
                       label)._replace(members=members)
-    scale = scaling.factor(scale)
-    handle = native.module.rdt_shm_allreduce_launch_fused(list(members), group=group.name, bucket=int(bucket),
-                                                          reduce_op=op, scale=scale, label=label or "")
-    return Launched(handle, members[0], group.name, native, int(bucket), op, scale, label or "", members)
+    return _launch_fused(native, members, group.name, int(bucket), op, scaling.factor(scale), label or "")
+
+
+def _launch_fused(native: NativeLibrary, members: tuple, group: str, bucket: int, op: str, scale: float,
+                  label: str) -> Launched:
+    handle, pending = native.module.rdt_shm_allreduce_launch_fused(list(members), group=group, bucket=bucket,
+                                                                   reduce_op=op, scale=scale, label=label)
+    return Launched(handle, members[0], group, native, bucket, op, scale, label, members, tuple(pending))
 
 
 def complete_fused(launched: Launched) -> list:
     """The results of launch_fused, one per member, shaped as the member."""
     if launched.native is not None:
-        flat = launched.native.module.rdt_shm_allreduce_done_fused(launched.handle, list(launched.members),
-                                                                   **_attrs(launched))
-    else:
-        flat = complete(launched)
-    return _members(flat, launched.members, launched.native)
-
-
-def _members(flat: tf.Tensor, members, native: NativeLibrary | None = None) -> list:
-    """`flat` (the members' elements back to back) as one tensor per member, shaped as it:
-    one RdtMembers op with the op library (views of `flat` where aligned: no copy, no
-    op per member), else a split and a reshape per member."""
+        ready = launched.native.module.rdt_shm_allreduce_done_fused(launched.handle, **_attrs(launched))
+        return list(launched.native.module.rdt_shm_allreduce_members(ready, list(launched.pending),
+                                                                      **_attrs(launched)))
+    flat, members = complete(launched), launched.members
     if len(members) == 1:
         return [tf.reshape(flat, members[0].shape)]
-    if native is not None and all(t.shape.is_fully_defined() for t in members):
-        return list(native.module.rdt_members(flat, N=len(members), shapes=[t.shape for t in members]))
     parts = tf.split(flat, [t.shape.num_elements() for t in members])
     return [tf.reshape(part, t.shape) for part, t in zip(parts, members, strict=True)]
 
@@ -467,21 +464,25 @@ def _for_gradient(op) -> tuple[NativeLibrary, dict]:
     return lib, attrs
 
 
-@tf.RegisterGradient("RdtShmAllreduceDoneFused")
-def _done_fused_gradient(op, *grads):
-    """The members' gradients: the same fused all-reduce of their upstream gradients."""
-    lib, attrs = _for_gradient(op)
-    (grad,) = grads
-    grad = tf.zeros_like(op.outputs[0]) if grad is None else tf.convert_to_tensor(grad)
-    handle = lib.module.rdt_shm_allreduce_launch_fused([grad], **attrs)
-    return [None, *_members(lib.module.rdt_shm_allreduce_done_fused(handle, [grad], **attrs), op.inputs[1:], lib)]
-
-
-@tf.RegisterGradient("RdtMembers")
+@tf.RegisterGradient("RdtShmAllreduceMembers")
 def _members_gradient(op, *grads):
-    """The flat result's gradient: the members' upstream gradients back to back (zeros where none)."""
-    return tf.concat([tf.reshape(tf.zeros_like(m) if g is None else g, [-1])
-                      for g, m in zip(grads, op.outputs, strict=True)], 0)
+    """The members' gradients: the same fused all-reduce of their upstream gradients
+    (to the pending results, which the launch's gradient hands to its inputs)."""
+    lib, attrs = _for_gradient(op)
+    upstream = tuple(tf.zeros_like(t) if g is None else tf.convert_to_tensor(g)
+                     for g, t in zip(grads, op.outputs, strict=True))
+    launched = _launch_fused(lib, upstream, attrs["group"], attrs["bucket"], attrs["reduce_op"], attrs["scale"],
+                             attrs["label"])
+    return [None, *complete_fused(launched)]
+
+
+@tf.RegisterGradient("RdtShmAllreduceLaunchFused")
+def _launch_fused_gradient(op, *grads):
+    """Each member's gradient is its pending result's (the all-reduce is in RdtShmAllreduceMembers')."""
+    return list(grads[1:])
+
+
+tf.no_gradient("RdtShmAllreduceDoneFused")
 
 
 @tf.RegisterGradient("RdtShmAllreduceXla")
