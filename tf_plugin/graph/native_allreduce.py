@@ -2,13 +2,13 @@
 every rank of the set is on one host (tf_plugin/native, docs/native-ops.md).
 
 Same structure as overlap.bucketed, other ops: per bucket of the plan, its
-members (prescaled as Horovod scales) copied back to back into ONE request by
+members (prescaled as Horovod scales) in ONE request, reduced in place, by
 RdtShmAllreduceLaunchFused as soon as they exist (the launches chained in
 bucket order, the first after the previous collective of the graph:
 overlap.in_program_order); after the last launch, an asynchronous
 RdtShmAllreduceDoneFused per bucket (holding no inter-op thread while it
-waits), whose flat result one split and a reshape per member give back in the
-members' shapes (ops.complete_fused). The op and the postscale are the
+waits), after which one RdtShmAllreduceMembers hands the members' results on
+(ops.complete_fused). The op and the postscale are the
 executor's (an average divides by the number of ranks there, as the ring
 does); no Python runs in the step.
 
