@@ -483,6 +483,28 @@ def test_parts_are_one_request_bit_for_bit_as_their_concatenation(kinds):
             g.close()
 
 
+@pytest.mark.parametrize("kinds", [("c", "c"), ("py", "py"), ("c", "py")])
+def test_busy_counts_what_ran_before_the_last_bucket_came(kinds):
+    """busy(): calls of an earlier bucket, made while the round's last bucket is not
+    submitted yet, overlap all of their time; calls of the last bucket none; the
+    seconds outlive close(), on both twins."""
+    groups = _groups(kinds, [1 << 20, 64])
+    try:
+        _threads(groups, lambda r, g: [g.allreduce(0, np.ones(1 << 18, np.float32)) for _ in range(3)])
+        first = [g.busy() for g in groups]
+        for (busy, overlapped), kind in zip(first, kinds, strict=True):
+            assert busy > 0 and overlapped == busy, (kind, busy, overlapped)
+        _threads(groups, lambda r, g: [g.allreduce(1, np.ones(4, np.float32)) for _ in range(3)])
+        for g, (busy, overlapped), kind in zip(groups, first, kinds, strict=True):
+            now = g.busy()
+            assert now[0] > busy and now[1] == overlapped, (kind, now, busy, overlapped)
+        last = [g.busy() for g in groups]
+    finally:
+        for g in groups:
+            g.close()
+    assert [g.busy() for g in groups] == last, "busy seconds lost at close"
+
+
 def test_the_contract_refuses_and_breaks_alike():
     """A bad argument raises ShmInvalid on both, starting nothing; a mismatch
     raises ShmMismatch on every rank and breaks the group; a timeout names the

@@ -146,6 +146,17 @@ class ShmGroup(ABC):
         even slices, as many as a ring all-reduce sends and receives."""
 
     @abstractmethod
+    def busy(self) -> tuple[float, float]:
+        """(seconds spent running this rank's calls, of them the seconds before the
+        last bucket of their round was submitted). A round is one call of every
+        bucket; launched as backprop makes its gradients, the second over the first
+        is the share of the all-reduce that overlapped backprop. The C executor
+        counts a wave of calls from taking it to its last completion (counted before
+        that call returns); the twin
+        runs each call when it is made, so only a call of an earlier bucket than
+        the last overlaps."""
+
+    @abstractmethod
     def abort(self, why: str = "aborted by the caller", status: int = ABORTED) -> None:
         """Break the group: waits end, this and later all-reduces raise. A peer
         waiting on it fails with PEER_ABORTED, or with MISMATCH when `status` is

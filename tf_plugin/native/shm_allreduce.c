@@ -71,6 +71,7 @@
 #define YIELD_SLOW_SECONDS 1e-3
 #endif
 #define CONTENDED_SECONDS 0.1
+#define LAST_SUBMITS 16u
 #define SLICE_SECONDS 0.05
 
 typedef struct request {
@@ -119,6 +120,12 @@ struct rdt_shm_group {
   _Atomic(uint32_t *) wait_addr;
   _Atomic int refs;
   _Atomic uint64_t done_calls, moved_bytes; /* calls completed, bytes each moved to and from peers */
+  /* overlap: when the last bucket's latest calls were submitted (under mu; a round
+   * ends with its last bucket, handed over when backprop made its gradients), and
+   * the executor's time on waves, of it before its round's last bucket came */
+  uint64_t last_submits;
+  double last_submit_at[LAST_SUBMITS];
+  double busy_seconds, overlapped_seconds; /* under mu */
   pthread_t thread;
   int started;
   double contended_until; /* the executor thread's alone: no yields before then */
@@ -452,6 +459,13 @@ void rdt_shm_group_counters(rdt_shm_group *g, uint64_t *calls, uint64_t *bytes) 
   *bytes = atomic_load(&g->moved_bytes);
 }
 
+void rdt_shm_group_busy(rdt_shm_group *g, double *busy, double *overlapped) {
+  pthread_mutex_lock(&g->mu);
+  *busy = g->busy_seconds;
+  *overlapped = g->overlapped_seconds;
+  pthread_mutex_unlock(&g->mu);
+}
+
 /* What a completed call moved across this rank's boundary, either way: in step 2 it
  * reads its slice from each of n-1 peers and they read everything else of its input;
  * in step 3 it reads everything else of the result and each peer reads its slice. */
@@ -696,16 +710,38 @@ static void fail(rdt_shm_group *g, request *r, int status) {
   }
 }
 
+/* A wave's time from t0 to t1 into the busy counters: the share of it before its
+ * round's last bucket was submitted is overlapped (the round of its first request,
+ * its call number k; that bucket not yet submitted: all of it; submitted so long ago
+ * that the ring forgot when: none of it). */
+static void account(rdt_shm_group *g, uint64_t k, double t0, double t1) {
+  if (k == 0) return; /* failed before step 1 */
+  pthread_mutex_lock(&g->mu);
+  double before = t1 - t0;
+  if (g->last_submits >= k) {
+    before = 0;
+    if (g->last_submits - k < LAST_SUBMITS) {
+      double at = g->last_submit_at[(k - 1) % LAST_SUBMITS];
+      before = at <= t0 ? 0 : (at >= t1 ? t1 - t0 : at - t0);
+    }
+  }
+  g->busy_seconds += t1 - t0;
+  g->overlapped_seconds += before;
+  pthread_mutex_unlock(&g->mu);
+}
+
 static void *executor(void *arg) {
   rdt_shm_group *g = arg;
   request *wave;
   while ((wave = next_wave(g)) != NULL) {
+    const double t0 = now_seconds();
     for (request *r = wave; r != NULL; r = r->next) {
       r->status = RDT_SHM_OK;
       r->msg[0] = '\0';
       if (atomic_load(&g->aborted)) r->status = aborted_status(g, r, r->msg);
       else step_in(g, r);
     }
+    const uint64_t round = wave->k;
     for (request *r = wave; r != NULL; r = r->next) {
       if (r->status != RDT_SHM_OK) continue;
       int st = atomic_load(&g->aborted) ? aborted_status(g, r, r->msg) : step_reduce(g, r);
@@ -725,6 +761,7 @@ static void *executor(void *arg) {
       pthread_mutex_lock(&g->mu);
       wave = g->wave = r->next;
       pthread_mutex_unlock(&g->mu);
+      if (wave == NULL) account(g, round, t0, now_seconds()); /* counted once its caller can look */
       r->done(r->arg, r->status, r->msg);
       pthread_mutex_lock(&g->mu);
       r->next = g->spare;
@@ -1012,11 +1049,13 @@ static int submit(rdt_shm_group *g, int m, const uint32_t *buckets, const void *
     last = r;
   }
   if (first == NULL) return 0;
+  const double at = now_seconds();
   pthread_mutex_lock(&g->mu);
   int i = 0;
   for (request *r = first; r != NULL; r = r->next, i++) {
     r->id = g->next_id++;
     if (ids) ids[i] = r->id;
+    if (r->bucket == g->buckets - 1) g->last_submit_at[g->last_submits++ % LAST_SUBMITS] = at;
   }
   if (g->tail) g->tail->next = first;
   else g->head = first;

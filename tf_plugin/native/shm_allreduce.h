@@ -162,6 +162,12 @@ int rdt_shm_group_peer_ahead(rdt_shm_group *g, uint32_t *bucket, uint64_t *call)
  * for even slices, as a ring all-reduce's). */
 void rdt_shm_group_counters(rdt_shm_group *g, uint64_t *calls, uint64_t *bytes);
 
+/* Seconds the executor spent on this group's calls (a wave's, from taking it to its
+ * last completion, counted before that completes), and of them the seconds before
+ * the last bucket of the wave's round was submitted: with a step's buckets launched
+ * as backprop makes them, the share that overlapped backprop. */
+void rdt_shm_group_busy(rdt_shm_group *g, double *busy, double *overlapped);
+
 #ifdef __cplusplus
 }
 #endif

@@ -55,6 +55,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.rdt_shm_group_peer_ahead.restype = _INT
         lib.rdt_shm_group_counters.argtypes = [_P, ctypes.POINTER(_U64), ctypes.POINTER(_U64)]
         lib.rdt_shm_group_counters.restype = None
+        lib.rdt_shm_group_busy.argtypes = [_P, ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_double)]
+        lib.rdt_shm_group_busy.restype = None
         lib._rdt_shm_bound = True
     return lib
 
@@ -84,6 +86,7 @@ class CGroup(ShmGroup):
         self._calls = 0
         self._closed = False
         self._final = (0, 0)
+        self._final_busy = (0.0, 0.0)
 
     def allreduce(self, bucket: int, array, op: str = "sum", scale: float = 1.0, label: str | None = None
                   ) -> np.ndarray:
@@ -153,6 +156,14 @@ class CGroup(ShmGroup):
             self.lib.rdt_shm_group_counters(self.handle, ctypes.byref(calls), ctypes.byref(moved))
             return calls.value, moved.value
 
+    def busy(self) -> tuple[float, float]:
+        with self._busy:
+            if self.handle is None:
+                return self._final_busy
+            busy, overlapped = ctypes.c_double(), ctypes.c_double()
+            self.lib.rdt_shm_group_busy(self.handle, ctypes.byref(busy), ctypes.byref(overlapped))
+            return busy.value, overlapped.value
+
     @contextlib.contextmanager
     def _call(self, what: str):
         """One call into the executor, counted so close() waits for it; refused once closed."""
@@ -192,7 +203,7 @@ class CGroup(ShmGroup):
             self.lib.rdt_shm_group_abort(self.handle, contract.CLOSED, b"the group was closed")
             while self._calls:
                 self._busy.wait()
-        self._final = self.counters()
+        self._final, self._final_busy = self.counters(), self.busy()
         with self._busy:
             handle, self.handle = self.handle, None
         self.lib.rdt_shm_group_release(handle)

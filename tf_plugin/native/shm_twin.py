@@ -81,6 +81,7 @@ class TwinGroup(ShmGroup):
         self._aborted, self._why = 0, ""
         self._closed = False
         self._done, self._moved = 0, 0
+        self._busy, self._overlapped = 0.0, 0.0
 
     # --------------------------------------------------------------- contract
     def allreduce(self, bucket: int, array, op: str = "sum", scale: float = 1.0, label: str | None = None
@@ -92,7 +93,12 @@ class TwinGroup(ShmGroup):
             if self._aborted:
                 raise error_for(self._aborted, self._failed(bucket, label))
             try:
+                t0 = time.monotonic()
                 result = self._run(bucket, array, op, float(scale), label)
+                spent = time.monotonic() - t0
+                self._busy += spent
+                if bucket < len(self.bucket_bytes) - 1:      # its round's last bucket comes later
+                    self._overlapped += spent
                 lo, hi = bounds(array.size, self.ranks, self.rank)
                 self._done += 1
                 self._moved += ((self.ranks - 1) * (hi - lo) + array.size - (hi - lo)) * array.itemsize
@@ -105,6 +111,10 @@ class TwinGroup(ShmGroup):
     def counters(self) -> tuple[int, int]:
         with self._lock:
             return self._done, self._moved
+
+    def busy(self) -> tuple[float, float]:
+        with self._lock:
+            return self._busy, self._overlapped
 
     def abort(self, why: str = "aborted by the caller", status: int = contract.ABORTED) -> None:
         if self._aborted or self._closed and not self._maps:
