@@ -91,19 +91,28 @@ def table(paths: list[str]) -> str:
 
 
 def paired_table(paths: list[str]) -> str:
-    """The table of these files' paired jobs (rdmatensor-train --paired)."""
+    """The table of these files' paired jobs (rdmatensor-train --paired). A kind timed
+    beside the provider in the same turns (the Python path beside `hvd`) gets a row of
+    its own, and the provider's row its step over the provider's."""
     header = ["model", "provider", "floor ms", "sync floor ms", "provider ms", "of floor", "of sync floor",
-              "sync floor: of floor", "cycles"]
+              "sync floor: of floor", "cycles", "beside it"]
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
     for path in paths:
         for job in json.loads(Path(path).read_text())["jobs"]:
             p, model = job["summary"].get("paired"), job["config"]["model"]
             if p is None:
                 continue
-            lines.append("| " + " | ".join([NAMES.get(model, model), job["config"]["provider"],
-                                            *(f"{p[k]:.1f}" for k in ("none_ms", "sync_ms", "provider_ms")),
-                                            *(f"{100 * p[k]:.0f}%" for k in ("of_floor", "of_sync", "sync_of_floor")),
-                                            str(p["cycles"])]) + " |")
+            provider = job["config"]["provider"]
+            others = sorted(k[3:] for k in p if k.startswith("of_") and k[3:] not in ("floor", "sync"))
+            rows = [(provider, p["provider_ms"], p["of_floor"], p["of_sync"],
+                     ", ".join(f"{o} step {p['of_' + o]:.2f}x" for o in others))]
+            rows += [(f"{o} (in {provider}'s turns)", p[o + "_ms"], p[o + "_of_floor"], p[o + "_of_sync"], "")
+                     for o in others]
+            for name, ms, of_floor, of_sync, beside in rows:
+                lines.append("| " + " | ".join([NAMES.get(model, model), name, f"{p['none_ms']:.1f}",
+                                                f"{p['sync_ms']:.1f}", f"{ms:.1f}", f"{100 * of_floor:.0f}%",
+                                                f"{100 * of_sync:.0f}%", f"{100 * p['sync_of_floor']:.0f}%",
+                                                str(p["cycles"]), beside or "–"]) + " |")
     return "\n".join(lines)
 
 

@@ -45,8 +45,17 @@ def test_paired_jobs_give_one_row_each_with_both_floors_and_the_shares(tmp_path)
         {"config": {"provider": "tcp", "model": "mobilenetv2"}, "summary": {"paired": None}}]}))
     lines = paired_table([str(path)]).splitlines()
     assert lines[0] == ("| model | provider | floor ms | sync floor ms | provider ms | of floor | of sync floor "
-                        "| sync floor: of floor | cycles |") and len(lines) == 3      # the unpaired job has no row
-    assert lines[2] == "| MobileNetV2 | shm | 42.2 | 46.9 | 52.3 | 80% | 88% | 91% | 60 |"
+                        "| sync floor: of floor | cycles | beside it |") and len(lines) == 3    # no row unpaired
+    assert lines[2] == "| MobileNetV2 | shm | 42.2 | 46.9 | 52.3 | 80% | 88% | 91% | 60 | – |"
+    # the Python path timed in the native job's turns: a row of its own, the ratio on the provider's
+    paired.update({"hvd-python_ms": 60.0, "hvd-python_of_floor": 0.70, "hvd-python_of_sync": 0.78,
+                   "of_hvd-python": 1.147})
+    path.write_text(json.dumps({"jobs": [{"config": {"provider": "hvd", "model": "mobilenetv2"},
+                                          "summary": {"paired": paired}}]}))
+    lines = paired_table([str(path)]).splitlines()
+    assert lines[2:] == [
+        "| MobileNetV2 | hvd | 42.2 | 46.9 | 52.3 | 80% | 88% | 91% | 60 | hvd-python step 1.15x |",
+        "| MobileNetV2 | hvd-python (in hvd's turns) | 42.2 | 46.9 | 60.0 | 70% | 78% | 91% | 60 | – |"]
 
 
 def test_the_readmes_table_is_what_its_command_prints():

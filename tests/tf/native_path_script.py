@@ -136,7 +136,32 @@ def differentiated(x):
 y, g = differentiated(args[0])
 results["differentiated_y"], results["differentiated_grad"] = y.numpy(), g.numpy()
 
-report = {"rank": rank, "graphs": graphs, "groups": groups, "open_before": segment.held(), "per_step": per_step}
+# a sequence model traced for any batch: the plain tape gives a Dense kernel's gradient as (None, units);
+# the distributed tape takes its variable's shape, so the set is static (the native ops, not the dynamic path)
+keras.utils.set_random_seed(9)
+seq = keras.Sequential([keras.Input((5, 12)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3)])
+SEQ_SIGNATURE = [tf.TensorSpec((None, 5, 12), tf.float32), tf.TensorSpec((None, 5, 3), tf.float32)]
+
+
+def seq_grads(x, y, distributed):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(seq(x) - y))
+    if distributed:
+        tape = hvd.DistributedGradientTape(tape)
+    return tape.gradient(loss, seq.trainable_variables)
+
+
+seq_step = tf.function(lambda x, y: seq_grads(x, y, True), input_signature=SEQ_SIGNATURE)
+seq_x, seq_y = rng.standard_normal((4, 5, 12)).astype(np.float32), rng.standard_normal((4, 5, 3)).astype(np.float32)
+for j, g in enumerate(seq_step(seq_x, seq_y)):
+    results[f"seq_grad{j}"] = g.numpy()
+graphs["seq_step"] = op_types(seq_step, tf.TensorSpec((None, 5, 12), tf.float32),
+                              tf.TensorSpec((None, 5, 3), tf.float32))
+plain = tf.function(lambda x, y: seq_grads(x, y, False), input_signature=SEQ_SIGNATURE).get_concrete_function()
+seq_lost = [str(t.shape) for t in plain.structured_outputs if not t.shape.is_fully_defined()]
+
+report = {"rank": rank, "graphs": graphs, "groups": groups, "open_before": segment.held(), "per_step": per_step,
+          "seq_lost": seq_lost}
 hvd.shutdown()
 report["open_after"] = segment.held()
 hvd.init()

@@ -36,8 +36,8 @@ def test_a_job_that_cannot_run_is_refused_naming_the_field(fields, message):
 
 def test_backends_are_the_providers_plus_tensorflow_horovod_and_the_floor():
     from rdmatensor.providers import REGISTRY
-    assert set(BACKENDS) == {"auto", *REGISTRY, "tf-grpc", "horovod", "none", "sync"}
-    for name in ("tf-grpc", "horovod"):
+    assert set(BACKENDS) == {"auto", *REGISTRY, "tf-grpc", "horovod", "hvd", "hvd-python", "none", "sync"}
+    for name in ("tf-grpc", "horovod", "hvd", "hvd-python"):
         assert BACKENDS[name].modes == ("allreduce",) and not BACKENDS[name].threads
     assert BACKENDS["sync"].modes == ("allreduce",) and BACKENDS["sync"].threads
     config = JobConfig(model="lm", batch=16, image_size=64)
@@ -218,6 +218,41 @@ def test_paired_shares_are_medians_of_ratios_within_cycles():
     assert p["cycles"] == 3 and (p["none_ms"], p["sync_ms"], p["provider_ms"]) == (2000.0, 2500.0, 4000.0)
     assert (p["of_floor"], p["of_sync"], p["sync_of_floor"]) == (0.5, 0.625, 0.8)
     assert summarize(JobConfig(provider="shm"), [worker(0, [1.0], [], [])]).paired is None
+
+
+def test_a_kind_timed_beside_the_provider_gets_its_shares_and_its_ratio():
+    ranks = [RankResult(r, "worker", "hvd", [1.0] * 3, [2.0, 4.0],
+                        paired_seconds={"none": [1.0, 2.0], "sync": [1.0, 4.0], "hvd-python": [4.0, 2.0]})
+             for r in range(2)]
+    p = summarize(JobConfig(provider="hvd", paired=True), ranks).paired
+    assert p["hvd-python_ms"] == 3000.0 and p["hvd-python_of_floor"] == 0.625
+    assert p["hvd-python_of_sync"] == 1.125 and p["of_hvd-python"] == 1.25 and p["of_floor"] == 0.5
+
+
+def test_the_horovod_api_trains_as_the_reference_on_both_paths_and_pairs_them(tmp_path, close_to_reference):
+    """rdmatensor-train --provider hvd,hvd-python: the Horovod API's tape step, as it runs
+    by default (the native ops) and on the Python path, learns what one process learns,
+    the same losses on both; the native job reports the executor's bytes and overlap.
+    Paired, the Python path's step is timed in the same turns as the native one."""
+    out = tmp_path / "hvd.json"
+    proc = subprocess.run([sys.executable, "-m", "tf_plugin.training.cli", "--workers", "2", "--provider",
+                           "hvd,hvd-python", "--model", "mlp", "--steps", "6", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    native, python = (job["summary"] for job in json.loads(out.read_text())["jobs"])
+    close_to_reference("mlp", native["losses"], 6)
+    assert native["losses"] == python["losses"]
+    assert native["bytes_per_step"] == 2 * 4 * (784 * 64 + 64 + 64 * 10 + 10)      # each rank's bucket, each way
+    assert 0 <= native["overlap"] <= 1 and native["comm_ms_per_step"] > 0
+    assert python["bytes_per_step"] is None and python["overlap"] is None          # not measured there
+    out = tmp_path / "paired.json"
+    proc = subprocess.run([sys.executable, "-m", "tf_plugin.training.cli", "--workers", "2", "--provider", "hvd",
+                           "--paired", "--model", "mlp", "--steps", "9", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "paired, hvd-python" in proc.stdout
+    p = json.loads(out.read_text())["jobs"][0]["summary"]["paired"]
+    assert p["cycles"] == 2 and all(p[k] > 0 for k in ("hvd-python_ms", "hvd-python_of_floor", "of_hvd-python"))
 
 
 def test_a_paired_job_times_both_floors_beside_the_provider_in_one_run(tmp_path):

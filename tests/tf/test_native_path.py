@@ -65,6 +65,17 @@ def test_the_native_ops_are_in_the_traced_graphs(runs):
         assert report["groups"] == {"before_fit": 0, "after_fit": 0}
 
 
+def test_a_gradient_whose_shape_the_tape_lost_is_planned_as_its_variable(runs):
+    """A Dense over a 3-D input traced for any batch: the plain tape gives its kernel's
+    gradient as (None, units); the distributed tape's set is still static, so the
+    native ops run it (the graph check above covers seq_step), bit for bit as the
+    Python path (the first test)."""
+    for path in ("native", "python"):
+        for report, results in runs[path]:
+            assert report["seq_lost"], report["seq_lost"]          # the case is real: the plain tape lost it
+            assert sorted(k for k in results if k.startswith("seq_grad")) == [f"seq_grad{j}" for j in range(4)]
+
+
 def test_a_native_step_is_counted_in_stats_as_the_ring_counts_its_bytes(runs):
     """2 ranks: the tape's step moves its gradients' bytes each way, on both paths (the
     ring's fused bucket pads each member to 64 bytes; the native request is packed)."""

@@ -193,6 +193,9 @@ def reduce_gradients(grads, sources, compression=NoneCompressor, sparse_as_dense
                                       "(as in Horovod): pass sparse_as_dense=True, or scale the values yourself")
     if dense:
         tensors = [tf.convert_to_tensor(flat[j]) for j in dense]
+        given = tf.nest.flatten(sources)
+        if len(given) == len(flat):
+            tensors = [_shaped_as(t, given[j]) for t, j in zip(tensors, dense, strict=True)]
         if op == Adasum:
             _adasum_fits(tensors, [names[j] for j in dense], group)
         reduced = _allreduce_many(tensors, [names[j] for j in dense], reduction, compression, group,
@@ -205,6 +208,20 @@ def reduce_gradients(grads, sources, compression=NoneCompressor, sparse_as_dense
         for j, r in zip(sparse, gathered, strict=True):
             out[j] = r
     return tf.nest.pack_sequence_as(grads, out)
+
+
+def _shaped_as(grad, source):
+    """A dense gradient has its source's shape. Where the tape lost part of it (a
+    Dense layer over a 3-D input gives (None, units)), the source's, checked when
+    the step runs: the all-reduce then plans it as a static tensor (its bucket
+    preallocated, the native ops on one host), not as a dynamic one."""
+    shape = getattr(source, "shape", None)
+    if grad.shape.is_fully_defined() or shape is None or tf.executing_eagerly():
+        return grad
+    shape = tf.TensorShape(shape)
+    if not shape.is_fully_defined() or not grad.shape.is_compatible_with(shape):
+        return grad
+    return tf.ensure_shape(grad, shape)
 
 
 def plan_ahead(model) -> None:

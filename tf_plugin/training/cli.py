@@ -20,7 +20,10 @@ Transformer language model with a sparse embedding gradient). --batch is the
 global batch, split evenly over the workers.
 
 --provider takes auto, verbs, shm, tcp, grpc (rdmatensor's gRPC baseline),
-tf-grpc (TensorFlow's own MultiWorkerMirroredStrategy, tf_baseline.py),
+hvd and hvd-python (rdmatensor's Horovod API, Horovod's tape example with
+the import changed: as it runs by default, the native ops over shm on one host,
+and on the Python path; hvd_runner.py), tf-grpc (TensorFlow's own
+MultiWorkerMirroredStrategy, tf_baseline.py),
 horovod (real Horovod, gloo, started by its horovodrun: horovod_baseline.py;
 `make horovod-reference` builds it), none (the same ranks training with no
 communication: the compute floor) or sync (that floor plus one meeting of the
@@ -37,7 +40,9 @@ taken within its round.
 its timed steps run none, sync and the provider in turn, each cycle of three
 in its own order, so all three see the same state of the host (whose cores
 drift in speed over seconds), and reports the provider's share of each floor
-as the median over cycles. Its losses are not a training run's: floor steps
+as the median over cycles; with --provider hvd, the Python path's step is
+timed in the same turns, and its share of the floors and its step over the
+native one are reported too. Its losses are not a training run's: floor steps
 apply each rank's own gradients.
 
 --softroce-vm re-runs the command inside `rdmatensor softroce vm` (all ranks
@@ -239,14 +244,20 @@ def report(s: Summary, out=None) -> None:
     frac = "" if s.comm_fraction is None else f" ({100 * s.comm_fraction:.0f}% of a step)"
     print(f"  communication       {_fmt(s.comm_ms_per_step, '.2f')} ms/step per worker{frac}", file=out)
     if s.overlap is not None:
-        print(f"  overlap             {100 * s.overlap:.0f}% of the rings' time ran while backprop still ran; "
-              f"the rings used {_fmt(s.ring_cpu_ms_per_step)} ms of CPU per step per worker", file=out)
+        cpu = "" if s.ring_cpu_ms_per_step is None else \
+            f"; the rings used {_fmt(s.ring_cpu_ms_per_step)} ms of CPU per step per worker"
+        print(f"  overlap             {100 * s.overlap:.0f}% of the all-reduce's time ran while backprop still "
+              f"ran{cpu}", file=out)
     if s.paired is not None:
         p = s.paired
         print(f"  paired              {p['cycles']} cycles of floor, sync floor, {c.provider} in turn: "
               f"{p['none_ms']:.1f} / {p['sync_ms']:.1f} / {p['provider_ms']:.1f} ms; "
               f"{c.provider} at {100 * p['of_floor']:.0f}% of the floor, {100 * p['of_sync']:.0f}% of the sync "
               f"floor (the sync floor at {100 * p['sync_of_floor']:.0f}% of the floor)", file=out)
+        for kind in sorted(k[3:] for k in p if k.startswith("of_") and k[3:] not in ("floor", "sync")):
+            print(f"  paired, {kind:10s}  {p[kind + '_ms']:.1f} ms: at {100 * p[kind + '_of_floor']:.0f}% of the "
+                  f"floor, {100 * p[kind + '_of_sync']:.0f}% of the sync floor; its step {p['of_' + kind]:.2f}x "
+                  f"{c.provider}'s", file=out)
     if s.dynamic:
         print(f"  dynamic tensors     {s.dynamic} sends, {s.fallbacks} fallbacks, {s.grows} grows", file=out)
     print(f"  final loss          {_fmt(s.final_loss, '.6f')}", file=out, flush=True)

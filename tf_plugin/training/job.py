@@ -4,6 +4,9 @@ the job's figures (Summary), and the backends a job can run on (BACKENDS).
 Backends:
     auto, verbs, shm, tcp, ...    rdmatensor's providers (rdmatensor.providers.REGISTRY, baselines
                                   such as grpc included), trained by runner.run_rank
+    hvd, hvd-python               rdmatensor's Horovod API (import tf_plugin as hvd), Horovod's tape
+                                  example: by default (native ops on one host), and on the Python
+                                  path (RDMATENSOR_TF_OPS=python); hvd_runner.py
     tf-grpc                       TensorFlow's own MultiWorkerMirroredStrategy (tf_baseline.py)
     horovod                       real Horovod (gloo), started by its horovodrun (horovod_baseline.py)
     none                          the same ranks training with no communication at all: the
@@ -35,7 +38,7 @@ MODES = ("allreduce", "ps")
 @dataclass(frozen=True)
 class Backend:
     name: str
-    kind: str                     # rdmatensor | tensorflow | horovod | none
+    kind: str                     # rdmatensor | hvd | tensorflow | horovod | none
     about: str
     modes: tuple[str, ...]
     entry: str                    # "module:function" running one rank: (cluster, JobConfig, token) -> RankResult
@@ -52,6 +55,13 @@ def _backends() -> dict[str, Backend]:
     for name, provider in REGISTRY.items():
         table[name] = Backend(name, "rdmatensor", f"rdmatensor over {name}: {provider.description}", MODES,
                               "tf_plugin.training.runner:run_rank")
+    table["hvd"] = Backend("hvd", "hvd", "rdmatensor's Horovod API, DistributedGradientTape as it runs by default "
+                           "(on one host over shm: the native ops, no Python in the step)", ("allreduce",),
+                           "tf_plugin.training.hvd_runner:run_rank", threads=False)
+    table["hvd-python"] = Backend("hvd-python", "hvd", "rdmatensor's Horovod API on the Python path "
+                                  "(RDMATENSOR_TF_OPS=python: a numpy_function per bucket, the ring on a "
+                                  "Python thread)", ("allreduce",), "tf_plugin.training.hvd_runner:run_rank",
+                                  threads=False)
     table["tf-grpc"] = Backend("tf-grpc", "tensorflow", "TensorFlow's own MultiWorkerMirroredStrategy (gRPC ring)",
                                ("allreduce",), "tf_plugin.training.tf_baseline:run_rank", threads=False)
     table["horovod"] = Backend("horovod", "horovod", "real Horovod 0.28.1 (TensorFlow ops, gloo, CPU), "
@@ -118,10 +128,11 @@ class JobConfig:
             raise JobError(f"lr {self.lr} and timeout {self.timeout} must be positive")
         if self.bind_to not in BINDINGS:
             raise JobError(f"bind_to {self.bind_to!r}: choose one of {', '.join(BINDINGS)}")
-        if self.paired and (backend.kind != "rdmatensor" or self.mode != "allreduce" or self.workers < 2):
+        if self.paired and (backend.kind not in ("rdmatensor", "hvd") or self.mode != "allreduce"
+                            or self.workers < 2):
             raise JobError(f"paired with provider {self.provider!r}, mode {self.mode}, {self.workers} worker(s): "
                            "a paired job times the floors beside an rdmatensor provider's all-reduce "
-                           "of at least 2 workers")
+                           "(or its Horovod API's) of at least 2 workers")
         if self.paired and self.steps < 4:
             raise JobError(f"steps {self.steps}: a paired job needs at least 4 (one to trace, then a cycle "
                            "of floor, sync floor and provider)")
@@ -302,14 +313,16 @@ def _by_purpose(results: list[RankResult]) -> dict | None:
 
 
 def paired(workers: list[RankResult]) -> dict | None:
-    """A paired job's figures: per kind (`none`, `sync`, the provider) the median
-    of its steps' times (each step's slowest worker's), and the provider's share
-    of each floor as the median over cycles of floor step / provider step, the
-    steps of one cycle having run within a few steps of each other. None for a
-    job that is not paired."""
+    """A paired job's figures: per kind (`none`, `sync`, the provider, and any other
+    kind timed beside them, as the Python path beside `hvd`) the median of its
+    steps' times (each step's slowest worker's), and the provider's share of each
+    floor as the median over cycles of floor step / provider step, the steps of
+    one cycle having run within a few steps of each other; for another kind X,
+    `X_of_floor`, `X_of_sync` likewise and `of_X` (X's step / the provider's).
+    None for a job that is not paired."""
     if any(w.paired_seconds is None for w in workers):
         return None
-    runs = {kind: [w.paired_seconds[kind] for w in workers] for kind in ("none", "sync")}
+    runs = {kind: [w.paired_seconds[kind] for w in workers] for kind in workers[0].paired_seconds}
     runs["provider"] = [w.step_seconds for w in workers]
     cycles = min(len(s) for ranks in runs.values() for s in ranks)
     if not cycles:
@@ -319,9 +332,13 @@ def paired(workers: list[RankResult]) -> dict | None:
     def share(a, b):
         return statistics.median(x / y for x, y in zip(per[a], per[b], strict=True))
 
-    return {"cycles": cycles, **{f"{kind}_ms": 1e3 * statistics.median(v) for kind, v in per.items()},
-            "of_floor": share("none", "provider"), "of_sync": share("sync", "provider"),
-            "sync_of_floor": share("none", "sync")}
+    doc = {"cycles": cycles, **{f"{kind}_ms": 1e3 * statistics.median(v) for kind, v in per.items()},
+           "of_floor": share("none", "provider"), "of_sync": share("sync", "provider"),
+           "sync_of_floor": share("none", "sync")}
+    for kind in per.keys() - {"none", "sync", "provider"}:
+        doc.update({f"{kind}_of_floor": share("none", kind), f"{kind}_of_sync": share("sync", kind),
+                    f"of_{kind}": share(kind, "provider")})
+    return doc
 
 
 def _mean(values):
