@@ -13,6 +13,8 @@ through the contract (contract.ShmGroup.allreduce), per size:
   (-fno-tree-loop-vectorize): what the C executor was before they were vectorized;
 - `c-always-yield`: the same source with its waits yielding the core however long
   a yield takes: what it was before it slept instead once another process holds the core;
+- `c-whole`: the same source with every call run whole, step by step over the
+  whole bucket: what it was before large calls were pipelined chunk by chunk;
 - `twin`: the Python twin (shm_twin.py).
 
 Each round runs every way (the order rotating from round to round); a way's
@@ -35,6 +37,7 @@ from pathlib import Path
 VARIANTS = {         # the C executor built with flags more: what it was before a change
     "c-scalar": ["-fno-tree-loop-vectorize"],
     "c-always-yield": ["-DYIELD_SLOW_SECONDS=1e9"],
+    "c-whole": ["-DRDT_SHM_PIPELINE_BYTES=0"],
 }
 WAYS = ("c", *VARIANTS, "twin")
 

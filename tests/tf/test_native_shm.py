@@ -505,6 +505,60 @@ def test_busy_counts_what_ran_before_the_last_bucket_came(kinds):
     assert [g.busy() for g in groups] == last, "busy seconds lost at close"
 
 
+PIPELINE_BYTES = 256 * 1024      # shm_allreduce.c: a call whose slices exceed it runs chunk by chunk
+
+
+@pytest.mark.parametrize("kinds", [("c", "c"), ("c", "py"), ("py", "c", "c"), ("c", "c", "c")])
+def test_large_calls_run_pipelined_bit_for_bit(kinds):
+    """Calls whose slices span several chunks (the C executor copies in, reduces and
+    copies out chunk by chunk, a stage apart) give numpy's bits: counts that leave
+    ragged slices and chunks, every op, the same bucket again at once, a small
+    call between large ones; beside the twin, which runs each call whole; and a
+    fusion bucket's parts crossing chunk edges, as their concatenation."""
+    n = len(kinds)
+    plan = [(0, (2 * PIPELINE_BYTES // 4 * n + 13,), "float32"), (0, (5,), "float64"),
+            (0, (3 * PIPELINE_BYTES // 8 * n + 7,), "float64"), (0, (PIPELINE_BYTES * n + 1,), "float16"),
+            (0, (PIPELINE_BYTES // 4 * n + 3, 2), "int32")]
+    groups = _groups(kinds, [max(int(np.prod(s)) * np.dtype(d).itemsize for _, s, d in plan)])
+    try:
+        for seed, op in enumerate(OPS):
+            scale = 0.5 if op in ("sum", "average") else 1.0
+            got = _threads(groups, lambda r, g, seed=seed, op=op, scale=scale: g.allreduce_many(
+                [b for b, _, _ in plan], inputs(seed, r, plan), op, scaling.factor(scale)))
+            check([[(o.dtype.str, o.shape, o.tobytes()) for o in res] for res in got], seed, n, plan, op, scale,
+                  f"{kinds} {op}")
+        shapes = [(PIPELINE_BYTES // 8 + 5,), (0,), (PIPELINE_BYTES // 4, 3), (1,), (PIPELINE_BYTES // 2 + 1,)]
+
+        def body(r, g):
+            rng = np.random.default_rng(r)
+            parts = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+            got = g.allreduce_parts(0, parts, "average")
+            return np.concatenate([a.reshape(-1) for a in got]), g.allreduce(0, np.concatenate(
+                [p.reshape(-1) for p in parts]), "average")
+        for r, (parts, whole) in enumerate(_threads(groups, body)):
+            assert parts.tobytes() == whole.tobytes(), (kinds, r)
+    finally:
+        for g in groups:
+            g.close()
+
+
+@pytest.mark.parametrize("kinds", [("c", "c"), ("c", "py")])
+def test_a_pipelined_call_against_a_whole_one_is_a_mismatch_at_once(kinds):
+    """Rank 0 all-reduces a large tensor (pipelined on C), rank 1 a small one on the
+    same bucket: both raise ShmMismatch naming the counts, long before the timeout."""
+    big = 4 * PIPELINE_BYTES // 4
+    groups = _groups(kinds, [big * 4], timeout=20.0)
+    try:
+        started = time.monotonic()
+        errors = _threads(groups, lambda r, g: _raised(g.allreduce, 0, np.ones(big if r == 0 else 9, np.float32)))
+        assert [type(e) for e in errors] == [contract.ShmMismatch] * 2, errors
+        assert f"rank 0 all-reduces {big} elements" in str(errors[1]), errors
+        assert time.monotonic() - started < 5
+    finally:
+        for g in groups:
+            g.close()
+
+
 def test_the_contract_refuses_and_breaks_alike():
     """A bad argument raises ShmInvalid on both, starting nothing; a mismatch
     raises ShmMismatch on every rank and breaks the group; a timeout names the

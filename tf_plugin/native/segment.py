@@ -37,9 +37,11 @@ import struct
 from rdmatensor import memory
 
 MAGIC = 0x31524448534D4452          # "RDMSHDR1"
-VERSION = 1
+VERSION = 2                         # 2: the pipelined calls' progress words
 LINE = 64
 OFF_STATE, OFF_SLEEPING, OFF_BUCKETS, BUCKET_STRIDE = 64, 128, 192, 128
+PROGRESS_DONE = 0xFFFFFF            # a progress word's chunks field once every chunk is done
+PIPELINE_BYTES = 256 * 1024         # a chunk of a pipelined call's slice (RDT_SHM_PIPELINE_BYTES)
 HEADER = struct.Struct("<QIIIIQQ")  # magic, version, rank, ranks, buckets, total, checksum
 NAME = "rdmatensor-shm-allreduce-"
 LOCATOR = re.compile(r"([1-9][0-9]{0,9}):([0-9a-f]{24}):([0-9a-f]{32})")     # pid:hand-over socket:nonce
@@ -47,6 +49,14 @@ LOCATOR = re.compile(r"([1-9][0-9]{0,9}):([0-9a-f]{24}):([0-9a-f]{32})")     # p
 
 def align64(n: int) -> int:
     return (n + 63) & ~63
+
+
+def pipeline_chunks(count: int, itemsize: int, ranks: int) -> int:
+    """The chunks a call of `count` elements runs in, pipelined: 0 (run whole) unless
+    its widest slice exceeds PIPELINE_BYTES (shm_allreduce.c's pipeline_chunks)."""
+    per = PIPELINE_BYTES // itemsize
+    widest = -(-count // ranks)
+    return 0 if per == 0 or widest <= per else -(-widest // per)
 
 
 def checksum(bucket_bytes) -> int:
@@ -78,6 +88,14 @@ class Layout:
 
     def out_seq(self, b: int) -> int:
         return OFF_BUCKETS + BUCKET_STRIDE * b + LINE
+
+    def in_progress(self, b: int) -> int:
+        """A pipelined call's input progress: (k << 24) | chunks copied in (shm_allreduce.h)."""
+        return self.in_seq(b) + 32
+
+    def out_progress(self, b: int) -> int:
+        """... and its results': (k << 24) | chunks reduced."""
+        return self.out_seq(b) + 8
 
     def out_off(self, b: int) -> int:
         return self.in_off[b] + align64(self.bucket_bytes[b])

@@ -15,6 +15,10 @@
  * - my descriptor (count, dtype, op, scale beside in_seq): written at call
  *   k + 1 under the same argument as `in`; a peer reads it in step 2 of call k,
  *   before its out_seq = k.
+ * - a pipelined call (run_pipelined) keeps both orders: I leave it after every
+ *   peer's last out_progress, which a peer publishes after its last read of my
+ *   `in`; a peer writes its `out` at call k + 1 after my in_progress of call k + 1,
+ *   which I publish after I left call k.
  * The order is carried by release stores of the sequence numbers and acquire
  * loads of them: every write of call k (data, descriptor) is visible to whoever
  * sees the sequence number k.
@@ -240,6 +244,16 @@ static _Atomic uint64_t *in_seq(const rdt_shm_group *g, int r, uint32_t b) {
 static _Atomic uint64_t *out_seq(const rdt_shm_group *g, int r, uint32_t b) {
   return (_Atomic uint64_t *)(in_line(g, r, b) + LINE);
 }
+/* A pipelined call's progress beside each sequence word: (k << 24) | chunks done
+ * (PROGRESS_DONE: all of them; published by every call, pipelined or not). */
+#define PROGRESS_DONE 0xFFFFFFu
+static _Atomic uint64_t *in_progress(const rdt_shm_group *g, int r, uint32_t b) {
+  return (_Atomic uint64_t *)(in_line(g, r, b) + 32);
+}
+static _Atomic uint64_t *out_progress(const rdt_shm_group *g, int r, uint32_t b) {
+  return (_Atomic uint64_t *)(in_line(g, r, b) + LINE + 8);
+}
+static uint64_t progress(uint64_t k, uint64_t chunks) { return (k << 24) | chunks; }
 static _Atomic uint32_t *state_word(const rdt_shm_group *g, int r) {
   return (_Atomic uint32_t *)(g->base[r] + OFF_STATE);
 }
@@ -514,14 +528,14 @@ static int wait_for(rdt_shm_group *g, const request *r, int peer, _Atomic uint64
       say(msg, RDT_SHM_MESSAGE,
           "rdmatensor shm all-reduce of %s (bucket %u, call %llu): rank %d found that the ranks called different "
           "collectives while rank %d waited for its %s",
-          r->label, r->bucket, (unsigned long long)k, peer, g->rank, what);
+          r->label, r->bucket, (unsigned long long)r->k, peer, g->rank, what);
       return RDT_SHM_MISMATCH;
     }
     if (peer_state != 0) {
       say(msg, RDT_SHM_MESSAGE,
           "rdmatensor shm all-reduce of %s (bucket %u, call %llu): rank %d aborted its group (status %u) "
           "while rank %d waited for its %s",
-          r->label, r->bucket, (unsigned long long)k, peer, peer_state, g->rank, what);
+          r->label, r->bucket, (unsigned long long)r->k, peer, peer_state, g->rank, what);
       return RDT_SHM_PEER_ABORTED;
     }
     double left = deadline - now_seconds();
@@ -529,7 +543,7 @@ static int wait_for(rdt_shm_group *g, const request *r, int peer, _Atomic uint64
       say(msg, RDT_SHM_MESSAGE,
           "rdmatensor shm all-reduce of %s (bucket %u, call %llu): rank %d did not arrive within %g s "
           "(rank %d waited for its %s)",
-          r->label, r->bucket, (unsigned long long)k, peer, g->timeout, g->rank, what);
+          r->label, r->bucket, (unsigned long long)r->k, peer, g->timeout, g->rank, what);
       return RDT_SHM_TIMEOUT;
     }
     atomic_store_explicit(sleeping, 1, memory_order_relaxed);
@@ -581,42 +595,53 @@ static void step_in(rdt_shm_group *g, request *r) {
   struct descriptor mine = {r->count, (uint32_t)r->dtype, (uint32_t)r->op, r->scale};
   memcpy(in_line(g, g->rank, b) + 8, &mine, sizeof mine);
   publish(g, in_seq(g, g->rank, b), r->k);
+  publish(g, in_progress(g, g->rank, b), progress(r->k, PROGRESS_DONE));
+}
+
+/* Whether peer p's descriptor of this call is mine; else the mismatch in r->msg. */
+static int same_call(rdt_shm_group *g, request *r, int p) {
+  struct descriptor theirs = descriptor_of(g, p, r->bucket);
+  if (theirs.count == r->count && theirs.dtype == (uint32_t)r->dtype && theirs.op == (uint32_t)r->op &&
+      memcmp(&theirs.scale, &r->scale, sizeof r->scale) == 0)
+    return RDT_SHM_OK;
+  say(r->msg, RDT_SHM_MESSAGE,
+      "rdmatensor shm all-reduce of %s (bucket %u, call %llu): rank %d all-reduces %llu elements of %s "
+      "(%s, scale %g), rank %d %llu elements of %s (%s, scale %g): every rank must call the same "
+      "all-reduces in the same order",
+      r->label, r->bucket, (unsigned long long)r->k, p, (unsigned long long)theirs.count,
+      dtype_name((int)theirs.dtype), op_name((int)theirs.op), theirs.scale, g->rank, (unsigned long long)r->count,
+      dtype_name(r->dtype), op_name(r->op), r->scale);
+  return RDT_SHM_MISMATCH;
+}
+
+/* Elements [lo, hi) of the result into my `out`: the ranks' inputs folded in rank order, scaled. */
+static void reduce_range(rdt_shm_group *g, request *r, uint64_t lo, uint64_t hi) {
+  if (hi <= lo) return;
+  const uint32_t b = r->bucket;
+  const size_t esize = dtype_size(r->dtype);
+  unsigned char *mine = out_region(g, g->rank, b) + lo * esize;
+  memcpy(mine, in_region(g, 0, b) + lo * esize, (hi - lo) * esize);
+  for (int p = 1; p < g->ranks; p++) combine(mine, in_region(g, p, b) + lo * esize, hi - lo, r->dtype, r->op);
+  double factor = r->op == RDT_SHM_AVERAGE ? r->scale / (double)g->ranks : r->scale;
+  if (factor != 1.0) scale_slice(mine, hi - lo, r->dtype, factor);
 }
 
 /* Step 2: every peer's input, then my slice of the result into my `out`, out_seq = k. */
 static int step_reduce(rdt_shm_group *g, request *r) {
   const uint32_t b = r->bucket;
   const int me = g->rank, n = g->ranks;
-  const size_t esize = dtype_size(r->dtype);
-  const uint64_t k = r->k;
   double deadline = now_seconds() + g->timeout;
   int st;
   for (int p = 0; p < n; p++) {
     if (p == me) continue;
-    if ((st = wait_for(g, r, p, in_seq(g, p, b), k, "input", deadline, r->msg)) != RDT_SHM_OK) return st;
-    struct descriptor theirs = descriptor_of(g, p, b);
-    if (theirs.count != r->count || theirs.dtype != (uint32_t)r->dtype || theirs.op != (uint32_t)r->op ||
-        memcmp(&theirs.scale, &r->scale, sizeof r->scale) != 0) {
-      say(r->msg, RDT_SHM_MESSAGE,
-          "rdmatensor shm all-reduce of %s (bucket %u, call %llu): rank %d all-reduces %llu elements of %s "
-          "(%s, scale %g), rank %d %llu elements of %s (%s, scale %g): every rank must call the same "
-          "all-reduces in the same order",
-          r->label, b, (unsigned long long)k, p, (unsigned long long)theirs.count, dtype_name((int)theirs.dtype),
-          op_name((int)theirs.op), theirs.scale, me, (unsigned long long)r->count, dtype_name(r->dtype),
-          op_name(r->op), r->scale);
-      return RDT_SHM_MISMATCH;
-    }
+    if ((st = wait_for(g, r, p, in_seq(g, p, b), r->k, "input", deadline, r->msg)) != RDT_SHM_OK) return st;
+    if ((st = same_call(g, r, p)) != RDT_SHM_OK) return st;
   }
   uint64_t lo, hi;
   slice_of(r->count, n, me, &lo, &hi);
-  unsigned char *mine = out_region(g, me, b) + lo * esize;
-  if (hi > lo) {
-    memcpy(mine, in_region(g, 0, b) + lo * esize, (hi - lo) * esize);
-    for (int p = 1; p < n; p++) combine(mine, in_region(g, p, b) + lo * esize, hi - lo, r->dtype, r->op);
-    double factor = r->op == RDT_SHM_AVERAGE ? r->scale / (double)n : r->scale;
-    if (factor != 1.0) scale_slice(mine, hi - lo, r->dtype, factor);
-  }
-  publish(g, out_seq(g, me, b), k);
+  reduce_range(g, r, lo, hi);
+  publish(g, out_seq(g, me, b), r->k);
+  publish(g, out_progress(g, me, b), progress(r->k, PROGRESS_DONE));
   return RDT_SHM_OK;
 }
 
@@ -644,6 +669,89 @@ static int step_out(rdt_shm_group *g, request *r) {
     if ((st = wait_for(g, r, p, out_seq(g, p, b), r->k, "result", deadline, r->msg)) != RDT_SHM_OK) return st;
     slice_of(r->count, n, p, &lo, &hi);
     scatter(r, out_region(g, p, b), lo, hi, esize);
+  }
+  return RDT_SHM_OK;
+}
+
+/* Elements [lo, hi) of the input, from its parts, into `region` (a rank's `in`). */
+static void gather(const request *r, unsigned char *region, uint64_t lo, uint64_t hi, size_t esize) {
+  uint64_t start = 0;
+  for (int i = 0; i < r->parts && start < hi; start += r->counts[i], i++) {
+    const uint64_t a = lo > start ? lo : start, z = hi < start + r->counts[i] ? hi : start + r->counts[i];
+    if (z > a) memcpy(region + a * esize, (const unsigned char *)r->ins[i] + (a - start) * esize, (z - a) * esize);
+  }
+}
+
+/* A large call runs pipelined: each rank's slice cut in chunks of RDT_SHM_PIPELINE_BYTES,
+ * chunk j's input copied in, then reduced, then copied out, a chunk apart
+ * (copy in j, reduce j - 1, copy out j - 2), each stage published in the
+ * progress words. What a peer reads was written a moment before, in the caches
+ * the cores share, not fetched back from memory as a whole bucket's steps do.
+ * The chunks it takes (at least 2 pipelines it; 0: not pipelined). */
+static uint64_t pipeline_chunks(const rdt_shm_group *g, const request *r) {
+  const uint64_t per = RDT_SHM_PIPELINE_BYTES / dtype_size(r->dtype);
+  const uint64_t widest = (r->count + (uint64_t)g->ranks - 1) / (uint64_t)g->ranks;
+  if (per == 0 || widest <= per) return 0;
+  return (widest + per - 1) / per;
+}
+
+/* Chunk j of slice p: [lo, hi). */
+static void chunk_of(const rdt_shm_group *g, const request *r, int p, uint64_t j, uint64_t *lo, uint64_t *hi) {
+  const uint64_t per = RDT_SHM_PIPELINE_BYTES / dtype_size(r->dtype);
+  uint64_t slo, shi;
+  slice_of(r->count, g->ranks, p, &slo, &shi);
+  *lo = slo + j * per < shi ? slo + j * per : shi;
+  *hi = *lo + per < shi ? *lo + per : shi;
+}
+
+/* Steps 1-3 of a large call, chunk by chunk (pipeline_chunks). No deadlock: a rank
+ * in round t has published its input of chunks 0..t and results of 0..t-2; it
+ * waits for its peers' input of chunk t-1 and results of t-2, which a peer in
+ * round t or later has published, and the ranks in the lowest round wait on
+ * nothing unpublished. A peer that calls something else (a mismatch) publishes
+ * its progress done at once, so the descriptor check below sees it. */
+static int run_pipelined(rdt_shm_group *g, request *r, uint64_t chunks) {
+  const uint32_t b = r->bucket;
+  const int me = g->rank, n = g->ranks;
+  const size_t esize = dtype_size(r->dtype);
+  r->k = ++g->calls[b];
+  const uint64_t k = r->k;
+  struct descriptor mine = {r->count, (uint32_t)r->dtype, (uint32_t)r->op, r->scale};
+  memcpy(in_line(g, me, b) + 8, &mine, sizeof mine);
+  uint64_t lo, hi;
+  int st;
+  for (uint64_t t = 0; t < chunks + 2; t++) {
+    const double deadline = now_seconds() + g->timeout; /* a peer that keeps up is alive */
+    if (t < chunks) { /* step 1 of chunk t: every slice's part of it */
+      for (int p = 0; p < n; p++) {
+        chunk_of(g, r, p, t, &lo, &hi);
+        gather(r, in_region(g, me, b), lo, hi, esize);
+      }
+      publish(g, in_progress(g, me, b), progress(k, t + 1));
+      if (t + 1 == chunks) publish(g, in_seq(g, me, b), k);
+    }
+    if (t >= 1 && t - 1 < chunks) { /* step 2 of chunk t - 1 */
+      for (int p = 0; p < n; p++) {
+        if (p == me) continue;
+        if ((st = wait_for(g, r, p, in_progress(g, p, b), progress(k, t), "input", deadline, r->msg)) != RDT_SHM_OK)
+          return st;
+        if (t == 1 && (st = same_call(g, r, p)) != RDT_SHM_OK) return st;
+      }
+      chunk_of(g, r, me, t - 1, &lo, &hi);
+      reduce_range(g, r, lo, hi);
+      publish(g, out_progress(g, me, b), progress(k, t));
+      if (t == chunks) publish(g, out_seq(g, me, b), k);
+    }
+    if (t >= 2) { /* step 3 of chunk t - 2 */
+      for (int p = 0; p < n; p++) {
+        if (p != me &&
+            (st = wait_for(g, r, p, out_progress(g, p, b), progress(k, t - 1), "result", deadline, r->msg)) !=
+                RDT_SHM_OK)
+          return st;
+        chunk_of(g, r, p, t - 2, &lo, &hi);
+        scatter(r, out_region(g, p, b), lo, hi, esize);
+      }
+    }
   }
   return RDT_SHM_OK;
 }
@@ -682,9 +790,12 @@ static request *next_wave(rdt_shm_group *g) {
   request *first = g->head, *last = NULL;
   int taken = 0;
   for (request *r = g->head; r != NULL && taken < MAX_WAVE && !g->in_wave[r->bucket]; r = r->next) {
+    const int alone = pipeline_chunks(g, r) > 0; /* a pipelined call is a wave of its own */
+    if (alone && taken > 0) break;
     g->in_wave[r->bucket] = 1;
     last = r;
     taken++;
+    if (alone) break;
   }
   if (last != NULL) {
     g->head = last->next;
@@ -735,14 +846,17 @@ static void *executor(void *arg) {
   request *wave;
   while ((wave = next_wave(g)) != NULL) {
     const double t0 = now_seconds();
+    const uint64_t chunks = pipeline_chunks(g, wave);
     for (request *r = wave; r != NULL; r = r->next) {
       r->status = RDT_SHM_OK;
       r->msg[0] = '\0';
       if (atomic_load(&g->aborted)) r->status = aborted_status(g, r, r->msg);
+      else if (chunks) r->status = run_pipelined(g, r, chunks); /* alone in its wave: steps 1-3 */
       else step_in(g, r);
+      if (chunks && r->status != RDT_SHM_OK && r->k) fail(g, r, r->status);
     }
     const uint64_t round = wave->k;
-    for (request *r = wave; r != NULL; r = r->next) {
+    for (request *r = wave; r != NULL && !chunks; r = r->next) {
       if (r->status != RDT_SHM_OK) continue;
       int st = atomic_load(&g->aborted) ? aborted_status(g, r, r->msg) : step_reduce(g, r);
       if (st != RDT_SHM_OK) fail(g, r, st);
@@ -750,7 +864,7 @@ static void *executor(void *arg) {
     while (wave != NULL) {
       request *r = wave;
       if (r->status == RDT_SHM_OK) {
-        int st = atomic_load(&g->aborted) ? aborted_status(g, r, r->msg) : step_out(g, r);
+        int st = chunks ? RDT_SHM_OK : atomic_load(&g->aborted) ? aborted_status(g, r, r->msg) : step_out(g, r);
         if (st != RDT_SHM_OK) {
           fail(g, r, st);
         } else {

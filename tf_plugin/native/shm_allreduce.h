@@ -11,8 +11,9 @@
  *                  total bytes u64, layout checksum u64 (FNV-1a of the buckets' sizes)
  *   64     state u32: 0 while live, else the status this rank aborted with
  *   128    sleeping u32: 1 while this rank's executor sleeps in a futex wait
- *   192 + 128 b        bucket b's input line: in_seq u64, count u64, dtype u32, op u32, scale f64
- *   192 + 128 b + 64   bucket b's output line: out_seq u64
+ *   192 + 128 b        bucket b's input line: in_seq u64, count u64, dtype u32, op u32, scale f64,
+ *                      in_progress u64 (at + 32)
+ *   192 + 128 b + 64   bucket b's output line: out_seq u64, out_progress u64
  *   data = align64(192 + 128 buckets), then per bucket its `in` region and its
  *   `out` region, each align64(the bucket's bytes).
  *
@@ -24,6 +25,13 @@
  *      scale it, publish out_seq = k;
  *   3. wait for every peer's out_seq >= k, copy slice j of rank j's `out` into
  *      the output, for every j.
+ * After step 1 a rank also publishes in_progress = (k << 24) | 0xFFFFFF, after
+ * step 2 out_progress likewise. A call whose slices exceed a chunk
+ * (RDT_SHM_PIPELINE_BYTES) runs the three steps chunk by chunk instead, chunk j
+ * of every slice a stage apart (copy in j, reduce j - 1, copy out j - 2),
+ * publishing in_progress and out_progress = (k << 24) | (chunks done) after
+ * each, and in_seq and out_seq = k once the step is done for every chunk; its
+ * waits are on the progress words. The twin runs it the same way.
  * See shm_allreduce.c for why regions are safe to reuse at call k + 1.
  */
 #ifndef RDT_SHM_ALLREDUCE_H
@@ -37,7 +45,12 @@ extern "C" {
 #endif
 
 #define RDT_SHM_MAGIC 0x31524448534d4452ULL /* "RDMSHDR1" */
-#define RDT_SHM_VERSION 1u
+#define RDT_SHM_VERSION 2u
+/* A chunk of a pipelined call's slice (segment.py's PIPELINE_BYTES): every rank of a
+ * group must use the same (0: no call pipelined). */
+#ifndef RDT_SHM_PIPELINE_BYTES
+#define RDT_SHM_PIPELINE_BYTES (256u * 1024u)
+#endif
 #define RDT_SHM_MAX_RANKS 1024
 #define RDT_SHM_MESSAGE 320 /* bytes of an error message, with its NUL */
 

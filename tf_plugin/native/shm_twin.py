@@ -26,7 +26,8 @@ import numpy as np
 from ..core import scaling
 from . import contract
 from .contract import OPS, ShmGroup, check_args, error_for
-from .segment import OFF_BUCKETS, OFF_STATE, Layout, check_segment
+from .segment import OFF_BUCKETS, OFF_STATE, PIPELINE_BYTES, PROGRESS_DONE, Layout, check_segment, \
+    pipeline_chunks
 
 DESCRIPTOR = struct.Struct("<QIId")     # count, dtype, op, scale (after in_seq)
 _UFUNCS = {"sum": np.add, "average": np.add, "min": np.minimum, "max": np.maximum, "product": np.multiply}
@@ -161,51 +162,117 @@ class TwinGroup(ShmGroup):
         me, n, lay = self.rank, self.ranks, self.layout
         dtype, count = array.dtype, array.size
         k = self._calls[b] = self._calls[b] + 1
+        chunks = pipeline_chunks(count, dtype.itemsize, n)
+        if chunks:
+            return self._run_pipelined(b, k, array, op, scale, label, chunks)
         in_idx, out_idx = lay.in_seq(b) // 8, lay.out_seq(b) // 8
         own = self._maps[me]
         # 1. my input, my descriptor, in_seq = k
         np.frombuffer(own, dtype, count, lay.in_off[b])[:] = array.reshape(-1)
         DESCRIPTOR.pack_into(own, lay.in_seq(b) + 8, count, contract.DTYPES[dtype], OPS[op], scale)
-        self._words[me][in_idx] = k
-        self._wake(lay.in_seq(b))
+        self._publish(lay.in_seq(b), k)
+        self._publish(lay.in_progress(b), (k << 24) | PROGRESS_DONE)      # what a pipelined peer waits on
         # 2. every peer's input; my slice of the result into my `out`
         deadline = time.monotonic() + self.timeout
-        mine = (count, contract.DTYPES[dtype], OPS[op], scale)
         for p in range(n):
             if p != me:
-                self._wait(p, in_idx, k, "input", deadline, b, label)
-                theirs = DESCRIPTOR.unpack_from(self._maps[p], lay.in_seq(b) + 8)
-                if theirs[:3] != mine[:3] or struct.pack("<d", theirs[3]) != struct.pack("<d", scale):
-                    raise contract.ShmMismatch(
-                        f"rdmatensor shm all-reduce of {label} (bucket {b}, call {k}): rank {p} all-reduces "
-                        f"{theirs[0]} elements of {_dtype_name(theirs[1])} ({_op_name(theirs[2])}, scale "
-                        f"{theirs[3]:g}), rank {me} {count} elements of {dtype} ({op}, scale {scale:g}): every "
-                        "rank must call the same all-reduces in the same order")
-        lo, hi = bounds(count, n, me)
+                self._wait(p, in_idx, k, "input", deadline, b, label, k)
+                self._same_call(p, b, k, count, dtype, op, scale, label)
         result = np.empty(count, dtype)
-        if hi > lo:
-            acc = result[lo:hi]
-            acc[:] = np.frombuffer(self._maps[0], dtype, count, lay.in_off[b])[lo:hi]
-            combine = _UFUNCS[op]
-            for p in range(1, n):
-                combine(acc, np.frombuffer(self._maps[p], dtype, count, lay.in_off[b])[lo:hi], out=acc)
-            f = contract.factor(op, scale, n)
-            if f != 1.0:
-                scaling.scale_into(acc, acc, f)
-            np.frombuffer(own, dtype, count, lay.out_off(b))[lo:hi] = acc
-        self._words[me][out_idx] = k
-        self._wake(lay.out_seq(b))
+        self._reduce(b, count, dtype, op, scale, *bounds(count, n, me), result)
+        self._publish(lay.out_seq(b), k)
+        self._publish(lay.out_progress(b), (k << 24) | PROGRESS_DONE)
         # 3. every rank's slice of the result
         deadline = time.monotonic() + self.timeout
         for p in range(n):
             if p != me:
-                self._wait(p, out_idx, k, "result", deadline, b, label)
+                self._wait(p, out_idx, k, "result", deadline, b, label, k)
                 plo, phi = bounds(count, n, p)
                 if phi > plo:
                     result[plo:phi] = np.frombuffer(self._maps[p], dtype, count, lay.out_off(b))[plo:phi]
         return result.reshape(array.shape)
 
-    def _wait(self, peer: int, index: int, k: int, what: str, deadline: float, b: int, label: str) -> None:
+    def _run_pipelined(self, b: int, k: int, array: np.ndarray, op: str, scale: float, label: str,
+                       chunks: int) -> np.ndarray:
+        """Steps 1-3 chunk by chunk, a stage apart, as the C executor runs a large call
+        (shm_allreduce.h): copy in chunk t, reduce t - 1, copy out t - 2."""
+        me, n, lay = self.rank, self.ranks, self.layout
+        dtype, count, flat = array.dtype, array.size, array.reshape(-1)
+        own = self._maps[me]
+        mine = np.frombuffer(own, dtype, count, lay.in_off[b])
+        DESCRIPTOR.pack_into(own, lay.in_seq(b) + 8, count, contract.DTYPES[dtype], OPS[op], scale)
+        result = np.empty(count, dtype)
+        per = PIPELINE_BYTES // dtype.itemsize
+        slices = [bounds(count, n, p) for p in range(n)]
+
+        def chunk(p: int, j: int) -> tuple[int, int]:
+            lo, hi = slices[p]
+            start = min(lo + j * per, hi)
+            return start, min(start + per, hi)
+        for t in range(chunks + 2):
+            deadline = time.monotonic() + self.timeout
+            if t < chunks:
+                for p in range(n):
+                    lo, hi = chunk(p, t)
+                    mine[lo:hi] = flat[lo:hi]
+                self._publish(lay.in_progress(b), (k << 24) | (t + 1))
+                if t + 1 == chunks:
+                    self._publish(lay.in_seq(b), k)
+            if 1 <= t <= chunks:
+                for p in range(n):
+                    if p != me:
+                        self._wait(p, lay.in_progress(b) // 8, (k << 24) | t, "input", deadline, b, label, k)
+                        if t == 1:
+                            self._same_call(p, b, k, count, dtype, op, scale, label)
+                self._reduce(b, count, dtype, op, scale, *chunk(me, t - 1), result)
+                self._publish(lay.out_progress(b), (k << 24) | t)
+                if t == chunks:
+                    self._publish(lay.out_seq(b), k)
+            if t >= 2:
+                for p in range(n):
+                    if p != me:
+                        self._wait(p, lay.out_progress(b) // 8, (k << 24) | (t - 1), "result", deadline, b, label,
+                                   k)
+                        lo, hi = chunk(p, t - 2)
+                        result[lo:hi] = np.frombuffer(self._maps[p], dtype, count, lay.out_off(b))[lo:hi]
+        return result.reshape(array.shape)
+
+    def _same_call(self, p: int, b: int, k: int, count: int, dtype, op: str, scale: float, label: str) -> None:
+        """Peer p's descriptor of call k is mine, else ShmMismatch."""
+        theirs = DESCRIPTOR.unpack_from(self._maps[p], self.layout.in_seq(b) + 8)
+        if theirs[:3] != (count, contract.DTYPES[dtype], OPS[op]) or \
+                struct.pack("<d", theirs[3]) != struct.pack("<d", scale):
+            raise contract.ShmMismatch(
+                f"rdmatensor shm all-reduce of {label} (bucket {b}, call {k}): rank {p} all-reduces "
+                f"{theirs[0]} elements of {_dtype_name(theirs[1])} ({_op_name(theirs[2])}, scale "
+                f"{theirs[3]:g}), rank {self.rank} {count} elements of {dtype} ({op}, scale {scale:g}): every "
+                "rank must call the same all-reduces in the same order")
+
+    def _reduce(self, b: int, count: int, dtype, op: str, scale: float, lo: int, hi: int, result) -> None:
+        """Elements [lo, hi) of the result, the ranks' inputs folded in rank order and
+        scaled, into my `out` and into `result`."""
+        if hi <= lo:
+            return
+        lay = self.layout
+        acc = result[lo:hi]
+        acc[:] = np.frombuffer(self._maps[0], dtype, count, lay.in_off[b])[lo:hi]
+        combine = _UFUNCS[op]
+        for p in range(1, self.ranks):
+            combine(acc, np.frombuffer(self._maps[p], dtype, count, lay.in_off[b])[lo:hi], out=acc)
+        f = contract.factor(op, scale, self.ranks)
+        if f != 1.0:
+            scaling.scale_into(acc, acc, f)
+        np.frombuffer(self._maps[self.rank], dtype, count, lay.out_off(b))[lo:hi] = acc
+
+    def _publish(self, offset: int, value: int) -> None:
+        """My word at `offset` = value, then a wake for a C peer sleeping on it."""
+        self._words[self.rank][offset // 8] = value
+        self._wake(offset)
+
+    def _wait(self, peer: int, index: int, k: int, what: str, deadline: float, b: int, label: str,
+              call: int) -> None:
+        """Until the peer's word `index` reaches k (a sequence number, or a progress word's
+        value); errors name the call."""
         words = self._words[peer]
         if words[index] >= k:
             return
@@ -222,15 +289,15 @@ class TwinGroup(ShmGroup):
             state = int(self._states[peer][0])
             if state == contract.MISMATCH:
                 raise contract.ShmMismatch(
-                    f"rdmatensor shm all-reduce of {label} (bucket {b}, call {k}): rank {peer} found that the ranks "
+                    f"rdmatensor shm all-reduce of {label} (bucket {b}, call {call}): rank {peer} found that the ranks "
                     f"called different collectives while rank {self.rank} waited for its {what}")
             if state:
                 raise contract.ShmPeerAborted(
-                    f"rdmatensor shm all-reduce of {label} (bucket {b}, call {k}): rank {peer} aborted its group "
+                    f"rdmatensor shm all-reduce of {label} (bucket {b}, call {call}): rank {peer} aborted its group "
                     f"(status {state}) while rank {self.rank} waited for its {what}")
             if time.monotonic() > deadline:
                 raise contract.ShmTimeout(
-                    f"rdmatensor shm all-reduce of {label} (bucket {b}, call {k}): rank {peer} did not arrive "
+                    f"rdmatensor shm all-reduce of {label} (bucket {b}, call {call}): rank {peer} did not arrive "
                     f"within {self.timeout:g} s (rank {self.rank} waited for its {what})")
             time.sleep(delay)
             delay = min(2 * delay, 1e-3)
