@@ -582,16 +582,26 @@ static struct descriptor descriptor_of(const rdt_shm_group *g, int r, uint32_t b
   return d;
 }
 
-/* Step 1 of request r: my input into my `in`, the descriptor, in_seq = k. */
+/* Elements [lo, hi) of the input, from its parts, into `region` (a rank's `in`). */
+static void gather(const request *r, unsigned char *region, uint64_t lo, uint64_t hi, size_t esize) {
+  uint64_t start = 0;
+  for (int i = 0; i < r->parts && start < hi; start += r->counts[i], i++) {
+    const uint64_t a = lo > start ? lo : start, z = hi < start + r->counts[i] ? hi : start + r->counts[i];
+    if (z > a) memcpy(region + a * esize, (const unsigned char *)r->ins[i] + (a - start) * esize, (z - a) * esize);
+  }
+}
+
+/* Step 1 of request r: my input into my `in`, the descriptor, in_seq = k. My own
+ * slice stays out: no peer reads it (each reduces its own slice), and step 2
+ * reads it from the input itself. */
 static void step_in(rdt_shm_group *g, request *r) {
   const uint32_t b = r->bucket;
   r->k = ++g->calls[b];
   const size_t esize = dtype_size(r->dtype);
-  unsigned char *to = in_region(g, g->rank, b);
-  for (int i = 0; i < r->parts; i++) {
-    if (r->counts[i]) memcpy(to, r->ins[i], r->counts[i] * esize);
-    to += r->counts[i] * esize;
-  }
+  uint64_t lo, hi;
+  slice_of(r->count, g->ranks, g->rank, &lo, &hi);
+  gather(r, in_region(g, g->rank, b), 0, lo, esize);
+  gather(r, in_region(g, g->rank, b), hi, r->count, esize);
   struct descriptor mine = {r->count, (uint32_t)r->dtype, (uint32_t)r->op, r->scale};
   memcpy(in_line(g, g->rank, b) + 8, &mine, sizeof mine);
   publish(g, in_seq(g, g->rank, b), r->k);
@@ -614,16 +624,24 @@ static int same_call(rdt_shm_group *g, request *r, int p) {
   return RDT_SHM_MISMATCH;
 }
 
-/* Elements [lo, hi) of the result into my `out`: the ranks' inputs folded in rank order, scaled. */
+/* Elements [lo, hi) of my slice of the result into my `out`: the ranks' inputs
+ * folded in rank order (mine read from the input's parts), scaled. */
 static void reduce_range(rdt_shm_group *g, request *r, uint64_t lo, uint64_t hi) {
-  if (hi <= lo) return;
   const uint32_t b = r->bucket;
+  const int me = g->rank;
   const size_t esize = dtype_size(r->dtype);
-  unsigned char *mine = out_region(g, g->rank, b) + lo * esize;
-  memcpy(mine, in_region(g, 0, b) + lo * esize, (hi - lo) * esize);
-  for (int p = 1; p < g->ranks; p++) combine(mine, in_region(g, p, b) + lo * esize, hi - lo, r->dtype, r->op);
-  double factor = r->op == RDT_SHM_AVERAGE ? r->scale / (double)g->ranks : r->scale;
-  if (factor != 1.0) scale_slice(mine, hi - lo, r->dtype, factor);
+  const double factor = r->op == RDT_SHM_AVERAGE ? r->scale / (double)g->ranks : r->scale;
+  uint64_t start = 0;
+  for (int i = 0; i < r->parts && start < hi; start += r->counts[i], i++) {
+    const uint64_t a = lo > start ? lo : start, z = hi < start + r->counts[i] ? hi : start + r->counts[i];
+    if (z <= a) continue;
+    const unsigned char *own = (const unsigned char *)r->ins[i] + (a - start) * esize;
+    unsigned char *to = out_region(g, me, b) + a * esize;
+    memcpy(to, me == 0 ? own : in_region(g, 0, b) + a * esize, (z - a) * esize);
+    for (int p = 1; p < g->ranks; p++)
+      combine(to, p == me ? own : in_region(g, p, b) + a * esize, z - a, r->dtype, r->op);
+    if (factor != 1.0) scale_slice(to, z - a, r->dtype, factor);
+  }
 }
 
 /* Step 2: every peer's input, then my slice of the result into my `out`, out_seq = k. */
@@ -673,15 +691,6 @@ static int step_out(rdt_shm_group *g, request *r) {
   return RDT_SHM_OK;
 }
 
-/* Elements [lo, hi) of the input, from its parts, into `region` (a rank's `in`). */
-static void gather(const request *r, unsigned char *region, uint64_t lo, uint64_t hi, size_t esize) {
-  uint64_t start = 0;
-  for (int i = 0; i < r->parts && start < hi; start += r->counts[i], i++) {
-    const uint64_t a = lo > start ? lo : start, z = hi < start + r->counts[i] ? hi : start + r->counts[i];
-    if (z > a) memcpy(region + a * esize, (const unsigned char *)r->ins[i] + (a - start) * esize, (z - a) * esize);
-  }
-}
-
 /* A large call runs pipelined: each rank's slice cut in chunks of RDT_SHM_PIPELINE_BYTES,
  * chunk j's input copied in, then reduced, then copied out, a chunk apart
  * (copy in j, reduce j - 1, copy out j - 2), each stage published in the
@@ -724,6 +733,7 @@ static int run_pipelined(rdt_shm_group *g, request *r, uint64_t chunks) {
     const double deadline = now_seconds() + g->timeout; /* a peer that keeps up is alive */
     if (t < chunks) { /* step 1 of chunk t: every slice's part of it */
       for (int p = 0; p < n; p++) {
+        if (p == me) continue; /* my own slice is read from the input (reduce_range) */
         chunk_of(g, r, p, t, &lo, &hi);
         gather(r, in_region(g, me, b), lo, hi, esize);
       }
