@@ -53,6 +53,23 @@ bench-models-paired: setup
 	done
 	$(PY) -m bench.models_table --paired $(addprefix docs/models/paired/,$(addsuffix .json,$(BENCH_MODELS)))
 
+# The same models on rdmatensor's Horovod API (rdmatensor-train --provider hvd):
+# the native ops and the Python path (RDMATENSOR_TF_OPS=python) timed in turn
+# with both floors inside each job, 30 cycles of four steps, BENCH_ROUNDS jobs
+# per model (default 3); JSON in docs/models/native/, table by
+# `python -m bench.models_table --paired docs/models/native/*.json` (about 15 minutes).
+BENCH_NATIVE_STEPS ?= 121
+BENCH_NATIVE_ROUNDS ?= 3
+.PHONY: bench-models-native
+bench-models-native: setup
+	mkdir -p docs/models/native
+	for m in $(BENCH_MODELS); do \
+	    TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m tf_plugin.training.cli --model $$m --workers 2 --batch 16 \
+	        --steps $(BENCH_NATIVE_STEPS) --provider hvd --paired --rounds $(BENCH_NATIVE_ROUNDS) \
+	        --json docs/models/native/$$m.json || exit 1; \
+	done
+	$(PY) -m bench.models_table --paired $(addprefix docs/models/native/,$(addsuffix .json,$(BENCH_MODELS)))
+
 # The flat ring against the hierarchical all-reduce, side by side in one job
 # of 4 ranks on 2 hosts (Horovod API): on this host with loopback addresses as
 # hosts over shm, then tcp (uniform links: the steps alone); then on two

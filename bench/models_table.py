@@ -91,28 +91,34 @@ def table(paths: list[str]) -> str:
 
 
 def paired_table(paths: list[str]) -> str:
-    """The table of these files' paired jobs (rdmatensor-train --paired). A kind timed
-    beside the provider in the same turns (the Python path beside `hvd`) gets a row of
-    its own, and the provider's row its step over the provider's."""
+    """The table of these files' paired jobs (rdmatensor-train --paired): one row per
+    model and provider, each figure the median over its jobs (rounds), with their
+    range when there are several. A kind timed beside the provider in the same
+    turns (the Python path beside `hvd`) gets a row of its own, and the
+    provider's row its step over the provider's."""
     header = ["model", "provider", "floor ms", "sync floor ms", "provider ms", "of floor", "of sync floor",
               "sync floor: of floor", "cycles", "beside it"]
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    jobs: dict = {}
     for path in paths:
         for job in json.loads(Path(path).read_text())["jobs"]:
-            p, model = job["summary"].get("paired"), job["config"]["model"]
-            if p is None:
-                continue
-            provider = job["config"]["provider"]
-            others = sorted(k[3:] for k in p if k.startswith("of_") and k[3:] not in ("floor", "sync"))
-            rows = [(provider, p["provider_ms"], p["of_floor"], p["of_sync"],
-                     ", ".join(f"{o} step {p['of_' + o]:.2f}x" for o in others))]
-            rows += [(f"{o} (in {provider}'s turns)", p[o + "_ms"], p[o + "_of_floor"], p[o + "_of_sync"], "")
-                     for o in others]
-            for name, ms, of_floor, of_sync, beside in rows:
-                lines.append("| " + " | ".join([NAMES.get(model, model), name, f"{p['none_ms']:.1f}",
-                                                f"{p['sync_ms']:.1f}", f"{ms:.1f}", f"{100 * of_floor:.0f}%",
-                                                f"{100 * of_sync:.0f}%", f"{100 * p['sync_of_floor']:.0f}%",
-                                                str(p["cycles"]), beside or "–"]) + " |")
+            paired, config = job["summary"].get("paired"), job["config"]
+            if paired is not None:
+                jobs.setdefault((config["model"], config["provider"]), []).append(paired)
+    for (model, provider), runs in jobs.items():
+        def cell(key, fmt, runs=runs):
+            return _spread([p[key] for p in runs], fmt)
+        ms, pct = (lambda v: f"{v:.1f}"), (lambda v: f"{100 * v:.0f}%")
+        others = sorted(k[3:] for k in runs[0] if k.startswith("of_") and k[3:] not in ("floor", "sync"))
+        floors = [cell("none_ms", ms), cell("sync_ms", ms)]
+        tail = [cell("sync_of_floor", pct), "+".join(str(p["cycles"]) for p in runs)]
+        rows = [[provider, cell("provider_ms", ms), cell("of_floor", pct), cell("of_sync", pct),
+                 ", ".join(f"{o} step {cell('of_' + o, lambda v: f'{v:.2f}x')}" for o in others) or "–"]]
+        rows += [[f"{o} (in {provider}'s turns)", cell(o + "_ms", ms), cell(o + "_of_floor", pct),
+                  cell(o + "_of_sync", pct), "–"] for o in others]
+        for name, step, of_floor, of_sync, beside in rows:
+            lines.append("| " + " | ".join([NAMES.get(model, model), name, *floors, step, of_floor, of_sync,
+                                            *tail, beside]) + " |")
     return "\n".join(lines)
 
 

@@ -58,6 +58,24 @@ def test_paired_jobs_give_one_row_each_with_both_floors_and_the_shares(tmp_path)
         "| MobileNetV2 | hvd-python (in hvd's turns) | 42.2 | 46.9 | 60.0 | 70% | 78% | 91% | 60 | – |"]
 
 
+def test_paired_rounds_of_one_model_give_one_row_of_medians_and_ranges(tmp_path):
+    def job(floor_ms, provider_ms, python_ms, cycles):
+        return {"config": {"provider": "hvd", "model": "vgg16"}, "summary": {"paired": {
+            "cycles": cycles, "none_ms": floor_ms, "sync_ms": 110.0, "provider_ms": provider_ms,
+            "of_floor": floor_ms / provider_ms, "of_sync": 110 / provider_ms, "sync_of_floor": 0.9,
+            "hvd-python_ms": python_ms, "hvd-python_of_floor": floor_ms / python_ms,
+            "hvd-python_of_sync": 110 / python_ms, "of_hvd-python": python_ms / provider_ms}}}
+    path = tmp_path / "vgg16.json"
+    path.write_text(json.dumps({"jobs": [job(100.0, 125.0, 150.0, 30), job(90.0, 200.0, 200.0, 30),
+                                         job(96.0, 160.0, 176.0, 29)]}))
+    lines = paired_table([str(path)]).splitlines()
+    assert lines[2:] == [
+        "| VGG16 | hvd | 96.0 (90.0–100.0) | 110.0 (110.0–110.0) | 160.0 (125.0–200.0) | 60% (45%–80%) "
+        "| 69% (55%–88%) | 90% (90%–90%) | 30+30+29 | hvd-python step 1.10x (1.00x–1.20x) |",
+        "| VGG16 | hvd-python (in hvd's turns) | 96.0 (90.0–100.0) | 110.0 (110.0–110.0) | 176.0 (150.0–200.0) "
+        "| 55% (45%–67%) | 62% (55%–73%) | 90% (90%–90%) | 30+30+29 | – |"]
+
+
 def test_the_readmes_table_is_what_its_command_prints():
     """The README's first table is bench.models_table's output for the committed JSON it names."""
     import pathlib
