@@ -220,6 +220,14 @@ def test_paired_shares_are_medians_of_ratios_within_cycles():
     assert summarize(JobConfig(provider="shm"), [worker(0, [1.0], [], [])]).paired is None
 
 
+def _train(*args: str) -> str:
+    """rdmatensor-train on 2 workers of the mlp with `args`; what it printed."""
+    proc = subprocess.run([sys.executable, "-m", "tf_plugin.training.cli", "--workers", "2", "--model", "mlp", *args],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
 def test_a_kind_timed_beside_the_provider_gets_its_shares_and_its_ratio():
     ranks = [RankResult(r, "worker", "hvd", [1.0] * 3, [2.0, 4.0],
                         paired_seconds={"none": [1.0, 2.0], "sync": [1.0, 4.0], "hvd-python": [4.0, 2.0]})
@@ -235,10 +243,7 @@ def test_the_horovod_api_trains_as_the_reference_on_both_paths_and_pairs_them(tm
     the same losses on both; the native job reports the executor's bytes and overlap.
     Paired, the Python path's step is timed in the same turns as the native one."""
     out = tmp_path / "hvd.json"
-    proc = subprocess.run([sys.executable, "-m", "tf_plugin.training.cli", "--workers", "2", "--provider",
-                           "hvd,hvd-python", "--model", "mlp", "--steps", "6", "--json", str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _train("--provider", "hvd,hvd-python", "--steps", "6", "--json", str(out))
     native, python = (job["summary"] for job in json.loads(out.read_text())["jobs"])
     close_to_reference("mlp", native["losses"], 6)
     assert native["losses"] == python["losses"]
@@ -246,11 +251,7 @@ def test_the_horovod_api_trains_as_the_reference_on_both_paths_and_pairs_them(tm
     assert 0 <= native["overlap"] <= 1 and native["comm_ms_per_step"] > 0
     assert python["bytes_per_step"] is None and python["overlap"] is None          # not measured there
     out = tmp_path / "paired.json"
-    proc = subprocess.run([sys.executable, "-m", "tf_plugin.training.cli", "--workers", "2", "--provider", "hvd",
-                           "--paired", "--model", "mlp", "--steps", "9", "--json", str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "paired, hvd-python" in proc.stdout
+    assert "paired, hvd-python" in _train("--provider", "hvd", "--paired", "--steps", "9", "--json", str(out))
     p = json.loads(out.read_text())["jobs"][0]["summary"]["paired"]
     assert p["cycles"] == 2 and all(p[k] > 0 for k in ("hvd-python_ms", "hvd-python_of_floor", "of_hvd-python"))
 
@@ -259,11 +260,8 @@ def test_a_paired_job_times_both_floors_beside_the_provider_in_one_run(tmp_path)
     """rdmatensor-train --provider shm --paired: floor, sync floor and shm steps in turn in the
     same processes; the provider's counters leave the meetings out."""
     out = tmp_path / "paired.json"
-    proc = subprocess.run([sys.executable, "-m", "tf_plugin.training.cli", "--workers", "2", "--provider", "shm",
-                           "--paired", "--model", "mlp", "--steps", "8", "--json", str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "2 cycles of floor, sync floor, shm in turn" in proc.stdout
+    printed = _train("--provider", "shm", "--paired", "--steps", "8", "--json", str(out))
+    assert "2 cycles of floor, sync floor, shm in turn" in printed
     job = json.loads(out.read_text())["jobs"][0]
     p, summary = job["summary"]["paired"], job["summary"]
     assert p["cycles"] == 2 and all(p[k] > 0 for k in ("none_ms", "sync_ms", "provider_ms", "of_floor", "of_sync"))

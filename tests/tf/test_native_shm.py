@@ -418,6 +418,17 @@ def _groups(kinds, sizes, timeout=5.0):
             os.close(fd)
 
 
+def _every_op_as_numpy(groups, plan, kinds) -> None:
+    """`plan` all-reduced by every op (a scale where it applies) on `groups`, in one
+    allreduce_many per op: numpy's bits on every rank."""
+    for seed, op in enumerate(OPS):
+        scale = 0.5 if op in ("sum", "average") else 1.0
+        got = _threads(groups, lambda r, g, seed=seed, op=op, scale=scale: g.allreduce_many(
+            [b for b, _, _ in plan], inputs(seed, r, plan), op, scaling.factor(scale)))
+        check([[(o.dtype.str, o.shape, o.tobytes()) for o in res] for res in got], seed, len(groups), plan, op,
+              scale, f"{kinds} {op}")
+
+
 @pytest.mark.parametrize("kinds", [("c", "c"), ("py", "py"), ("c", "py"), ("py", "c", "c")])
 def test_the_twins_agree_with_numpy_bit_for_bit(kinds):
     """Every dtype and op, sizes 0, 1, odd and 1000, the same bucket twice in a row:
@@ -428,12 +439,7 @@ def test_the_twins_agree_with_numpy_bit_for_bit(kinds):
     plan.append((0, (3, 4), "float32"))
     groups = _groups(kinds, bucket_bytes(plan))
     try:
-        for seed, op in enumerate(OPS):
-            scale = 0.5 if op in ("sum", "average") else 1.0
-            got = _threads(groups, lambda r, g, seed=seed, op=op, scale=scale: g.allreduce_many(
-                [b for b, _, _ in plan], inputs(seed, r, plan), op, scaling.factor(scale)))
-            check([[(o.dtype.str, o.shape, o.tobytes()) for o in res] for res in got], seed, n, plan, op, scale,
-                  f"{kinds} {op}")
+        _every_op_as_numpy(groups, plan, kinds)
         # what each rank counts: per call, its slice from each peer and the rest of the result
         # from them (stats' bytes each way, as the ring's): the same in both twins
         for r, g in enumerate(groups):
@@ -521,12 +527,7 @@ def test_large_calls_run_pipelined_bit_for_bit(kinds):
             (0, (PIPELINE_BYTES // 4 * n + 3, 2), "int32")]
     groups = _groups(kinds, [max(int(np.prod(s)) * np.dtype(d).itemsize for _, s, d in plan)])
     try:
-        for seed, op in enumerate(OPS):
-            scale = 0.5 if op in ("sum", "average") else 1.0
-            got = _threads(groups, lambda r, g, seed=seed, op=op, scale=scale: g.allreduce_many(
-                [b for b, _, _ in plan], inputs(seed, r, plan), op, scaling.factor(scale)))
-            check([[(o.dtype.str, o.shape, o.tobytes()) for o in res] for res in got], seed, n, plan, op, scale,
-                  f"{kinds} {op}")
+        _every_op_as_numpy(groups, plan, kinds)
         shapes = [(PIPELINE_BYTES // 8 + 5,), (0,), (PIPELINE_BYTES // 4, 3), (1,), (PIPELINE_BYTES // 2 + 1,)]
 
         def body(r, g):

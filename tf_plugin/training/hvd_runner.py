@@ -25,6 +25,7 @@ bucket was launched, over the timed steps. The Python path's is not measured.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -122,23 +123,20 @@ def run_rank(cluster, config: JobConfig, token: str | None = None) -> RankResult
     return result
 
 
-class _tf_ops:
-    """RDMATENSOR_TF_OPS set to `value` (None: unset) while a step is traced (read
-    when a graph is built), as it was afterwards."""
+@contextlib.contextmanager
+def _tf_ops(value: str | None):
+    """RDMATENSOR_TF_OPS set to `value` (None: unset) while a step is traced (it is
+    read when a graph is built), as it was afterwards."""
+    from ..native import build
 
-    def __init__(self, value: str | None):
-        from ..native import build
-        self.name, self.value = build.ENV, value
-
-    def __enter__(self):
-        self.before = os.environ.get(self.name)
-        if self.value is None:
-            os.environ.pop(self.name, None)
+    def put(v):
+        if v is None:
+            os.environ.pop(build.ENV, None)
         else:
-            os.environ[self.name] = self.value
-
-    def __exit__(self, *exc):
-        if self.before is None:
-            os.environ.pop(self.name, None)
-        else:
-            os.environ[self.name] = self.before
+            os.environ[build.ENV] = v
+    before = os.environ.get(build.ENV)
+    put(value)
+    try:
+        yield
+    finally:
+        put(before)
