@@ -5,6 +5,7 @@
     runner       one rank (run_rank), or all ranks as threads (run_threads)
     tf_baseline  TensorFlow's MultiWorkerMirroredStrategy on the same model, for comparison
     horovod_baseline  real Horovod (horovodrun) on the same model and data
+    hvd_runner   rdmatensor's Horovod API on the same model: native ops and Python path, paired
     cli          the rdmatensor-train command (python -m tf_plugin.training.cli)
     explain      a demo model's plan, printed (python -m tf_plugin.training.explain)
 """
