@@ -45,6 +45,13 @@ WORKERS = 512                  # threads start on demand; the coordinator of an 
 RESERVED_WORKERS = 32          # barrier holds N - 1, the rest are kept for other calls
 
 
+def _refusal(message: str):
+    """A handler that refuses the call with `message`, reading no request."""
+    def deny(requests, context):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+    return grpc.stream_unary_rpc_method_handler(deny)
+
+
 class _ProofCheck(grpc.ServerInterceptor):
     """Refuse any call that does not prove it knows the session token (proof.py):
     a peer without it never reaches a handler, so it never learns a descriptor.
@@ -58,9 +65,7 @@ class _ProofCheck(grpc.ServerInterceptor):
         self._blocking = threading.BoundedSemaphore(max(1, blocking_limit))
         self._wrapped: dict = {}
 
-        def deny(requests, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing rdmatensor token")
-        self._deny = grpc.stream_unary_rpc_method_handler(deny)
+        self._deny = _refusal("wrong or missing rdmatensor token")
         # Hello is answered here, for every servicer: its reply's proof is all it is for
         self._hello = grpc.unary_unary_rpc_method_handler(lambda request, context: pb.HelloReply(),
                                                           request_deserializer=pb.HelloRequest.FromString,
@@ -72,8 +77,8 @@ class _ProofCheck(grpc.ServerInterceptor):
             return self._deny
         try:
             bound = self._verifier.check(details.method, proofs[0])
-        except AuthenticationError:
-            return self._deny
+        except AuthenticationError as exc:      # why, when the token was right: a clock off, a replay
+            return _refusal(str(exc))
         if bound == UNBOUND and details.method not in UNBOUND_METHODS:
             return self._deny
         handler = self._hello if details.method == HELLO else continuation(details)
