@@ -66,14 +66,20 @@ def buckets_of(infos, fusion: bool, threshold: int | None = None) -> list["Bucke
     of its own: the ring sends it from TensorFlow's buffer, no copy. Smaller
     ones are gathered per dtype, each at a 64-byte aligned offset, into a
     bucket closed as soon as it holds `threshold` bytes (so it exceeds the
-    threshold by less than its last gradient). Buckets are ordered by their
-    last member, so bucket k is complete no later than bucket k + 1 in a
-    backward pass. Without fusion (or with threshold 0): one bucket per
-    variable."""
+    threshold by less than its last gradient). The last gradients backprop
+    makes, up to threshold / TAIL_SHARE bytes, start buckets of their own (the
+    tail): a bucket launched as backprop ends runs wholly after it, so it is
+    kept small. Buckets are ordered by their last member, so bucket k is
+    complete no later than bucket k + 1 in a backward pass. Without fusion (or
+    with threshold 0): one bucket per variable."""
     threshold = fusion_threshold(threshold) if fusion else 0
     filling: dict = {}            # dtype -> (members so far, aligned elements used)
     closed = []                   # (position of the last member, dtype, members)
+    tail = _tail_start(infos, threshold // TAIL_SHARE) if threshold else len(infos)
     for position, v in enumerate(reversed(infos)):
+        if position == tail:      # what is filling closes: the tail starts its own buckets
+            closed += [(members[-1][3], dtype, members) for dtype, (members, _) in filling.items()]
+            filling = {}
         n = int(np.prod(v.shape))
         if not n:
             continue
@@ -95,6 +101,22 @@ def buckets_of(infos, fusion: bool, threshold: int | None = None) -> list["Bucke
         key = members[0][0] if not fusion else f"fused{k}/{dtype.name}"
         buckets.append(Bucket(key, dtype, members, end))
     return buckets
+
+
+TAIL_SHARE = 8     # the tail holds at most threshold / 8 bytes
+
+
+def _tail_start(infos, most: int) -> int:
+    """The position (in backprop's order) of the first gradient of the tail: the
+    last gradients made, as many as fit in `most` bytes; len(infos): no tail."""
+    start, held = len(infos), 0
+    for position in range(len(infos) - 1, -1, -1):       # infos[0]'s gradient is made last
+        v = infos[len(infos) - 1 - position]
+        held += int(np.prod(v.shape)) * v.dtype.itemsize
+        if held > most:
+            break
+        start = position
+    return start
 
 
 def ring_specs(buckets, ranks: int) -> list[tuple[TensorSpec, str]]:
