@@ -63,6 +63,7 @@ out = {
     "RDMATENSOR_STALL_CHECK_DISABLE": stall.check_time is None,
     "RDMATENSOR_ELASTIC_TIMEOUT": settings.seconds(settings.ELASTIC_TIMEOUT),
     "RDMATENSOR_TF_OPS": native_build.choice(),
+    "RDMATENSOR_EXECUTOR_NICE": settings.executor_nice(),
     "warned": settings.ignored_in(),
 }
 for var, (field, _, _) in addressing.Fabric.RANGES.items():

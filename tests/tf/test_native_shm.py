@@ -13,6 +13,7 @@ segments' descriptors between them (socket.send_fds) and drives them. No mocks.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import pickle
 import shutil
@@ -509,6 +510,69 @@ def test_busy_counts_what_ran_before_the_last_bucket_came(kinds):
         for g in groups:
             g.close()
     assert [g.busy() for g in groups] == last, "busy seconds lost at close"
+
+
+PRIORITY_SCRIPT = r"""
+import json, logging, os, sys
+sys.path.insert(0, sys.argv[1])
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="LOG %(message)s")
+import numpy as np
+from tf_plugin.errors import SettingError
+from tf_plugin.native import ops, segment
+
+def nices():
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            out[tid] = int(f.read().rsplit(")", 1)[1].split()[16])      # field 19: nice
+    return out
+
+ops.native_library()
+report = {}
+for setting in sys.argv[2:]:
+    os.environ["RDMATENSOR_EXECUTOR_NICE"] = setting
+    before = nices()
+    fd = segment.create_segment(0, 1, [64])
+    try:
+        g = ops.group([fd], 0, 1, [64], timeout=5, kind="native")
+    except SettingError as exc:
+        report[setting] = {"error": str(exc), "threads": len(nices()) - len(before)}
+        continue
+    finally:
+        os.close(fd)
+    new = sorted(n for t, n in nices().items() if t not in before)
+    out = g.allreduce(0, np.arange(4, dtype=np.float32)).tolist()
+    report[setting] = {"new": new, "executor_nice": g.executor_nice, "out": out}
+    g.close()
+report["mine"] = os.getpriority(os.PRIO_PROCESS, 0)
+print("RESULT " + json.dumps(report))
+"""
+
+
+def _priorities(*settings, prefix=()) -> tuple[dict, str]:
+    proc = subprocess.run([*prefix, sys.executable, "-c", PRIORITY_SCRIPT, str(ROOT), *settings],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.split("RESULT ", 1)[1]), proc.stderr
+
+
+def test_the_executor_thread_runs_below_the_process_nice_where_permitted():
+    """RDMATENSOR_EXECUTOR_NICE is added to the executor thread's nice (the thread that
+    makes the group keeps its own); 0 leaves it; a bad value raises SettingError
+    before any thread is started. Without CAP_SYS_NICE (setpriv drops it) the group
+    runs at the process's priority, says so once, and its results are the same."""
+    got, _ = _priorities("-7", "0", "-40", "fast")
+    assert got["-7"] == {"new": [-7], "executor_nice": -7, "out": [0.0, 1.0, 2.0, 3.0]}, got
+    assert got["0"] == {"new": [0], "executor_nice": None, "out": [0.0, 1.0, 2.0, 3.0]}, got
+    for bad, words in (("-40", "-20 to 19"), ("fast", "a whole number")):
+        assert got[bad]["threads"] == 0 and f"RDMATENSOR_EXECUTOR_NICE={bad!r}: expected {words}" in \
+            got[bad]["error"], got
+    assert got["mine"] == 0, got
+    refused, log = _priorities("-7", "-3", prefix=("setpriv", "--bounding-set=-sys_nice", "--inh-caps=-sys_nice"))
+    for setting in ("-7", "-3"):
+        assert refused[setting] == {"new": [0], "executor_nice": None, "out": [0.0, 1.0, 2.0, 3.0]}, refused
+    assert log.count("keeps the process's priority: nice -7 (-7) is not permitted") == 1, log[-3000:]
+    assert "nice -3" not in log, log[-3000:]
 
 
 PIPELINE_BYTES = 256 * 1024      # shm_allreduce.c: a call whose slices exceed it runs chunk by chunk

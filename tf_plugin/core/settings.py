@@ -69,8 +69,13 @@ TIMEOUT = Setting(
 ELASTIC_TIMEOUT = Setting(
     "RDMATENSOR_ELASTIC_TIMEOUT", "HOROVOD_ELASTIC_TIMEOUT", "600",
     "seconds an elastic job waits for enough workers; a worker waits this long, and 60 more, to join a round")
+EXECUTOR_NICE = Setting(
+    "RDMATENSOR_EXECUTOR_NICE", None, "-5",
+    "added to the process's nice value for the native all-reduce's executor thread (-20 to 19; 0: as the "
+    "process), which shares its rank's core with TensorFlow's threads: below their priority it keeps pace with "
+    "backprop. Where raising a priority is not permitted (no CAP_SYS_NICE, RLIMIT_NICE) it keeps the process's")
 SETTINGS = (FUSION_THRESHOLD, TIMELINE, HIERARCHICAL_ALLREDUCE, LOG_LEVEL, STALL_CHECK_TIME, STALL_SHUTDOWN_TIME,
-            STALL_CHECK_DISABLE, TIMEOUT, ELASTIC_TIMEOUT)
+            STALL_CHECK_DISABLE, TIMEOUT, ELASTIC_TIMEOUT)       # Horovod's, under both names
 
 IGNORED = {
     "HOROVOD_CYCLE_TIME": "there is no coordinator cycle: a collective starts when every rank calls it",
@@ -120,6 +125,17 @@ def integer(setting: Setting, env=os.environ, minimum: int = 0) -> int:
     if number < minimum:
         raise _bad(setting, var, value, f"a number >= {minimum}")
     return number
+
+
+def executor_nice(env=os.environ) -> int:
+    value, var = EXECUTOR_NICE.raw(env)
+    try:
+        nice = int(value)
+    except ValueError:
+        raise _bad(EXECUTOR_NICE, var, value, "a whole number") from None
+    if not -20 <= nice <= 19:
+        raise _bad(EXECUTOR_NICE, var, value, "-20 to 19")
+    return nice
 
 
 def seconds(setting: Setting, env=os.environ) -> float:

@@ -113,6 +113,10 @@ class ShmGroup(ABC):
     ranks: int
     bucket_bytes: tuple
     timeout: float
+    # the nice value given to the group's own executor thread; None: the process's
+    # (not set, or not permitted), or no thread of its own (the twin runs each call
+    # on its caller's thread)
+    executor_nice: int | None = None
 
     @abstractmethod
     def allreduce(self, bucket: int, array, op: str = "sum", scale: float = 1.0, label: str | None = None

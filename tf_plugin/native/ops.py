@@ -42,6 +42,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import json
+import logging
 import os
 import threading
 from typing import NamedTuple
@@ -51,8 +52,10 @@ import tensorflow as tf
 
 from rdmatensor.session.liveness import peer_timeout_from_env
 
-from ..core import scaling
+from ..core import scaling, settings
 from . import build, contract, segment, shm_c, shm_twin
+
+log = logging.getLogger("rdmatensor")
 
 _TF_ERRORS = {contract.INVALID: tf.errors.InvalidArgumentError, contract.TIMEOUT: tf.errors.DeadlineExceededError,
               contract.ABORTED: tf.errors.AbortedError, contract.PEER_ABORTED: tf.errors.UnavailableError,
@@ -122,15 +125,39 @@ class NativeGroup(shm_c.CGroup):
     kind = "native"
 
     def __init__(self, lib: NativeLibrary, name: str, fds, rank, ranks, bucket_bytes, timeout):
+        nice = settings.executor_nice()             # a bad value raises before anything is made
         super().__init__(lib.cdll, fds, rank, ranks, bucket_bytes, timeout)
         self.native, self.name = lib, name
         if lib.cdll.rdt_tf_group_add(name.encode(), self.handle) != 0:
             super().close()
             raise contract.ShmInvalid(f"a group named {name!r} is open already")
+        try:
+            _prioritize(self, nice)
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         self.native.cdll.rdt_tf_group_remove(self.name.encode())
         super().close()
+
+
+_refused_nice: list = []    # logged once per process
+
+
+def _prioritize(group: NativeGroup, nice: int) -> None:
+    """The executor thread RDMATENSOR_EXECUTOR_NICE below this thread's nice: it shares the rank's core with
+    TensorFlow's threads, and at their priority it got a third of the core while
+    backprop ran, queueing its buckets behind it (docs/native-ops.md#overlap-with-backprop)."""
+    if nice == 0:
+        return
+    own = os.getpriority(os.PRIO_PROCESS, 0)        # this thread's, as its executor inherited it
+    target = min(19, max(-20, own + nice))
+    if group.set_nice(target) or _refused_nice:
+        return
+    _refused_nice.append(target)
+    log.info("the native all-reduce's executor thread keeps the process's priority: nice %d (%+d) is not "
+             "permitted here (CAP_SYS_NICE or RLIMIT_NICE; %s)", target, nice, settings.EXECUTOR_NICE.name)
 
 
 class PythonGroup(shm_twin.TwinGroup):

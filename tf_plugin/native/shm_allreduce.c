@@ -45,6 +45,7 @@
 #include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
+#include <sys/resource.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -131,6 +132,7 @@ struct rdt_shm_group {
   double last_submit_at[LAST_SUBMITS];
   double busy_seconds, overlapped_seconds; /* under mu */
   pthread_t thread;
+  pid_t tid; /* the executor thread's, once it runs (under mu) */
   int started;
   double contended_until; /* the executor thread's alone: no yields before then */
 };
@@ -854,6 +856,10 @@ static void account(rdt_shm_group *g, uint64_t k, double t0, double t1) {
 static void *executor(void *arg) {
   rdt_shm_group *g = arg;
   request *wave;
+  pthread_mutex_lock(&g->mu);
+  g->tid = (pid_t)syscall(SYS_gettid);
+  pthread_cond_broadcast(&g->cv);
+  pthread_mutex_unlock(&g->mu);
   while ((wave = next_wave(g)) != NULL) {
     const double t0 = now_seconds();
     const uint64_t chunks = pipeline_chunks(g, wave);
@@ -1038,7 +1044,14 @@ rdt_shm_group *rdt_shm_group_create(const int *fds, int rank, int ranks, uint32_
     return NULL;
   }
   g->started = 1;
+  pthread_mutex_lock(&g->mu); /* its id, for rdt_shm_group_set_nice */
+  while (g->tid == 0) pthread_cond_wait(&g->cv, &g->mu);
+  pthread_mutex_unlock(&g->mu);
   return g;
+}
+
+int rdt_shm_group_set_nice(rdt_shm_group *g, int nice) {
+  return setpriority(PRIO_PROCESS, (id_t)g->tid, nice) == 0 ? 0 : errno;
 }
 
 void rdt_shm_group_retain(rdt_shm_group *g) { atomic_fetch_add(&g->refs, 1); }

@@ -181,6 +181,12 @@ void rdt_shm_group_counters(rdt_shm_group *g, uint64_t *calls, uint64_t *bytes);
  * as backprop makes them, the share that overlapped backprop. */
 void rdt_shm_group_busy(rdt_shm_group *g, double *busy, double *overlapped);
 
+/* Sets the executor thread's nice value (setpriority): 0, or the errno (EACCES
+ * where raising a priority is not permitted). The thread shares its core with
+ * the framework's threads making the gradients; below their nice it keeps pace
+ * with backprop instead of queueing behind it, and a peer waits less on it. */
+int rdt_shm_group_set_nice(rdt_shm_group *g, int nice);
+
 #ifdef __cplusplus
 }
 #endif

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
+import os
 import threading
 
 import numpy as np
@@ -57,6 +59,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.rdt_shm_group_counters.restype = None
         lib.rdt_shm_group_busy.argtypes = [_P, ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_double)]
         lib.rdt_shm_group_busy.restype = None
+        lib.rdt_shm_group_set_nice.argtypes = [_P, _INT]
+        lib.rdt_shm_group_set_nice.restype = _INT
         lib._rdt_shm_bound = True
     return lib
 
@@ -163,6 +167,20 @@ class CGroup(ShmGroup):
             busy, overlapped = ctypes.c_double(), ctypes.c_double()
             self.lib.rdt_shm_group_busy(self.handle, ctypes.byref(busy), ctypes.byref(overlapped))
             return busy.value, overlapped.value
+
+    def set_nice(self, nice: int) -> bool:
+        """Give the executor thread this nice value; False where that is not permitted
+        (raising a priority needs CAP_SYS_NICE or RLIMIT_NICE)."""
+        with self._busy:
+            if self.handle is None:
+                raise contract.ShmClosed("the group was closed")
+            code = self.lib.rdt_shm_group_set_nice(self.handle, int(nice))
+        if code in (errno.EACCES, errno.EPERM):
+            return False
+        if code:
+            raise OSError(code, f"setting the executor thread's nice to {nice}: {os.strerror(code)}")
+        self.executor_nice = int(nice)
+        return True
 
     @contextlib.contextmanager
     def _call(self, what: str):
