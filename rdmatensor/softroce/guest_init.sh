@@ -43,7 +43,9 @@ if [ -d "$job/ssh" ]; then
   "$(cat "$job/ssh/sshd_path")" -f "$job/ssh/sshd_config-$idx" -E "$job/sshd-$idx.log" || fail "sshd did not start"
   say "sshd listening"
 fi
-: > "$job/ready-$idx"
+# ready, stamped with this guest's clock (the host compares it with the file's
+# time on its own clock: a proof of the job token is good within 300 s of it)
+date +%s.%N > "$job/ready-$idx.tmp" && mv "$job/ready-$idx.tmp" "$job/ready-$idx"
 
 # The caller's environment and working directory, then the command itself.
 . "$job/cmd.env"
@@ -51,6 +53,8 @@ fi
 cd "$RDT_CWD" 2>/dev/null || cd /
 cmd="$job/cmd-$idx.sh"; [ -e "$cmd" ] || cmd="$job/cmd.sh"
 sh "$cmd" > "$job/out-$idx" 2> "$job/err-$idx" < /dev/null
-echo $? > "$job/rc-$idx"
+rc=$?
+date +%s.%N > "$job/clock-$idx"
+echo $rc > "$job/rc-$idx"
 sync
 poweroff -f

@@ -207,6 +207,23 @@ def _make_ssh(job: Path, hosts: int) -> None:
     (d / "sshd_path").write_text(sshd)
 
 
+def _clock_offsets(job: Path, hosts: int) -> str:
+    """Each guest's clock less this host's when it wrote its ready and clock files (the
+    files' times are this host's): TCG guests calibrate their TSC under load, and the
+    job token's proofs hold only within 300 s of the receiver's clock."""
+    out = []
+    for i in range(hosts):
+        marks = []
+        for name in (f"ready-{i}", f"clock-{i}"):
+            try:
+                path = job / name
+                marks.append(f"{float(path.read_text()) - path.stat().st_mtime:+.1f} s")
+            except (OSError, ValueError):
+                marks.append("?")
+        out.append(f"host{i} {' / '.join(marks)}")
+    return ", ".join(out)
+
+
 def run(command: Sequence[str], hosts: int = 1, timeout: float = DEFAULT_TIMEOUT,
         cpus: int | None = None, memory_mb: int | None = None, mtu: int = DEFAULT_MTU,
         env: dict[str, str] | None = None, cwd: str | None = None, shares: Sequence[str] = (),
@@ -348,7 +365,8 @@ def run(command: Sequence[str], hosts: int = 1, timeout: float = DEFAULT_TIMEOUT
                 log(_tail_text(job / f"guest-{i}.log"))
         rc = next((c for c in codes if c != 0), 0)
         seconds = time.monotonic() - started
-        log(f"finished in {seconds:.1f} s, exit status {codes if hosts > 1 else rc}")
+        log(f"finished in {seconds:.1f} s, exit status {codes if hosts > 1 else rc}; "
+            f"guest clocks against this host's, at boot and at the end: {_clock_offsets(job, hosts)}")
         return VmResult(rc, codes, boot, seconds)
     finally:
         restore()

@@ -20,6 +20,16 @@ def softroce_vm(*args, timeout=600):
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
+def clock_offsets(stderr: str, hosts: int) -> list[float]:
+    """Each guest's clock less the host's at its boot and at its command's end, as the run
+    reports them: well within the 300 s a proof of the job token is good for."""
+    found = re.findall(r"host(\d) ([+-][\d.]+) s / ([+-][\d.]+) s", stderr.split("guest clocks", 1)[-1])
+    assert [int(h) for h, _, _ in found] == list(range(hosts)), stderr[-2000:]
+    offsets = [float(x) for _, boot, end in found for x in (boot, end)]
+    assert all(abs(x) < 150 for x in offsets), stderr[-2000:]
+    return offsets
+
+
 def test_vm_lists_rxe_runs_project_venv_in_same_directory_and_a_hung_one_is_killed(vm_ready):
     """Output comes back as it is written, and a command still running at the
     timeout has its VM killed, with exit status 124 (the ssh test below checks
@@ -114,6 +124,7 @@ def test_two_hosts_over_ssh_pick_shm_or_verbs_per_pair_and_name_a_killed_remote_
     assert ("rank 1 (worker 1 on 192.0.2.2) was killed by signal 9 (SIGKILL) on its host: "
             "the first rank to fail") in err, err
     assert "status=137" in out, out + err
+    offsets = clock_offsets(err, 2)
     watches = [json.loads(w) for w in re.findall(r"^\[host0\] watch: (\{.*\})$", out, re.M)]
     assert len(watches) == 2, out + err
     for w in watches:
@@ -125,4 +136,5 @@ def test_two_hosts_over_ssh_pick_shm_or_verbs_per_pair_and_name_a_killed_remote_
     assert any(c.startswith("ssh ") and "192.0.2.2" in c for c in host0["cmdlines"])   # the ranks' ssh clients
     assert any("read -r RDMATENSOR_TOKEN" in c for c in host1["cmdlines"])             # their remote scripts
     print(f"two VMs: raw verbs write, 8 MiB: {client['MB_per_s']:.1f} MB/s; "
-          f"command lines read {host0['rounds']} and {host1['rounds']} times; {time.monotonic() - t0:.0f} s")
+          f"command lines read {host0['rounds']} and {host1['rounds']} times; guest clocks {offsets} s off; "
+          f"{time.monotonic() - t0:.0f} s")
