@@ -156,3 +156,23 @@ def test_buckets_follow_backprop_and_the_fusion_threshold(monkeypatch):
     monkeypatch.setenv("RDMATENSOR_FUSION_THRESHOLD", "4MB")
     with pytest.raises(PlanError, match="RDMATENSOR_FUSION_THRESHOLD='4MB'"):
         fusion_threshold()
+
+
+def test_the_last_gradients_backprop_makes_start_a_small_bucket_of_their_own():
+    """The tail: the gradients made last (the first variables), up to threshold / 8 bytes,
+    close what is filling and start buckets of their own; none when the last gradient
+    alone exceeds that; everything in one when all of it fits."""
+    from tf_plugin.core.layout import TAIL_SHARE, VarInfo, buckets_of
+    f32 = np.dtype(np.float32)
+
+    def members(sizes, threshold=8192):
+        infos = [VarInfo(f"v{i}", (n,), f32, False, {}) for i, n in enumerate(sizes)]
+        return [[m[0] for m in b.members] for b in buckets_of(infos, fusion=True, threshold=threshold)]
+    assert TAIL_SHARE == 8                      # 1024 bytes of 8192: 256 floats
+    # v0..v2 (100 + 100 + 50 floats) fit in the tail, v3 (300) does not: without the tail the
+    # 8200 bytes would be one bucket, closed by v0
+    assert members([100, 100, 50, 300, 1500]) == [["v4", "v3"], ["v2", "v1", "v0"]]
+    assert members([100, 100, 50, 300, 1000, 1000]) == [["v5", "v4", "v3"], ["v2", "v1", "v0"]]
+    assert members([300, 1500]) == [["v1", "v0"]]                 # v0 alone exceeds the tail: none
+    assert members([100, 100, 50]) == [["v2", "v1", "v0"]]                     # all of it is the tail
+    assert members([100, 100, 50, 300], threshold=0) == [["v3"], ["v2"], ["v1"], ["v0"]]
